@@ -1,0 +1,126 @@
+"""What the runner hands a model: flat tokens plus attention metadata. Models never see the batch layout.
+
+``AttnMeta`` mirrors flash-attn's varlen arguments (``cu_seqlens`` int32 ``(B+1,)``, ``max_seqlen``) plus the
+``causal`` flag — the bidirectional toggle is data, not a model subclass. ``KVStep`` carries cached keys/values
+of earlier tokens (chunked prefill, prefix cache) into one step and collects this step's keys/values out of it.
+
+    >>> meta = AttnMeta.from_lengths([3, 1, 5], causal=False)
+    >>> hidden = model(input_ids, positions, meta)          # (9, hidden)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class KVStep:
+    """Per-layer K/V context for one forward step.
+
+    ``prefix_k[layer]`` / ``prefix_v[layer]``: ``(total_prefix, Hkv, D)`` keys/values of tokens that precede each
+    sequence of this step, laid out by ``cu_prefix`` (``prefix_lens[i]`` tokens for sequence ``i``, possibly 0).
+    When ``capture`` is set, the attention call stores this step's ``(k, v)`` per layer in ``captured``.
+    """
+
+    num_layers: int
+    cu_prefix: torch.Tensor | None = None
+    prefix_lens: list[int] | None = None
+    prefix_k: list[torch.Tensor] | None = None
+    prefix_v: list[torch.Tensor] | None = None
+    capture: bool = False
+    captured: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.capture and not self.captured:
+            self.captured = [None] * self.num_layers
+
+    @property
+    def has_prefix(self) -> bool:
+        return self.prefix_k is not None and bool(self.prefix_lens) and any(self.prefix_lens)
+
+
+@dataclass
+class AttnMeta:
+    """Attention metadata for one packed step.
+
+    Attributes:
+        cu_seqlens: ``(B + 1,)`` int32 cumulative sequence lengths on the model's device.
+        max_seqlen: the longest sequence in the step.
+        causal: causal (decoder) or bidirectional attention within each sequence.
+        seqlens: host copy of the B lengths (grouping on CPU without a device sync).
+        backend: ``"torch"`` or ``"triton"``: which kernels the layers call.
+        kv: cached prefix keys/values and capture of this step's, or ``None`` for a plain prefill.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    causal: bool
+    seqlens: list[int]
+    backend: str = "torch"
+    kv: KVStep | None = None
+
+    @classmethod
+    def from_lengths(
+        cls, lengths: list[int], *, causal: bool, device: torch.device | str = "cpu", backend: str = "torch",
+        kv: KVStep | None = None,
+    ) -> "AttnMeta":
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        return cls(
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+            max_seqlen=max(lengths, default=0),
+            causal=causal,
+            seqlens=list(lengths),
+            backend=backend,
+            kv=kv,
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqlens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seqlens)
+
+
+@dataclass
+class PackedBatch:
+    """Flat model inputs for one step: every sequence's tokens back to back, no padding."""
+
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64, position of each token within its sequence (+ its offset)
+    token_type_ids: torch.Tensor | None  # (T,) int64 or None when all zero
+    meta: AttnMeta
+    pool_start: torch.Tensor | None  # (B,) int64 tokens excluded from pooling at each sequence's front
+
+    @classmethod
+    def build(
+        cls, ids: list, *, causal: bool, device: torch.device, backend: str = "torch", token_type_ids=None,
+        pool_start: list[int] | None = None, position_offsets: list[int] | None = None, kv: KVStep | None = None,
+    ) -> "PackedBatch":
+        """Pack per-sequence arrays of token ids (numpy int64) into flat tensors with their metadata."""
+        import numpy as np
+
+        lengths = [len(x) for x in ids]
+        flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        starts = np.cumsum([0] + lengths[:-1])
+        offsets = np.zeros(len(lengths), dtype=np.int64) if position_offsets is None else np.asarray(position_offsets)
+        # position of token t = t - start(seq) + offset(seq), without a Python loop over tokens
+        pos = np.arange(len(flat), dtype=np.int64) - np.repeat(starts - offsets, lengths)
+        types = None
+        if token_type_ids is not None and any(t is not None and t.any() for t in token_type_ids):
+            types = torch.from_numpy(np.concatenate(token_type_ids)).to(device)
+        ps = None
+        if pool_start is not None and any(pool_start):
+            ps = torch.tensor(pool_start, dtype=torch.int64, device=device)
+        return cls(
+            input_ids=torch.from_numpy(flat).to(device),
+            positions=torch.from_numpy(pos).to(device),
+            token_type_ids=types,
+            meta=AttnMeta.from_lengths(lengths, causal=causal, device=device, backend=backend, kv=kv),
+            pool_start=ps,
+        )

@@ -1,0 +1,326 @@
+"""``Engine``: load a model once, flip knobs live, embed / score / rerank with packed, prefill-only batches.
+
+Data flows one way: texts -> ``InputProcessor`` (tokenize, instruction, truncation records) -> ``plan_batches``
+(token budget, longest first) -> ``Runner`` (flat tokens + ``AttnMeta``, pooled by index) -> rows placed back in
+input order. Tokenization of the next wave overlaps the model's work on the current one.
+
+    >>> eng = Engine(path)                                  # a local HF / sentence-transformers folder
+    >>> E = eng.embed(["A man plays a guitar.", "Someone plays guitar."])    # (2, 384) float32
+    >>> eng.configure(pooling="cls", normalize=False)       # live, no weight reload
+    >>> eng.stats                                           # sequences, tokens, batches, padded_tokens, ...
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from lab.attention import resolve_backend
+from lab.inputs import InputProcessor, Request, check_texts
+from lab.knobs import Knobs, resolve_device, resolve_dtype
+from lab.models import model_class
+from lab.models.loading import ModelSpec, load_tokenizer, read_folder, read_state_dict
+from lab.pooling import finish
+from lab.runner import Runner
+from lab.runtime import tune_cpu_allocator
+from lab.scheduler import plan_batches, prefetch_waves
+
+_UNSET = object()
+WAVE_SIZE = 4096  # texts tokenized per wave; the next wave is tokenized while this one runs
+
+
+@dataclass
+class Stats:
+    """What the last call did. ``padded_tokens`` is 0 on the packed path; ``truncated`` counts inputs cut at
+    ``max_length``; ``tokens_computed`` < ``tokens`` when the prefix cache served shared tokens."""
+
+    sequences: int = 0
+    tokens: int = 0
+    batches: int = 0
+    padded_tokens: int = 0
+    truncated: int = 0
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    tokens_computed: int = 0
+    chunks: int = 0
+    path: str = "packed"
+    backend: str = "torch"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.sequences} sequences, {self.tokens} tokens in {self.batches} batches, "
+            f"{self.seconds:.3f} s ({self.tokens_per_s:,.0f} tokens/s); padded {self.padded_tokens}, "
+            f"truncated {self.truncated}; {self.path} / {self.backend}"
+        )
+
+
+class Engine:
+    """A prefill-only engine over one model folder. Every knob but ``model`` and ``device`` is live.
+
+    Args:
+        model: a local model folder (transformers / sentence-transformers layout) or a ``.gguf`` file.
+        pooling: ``cls``, ``mean``, ``max``, ``lasttoken`` or ``weightedmean``; ``None`` = the model's own
+            (sentence-transformers Pooling config; ``lasttoken`` for decoders; else ``mean``).
+        normalize: L2-normalize embeddings; ``None`` = whether the model folder has a Normalize module.
+        truncate_dim: matryoshka dimension (applied before normalize).
+        max_length: longest input in tokens (longer ones are truncated and counted in ``stats.truncated``);
+            ``None`` = sentence_bert_config's ``max_seq_length``, else the tokenizer's / model's limit.
+        max_batch_tokens, max_num_seqs: the scheduler's budget per packed step.
+        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16``, ``float16``.
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` (fixed at load).
+        bidirectional: ``None`` = the model's own attention; ``True``/``False`` override (LLM2Vec-style).
+        chunked_prefill: tokens per chunk for long inputs under causal attention (``None`` = off).
+        instruction: text prepended to every input, attended to but not pooled unless ``include_instruction``.
+        append_eos: append EOS when the tokenizer does not (``None`` = on for decoders with lasttoken pooling).
+        prefix_cache: reuse the shared instruction prefix's K/V under causal attention.
+        attention_backend: ``auto`` (triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        truncate_dim: int | None = None,
+        max_length: int | None = None,
+        max_batch_tokens: int = 16384,
+        max_num_seqs: int = 256,
+        dtype: str = "auto",
+        device: str = "auto",
+        bidirectional: bool | None = None,
+        chunked_prefill: int | None = None,
+        instruction: str | None = None,
+        include_instruction: bool = False,
+        append_eos: bool | None = None,
+        prefix_cache: bool = True,
+        attention_backend: str = "auto",
+    ):
+        knobs = {f.name: v for f, v in zip(fields(Knobs), (
+            pooling, normalize, truncate_dim, max_length, max_batch_tokens, max_num_seqs, dtype, device,
+            bidirectional, chunked_prefill, instruction, include_instruction, append_eos, prefix_cache,
+            attention_backend,
+        ))}
+        self._knobs = Knobs().replace(**knobs)
+        if not isinstance(model, (str,)) and not hasattr(model, "__fspath__"):
+            raise TypeError(f"model must be a path to a local model folder, got {type(model).__name__}")
+        self.model_path = str(model)
+        self.spec: ModelSpec = read_folder(model)
+        self.device = resolve_device(self._knobs.device)
+        if self.device.type == "cpu":
+            tune_cpu_allocator()
+        self.tokenizer = load_tokenizer(self.spec)
+        self.model, self.head = self._build_model()
+        self.runner = Runner(self.model, device=self.device, dtype=resolve_dtype(self._knobs.dtype, self.device))
+        self._check_causal_support(self._knobs)
+        self.stats = Stats()
+        self._backend = resolve_backend(self._knobs.attention_backend, self.device)
+
+    # ----------------------------------------------------------------------------------------------- loading
+    def _build_model(self):
+        cls = model_class(self.spec.architecture)
+        head = None
+        if cls is None:
+            from lab.models.hf_fallback import HFFallbackModel
+
+            warnings.warn(
+                f"{self.spec.architecture or 'this architecture'} has no packed implementation here; using "
+                "transformers AutoModel with padded batches (see stats.path / stats.padded_tokens)",
+                stacklevel=3,
+            )
+            return HFFallbackModel(str(self.spec.path), self.spec.config), None
+        model = cls.from_hf_config(self.spec.config)
+        sd = read_state_dict(self.spec)
+        model.load_hf_state_dict(sd)
+        from lab.models.bert import SequenceClassificationHead, has_classification_head
+
+        if not model.is_decoder and has_classification_head(sd):
+            head = SequenceClassificationHead(self.spec.config)
+            head.load_hf_state_dict(sd)
+        model.classification_head = head  # registered as a submodule: cast and moved with the model
+        return model, head
+
+    # ------------------------------------------------------------------------------------------------- knobs
+    @property
+    def knobs(self) -> dict:
+        """Current knob values as set (``None`` = the model's default; see ``resolved`` for what runs)."""
+        return asdict(self._knobs)
+
+    @property
+    def resolved(self) -> dict:
+        """The knob values that actually run, with model defaults filled in."""
+        return dict(
+            pooling=self.pooling, normalize=self.normalize, truncate_dim=self._knobs.truncate_dim,
+            max_length=self.max_length, causal=self.causal, dtype=str(self.runner.dtype).removeprefix("torch."),
+            device=str(self.device), attention_backend=self._backend, chunked_prefill=self._knobs.chunked_prefill,
+            instruction=self._knobs.instruction, append_eos=self.append_eos,
+        )
+
+    def configure(self, **knobs) -> "Engine":
+        """Change knobs live (no weight reload; ``dtype`` re-casts from the master copy). Returns ``self``.
+
+        Raises ``ValueError``/``TypeError`` naming the knob and its valid values; on error nothing changes.
+        """
+        if "device" in knobs and knobs["device"] != self._knobs.device:
+            raise ValueError("device cannot change live (it moves every weight); create a new Engine instead")
+        new = self._knobs.replace(**knobs)
+        self._check_causal_support(new)
+        backend = resolve_backend(new.attention_backend, self.device)
+        self.runner.set_dtype(resolve_dtype(new.dtype, self.device))
+        self._knobs, self._backend = new, backend
+        return self
+
+    def _check_causal_support(self, k: Knobs) -> None:
+        causal = self._causal_for(k)
+        if k.chunked_prefill is not None and not causal:
+            raise ValueError(
+                "chunked_prefill needs causal attention, but this model runs bidirectionally: bidirectional "
+                "attention needs the whole sequence at once. Set bidirectional=False or chunked_prefill=None"
+            )
+
+    def _causal_for(self, k: Knobs) -> bool:
+        return (not k.bidirectional) if k.bidirectional is not None else self.model.default_causal
+
+    @property
+    def is_decoder(self) -> bool:
+        return bool(self.model.is_decoder)
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        return self.head is not None
+
+    @property
+    def causal(self) -> bool:
+        return self._causal_for(self._knobs)
+
+    @property
+    def pooling(self) -> str:
+        if self._knobs.pooling is not None:
+            return self._knobs.pooling
+        if self.spec.pooling is not None:
+            return self.spec.pooling
+        return "lasttoken" if self.is_decoder else "mean"
+
+    @property
+    def normalize(self) -> bool:
+        return self.spec.normalize if self._knobs.normalize is None else self._knobs.normalize
+
+    @property
+    def append_eos(self) -> bool:
+        if self._knobs.append_eos is not None:
+            return self._knobs.append_eos
+        return self.is_decoder and self.pooling == "lasttoken"
+
+    @property
+    def max_length(self) -> int:
+        if self._knobs.max_length is not None:
+            return self._knobs.max_length
+        limits = [self.spec.max_seq_length]
+        tok_max = getattr(self.tokenizer, "model_max_length", None)
+        if tok_max and tok_max < 1_000_000:
+            limits.append(tok_max)
+        limits.append(getattr(self.model, "max_positions", None) or self.spec.config.get("max_position_embeddings"))
+        return min(x for x in limits if x) if any(limits) else 512
+
+    @property
+    def model_name(self) -> str:
+        return self.spec.name
+
+    @property
+    def embedding_dim(self) -> int:
+        return self._knobs.truncate_dim or self.model.hidden_size
+
+    def __repr__(self) -> str:
+        r = self.resolved
+        return (
+            f"Engine({self.model_name!r}, {self.spec.architecture}, pooling={r['pooling']}, "
+            f"causal={r['causal']}, normalize={r['normalize']}, dtype={r['dtype']}, device={r['device']})"
+        )
+
+    # ------------------------------------------------------------------------------------------------- embed
+    def _processor(self) -> InputProcessor:
+        return InputProcessor(self.tokenizer, self.max_length, append_eos=self.append_eos)
+
+    def embed(self, texts: list[str], *, instruction=_UNSET, show_progress: bool | None = None) -> np.ndarray:
+        """Embed ``texts`` -> ``(len(texts), dim)`` float32, in input order.
+
+        ``instruction`` overrides the engine's instruction for this call (``None`` for none).
+        ``show_progress``: a tqdm bar; ``None`` shows one for more than 4096 texts.
+        """
+        texts = check_texts(texts)
+        k = self._knobs
+        instr = k.instruction if instruction is _UNSET else instruction
+        if instr is not None and not isinstance(instr, str):
+            raise TypeError(f"instruction must be a string or None, got {type(instr).__name__}")
+        proc = self._processor()
+
+        def tokenize(chunk: list[str], first: int) -> list[Request]:
+            return proc.process(chunk, first_index=first, instruction=instr,
+                                include_instruction=k.include_instruction)
+
+        out = np.empty((len(texts), self.embedding_dim), dtype=np.float32)
+        stats = Stats(path="packed" if not hasattr(self.model, "hf") else "transformers-fallback (padded)",
+                      backend=self._backend)
+        t0 = time.perf_counter()
+        bar = _progress(len(texts), show_progress, "embed")
+        for requests in prefetch_waves(texts, tokenize, WAVE_SIZE):
+            for batch in plan_batches(requests, k.max_batch_tokens, k.max_num_seqs):
+                pooled = self.runner.embed_batch(batch, causal=self.causal, backend=self._backend,
+                                                 pooling=self.pooling)
+                pooled = finish(pooled, truncate_dim=k.truncate_dim, normalize=self.normalize)
+                out[[r.index for r in batch]] = pooled.cpu().numpy()
+                stats.batches += 1
+                stats.padded_tokens += self.runner.padded_tokens
+                n_tok = sum(r.length for r in batch)
+                stats.tokens += n_tok
+                stats.tokens_computed += n_tok
+                stats.truncated += sum(r.truncated for r in batch)
+                stats.sequences += len(batch)
+                if bar is not None:
+                    bar.update(len(batch))
+        if bar is not None:
+            bar.close()
+        stats.seconds = time.perf_counter() - t0
+        stats.tokens_per_s = stats.tokens / stats.seconds if stats.seconds > 0 else 0.0
+        self.stats = stats
+        _warn_truncation(stats.truncated, self.max_length)
+        return out
+
+    def similarity(self, a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        """Cosine similarity matrix between two sets of embeddings (``b=None``: ``a`` with itself)."""
+        a = np.asarray(a, dtype=np.float32)
+        b = a if b is None else np.asarray(b, dtype=np.float32)
+        an = a / np.clip(np.linalg.norm(a, axis=1, keepdims=True), 1e-12, None)
+        bn = b / np.clip(np.linalg.norm(b, axis=1, keepdims=True), 1e-12, None)
+        return an @ bn.T
+
+
+_warned_truncation: set[int] = set()
+
+
+def _warn_truncation(n: int, max_length: int) -> None:
+    """Say once per max_length that inputs were cut (the count is always in ``stats.truncated``)."""
+    if n and max_length not in _warned_truncation:
+        _warned_truncation.add(max_length)
+        warnings.warn(
+            f"{n} input(s) were longer than max_length={max_length} tokens and were truncated (counted in "
+            "stats.truncated; this warning is shown once per max_length)",
+            stacklevel=3,
+        )
+
+
+def _progress(total: int, show: bool | None, desc: str):
+    if show is None:
+        show = total > WAVE_SIZE
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="text")
+

@@ -1,0 +1,118 @@
+"""Input processing: validation, tokenization, instructions and truncation records -> ``Request`` objects.
+
+Truncation follows sentence-transformers (the tokenizer's own ``truncation=True`` at ``max_length``, so special
+tokens survive). Whether an input was cut is found by tokenizing at ``max_length + 1`` first: only the inputs that
+really overflow are tokenized again, so nothing is tokenized twice in the common case and every cut is counted.
+
+An instruction is prepended to the text; its tokens are attended to but excluded from pooling (``pool_start``),
+as llm2vec's embed mask and sentence-transformers' ``include_prompt=False`` do.
+
+    >>> proc = InputProcessor(tokenizer, max_length=256)
+    >>> reqs = proc.process(["a text", "another"], first_index=0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Request:
+    """One input after tokenization. ``index`` is its position in the caller's list."""
+
+    index: int
+    ids: np.ndarray  # (L,) int64
+    token_type_ids: np.ndarray | None = None
+    pool_start: int = 0  # tokens before this are an instruction: attended, not pooled
+    truncated: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+
+def check_texts(texts, what: str = "texts") -> list[str]:
+    """Validate the user's list of strings; errors name the bad item and the fix."""
+    if isinstance(texts, str):
+        raise TypeError(f"{what} must be a list of strings, got a single str; wrap it: [{texts[:30]!r}]")
+    if not isinstance(texts, Sequence):
+        try:
+            texts = list(texts)
+        except TypeError:
+            raise TypeError(f"{what} must be a list of strings, got {type(texts).__name__}") from None
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"{what}[{i}] is {type(t).__name__}, not str; every item must be a string")
+    return list(texts)
+
+
+class InputProcessor:
+    """Tokenizes texts (optionally text pairs) into ``Request`` objects, recording truncation."""
+
+    def __init__(self, tokenizer, max_length: int, *, append_eos: bool = False):
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.append_eos = append_eos and tokenizer.eos_token_id is not None
+
+    def _encode(self, texts: list[str], pairs: list[str] | None, max_length: int) -> dict:
+        kw = dict(truncation=True, max_length=max_length, return_attention_mask=False, verbose=False)
+        if pairs is not None:
+            return self.tokenizer(texts, pairs, return_token_type_ids=True, **kw)
+        return self.tokenizer(texts, return_token_type_ids=False, **kw)
+
+    def tokenize(self, texts: list[str], pairs: list[str] | None = None) -> tuple[list[list[int]], list | None, list]:
+        """Token ids (and type ids for pairs) truncated at ``max_length``; third item: which were cut."""
+        limit = self.max_length - 1 if self.append_eos else self.max_length
+        enc = self._encode(texts, pairs, limit + 1)
+        ids, types = enc["input_ids"], enc.get("token_type_ids")
+        cut = [i for i, x in enumerate(ids) if len(x) > limit]
+        if cut:  # tokenize only the overflowing inputs again, at the real limit
+            again = self._encode([texts[i] for i in cut], [pairs[i] for i in cut] if pairs else None, limit)
+            for j, i in enumerate(cut):
+                ids[i] = again["input_ids"][j]
+                if types is not None:
+                    types[i] = again["token_type_ids"][j]
+        if self.append_eos:
+            eos = self.tokenizer.eos_token_id
+            ids = [x if x and x[-1] == eos else x + [eos] for x in ids]
+        truncated = [False] * len(ids)
+        for i in cut:
+            truncated[i] = True
+        return ids, types, truncated
+
+    def instruction_length(self, instruction: str) -> int:
+        """Tokens the instruction contributes at the front of ``instruction + text`` (no trailing specials)."""
+        with_special = self.tokenizer(instruction, add_special_tokens=True)["input_ids"]
+        bare_text = self.tokenizer("", add_special_tokens=True)["input_ids"]
+        # specials the tokenizer appends after any text (e.g. [SEP], </s>) are not part of the instruction
+        n_suffix = 0
+        while n_suffix < min(len(bare_text), len(with_special)) and (
+            bare_text[len(bare_text) - 1 - n_suffix] == with_special[len(with_special) - 1 - n_suffix]
+        ):
+            n_suffix += 1
+        return len(with_special) - n_suffix
+
+    def process(
+        self, texts: list[str], *, first_index: int = 0, instruction: str | None = None,
+        include_instruction: bool = False, pairs: list[str] | None = None,
+    ) -> list[Request]:
+        """Requests for ``texts`` numbered from ``first_index``; the instruction (if any) is prepended."""
+        pool_start = 0
+        if instruction:
+            texts = [instruction + t for t in texts]
+            if not include_instruction:
+                pool_start = self.instruction_length(instruction)
+        ids, types, truncated = self.tokenize(texts, pairs)
+        return [
+            Request(
+                index=first_index + i,
+                ids=np.asarray(x, dtype=np.int64),
+                token_type_ids=None if types is None else np.asarray(types[i], dtype=np.int64),
+                pool_start=min(pool_start, max(len(x) - 1, 0)),
+                truncated=truncated[i],
+            )
+            for i, x in enumerate(ids)
+        ]

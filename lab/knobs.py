@@ -1,0 +1,124 @@
+"""The knob table, in one place: names, types, defaults, validation, and which combinations conflict.
+
+``None`` always means "the model's own default" (resolved by the engine from the model folder). Every knob but
+``device`` can change live through ``Engine.configure`` without reloading weights (``dtype`` re-casts them).
+
+    >>> k = Knobs(pooling="mean"); k = k.replace(bidirectional=True); k.validate()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+
+import torch
+
+from lab.kernels.reference import POOLING_METHODS
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Engine settings researchers flip live. See the README's knob table for each one's meaning."""
+
+    pooling: str | None = None
+    normalize: bool | None = None
+    truncate_dim: int | None = None
+    max_length: int | None = None
+    max_batch_tokens: int = 16384
+    max_num_seqs: int = 256
+    dtype: str = "auto"
+    device: str = "auto"
+    bidirectional: bool | None = None
+    chunked_prefill: int | None = None
+    instruction: str | None = None
+    include_instruction: bool = False
+    append_eos: bool | None = None
+    prefix_cache: bool = True
+    attention_backend: str = "auto"
+
+    def replace(self, **changes) -> "Knobs":
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise TypeError(
+                f"unknown knob(s) {', '.join(unknown)}; valid knobs: {', '.join(f.name for f in fields(self))}"
+            )
+        if "dtype" in changes:
+            changes["dtype"] = normalize_dtype(changes["dtype"])
+        new = dataclasses.replace(self, **changes)
+        new.validate()
+        return new
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` / ``TypeError`` naming the bad knob, the valid values and the fix."""
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            raise ValueError(f"unknown pooling {self.pooling!r}; valid: {', '.join(POOLING_METHODS)} (or None)")
+        for name in ("normalize", "bidirectional", "append_eos"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise TypeError(f"{name} must be True, False or None (model default), got {v!r}")
+        for name in ("include_instruction", "prefix_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name, lo in (("truncate_dim", 1), ("max_length", 1), ("chunked_prefill", 1)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        for name in ("max_batch_tokens", "max_num_seqs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        normalize_dtype(self.dtype)
+        normalize_device(self.device)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention_backend {self.attention_backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.instruction is not None and not isinstance(self.instruction, str):
+            raise TypeError(f"instruction must be a string or None, got {type(self.instruction).__name__}")
+        if self.chunked_prefill is not None and self.bidirectional:
+            raise ValueError(
+                "chunked_prefill conflicts with bidirectional=True: bidirectional attention needs the whole "
+                "sequence at once (every token attends to later tokens). Use chunked_prefill=None, or "
+                "bidirectional=False for causal chunked prefill"
+            )
+
+
+def normalize_dtype(dtype) -> str:
+    """Canonical dtype name; accepts ``torch.dtype`` objects and short aliases (bf16, fp32, ...)."""
+    if isinstance(dtype, torch.dtype):
+        for name, d in DTYPES.items():
+            if d == dtype:
+                return name
+    if isinstance(dtype, str):
+        dtype = DTYPE_ALIASES.get(dtype, dtype)
+        if dtype == "auto" or dtype in DTYPES:
+            return dtype
+    raise ValueError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(DTYPES)}")
+
+
+def normalize_device(device) -> str:
+    if isinstance(device, torch.device):
+        device = str(device)
+    if isinstance(device, str) and (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
+        return device
+    raise ValueError(f"unknown device {device!r}; valid: auto, cpu, cuda, cuda:N")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu' or 'auto'")
+    return d
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> float32 on CPU, bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]

@@ -1,0 +1,216 @@
+"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa) over packed tokens, plus their sequence-classification heads.
+
+Our own implementation, checked against transformers' ``BertModel`` / ``XLMRobertaModel`` on the same weights.
+The model sees flat tokens ``(T,)``, their positions within each sequence and an ``AttnMeta``; it never sees how
+requests were batched. Query/key/value projections are fused into one GEMM at load time.
+
+    >>> model = BertModel.from_hf_config(config); model.load_hf_state_dict(state_dict)
+    >>> hidden = model(input_ids, positions, meta, token_type_ids)      # (T, hidden)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lab.attention import attention, ops
+from lab.batch import AttnMeta
+
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def _has_mkldnn_linear_pointwise() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_FUSED_CPU = _has_mkldnn_linear_pointwise()
+_ONEDNN_ACT = {"gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"), "gelu_pytorch_tanh": ("gelu", "tanh"),
+               "relu": ("relu", "")}
+
+
+def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, act_name: str, act) -> torch.Tensor:
+    """``act(x @ weight.T + bias)``; on CPU one oneDNN call with the activation fused into the GEMM's epilogue
+    (no separate pass over the ``T x intermediate`` activations, and one large buffer instead of two)."""
+    if _FUSED_CPU and x.device.type == "cpu" and act_name in _ONEDNN_ACT and x.dtype in (torch.float32,
+                                                                                        torch.bfloat16):
+        kind, algorithm = _ONEDNN_ACT[act_name]
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, kind, [], algorithm)
+    return act(F.linear(x, weight, bias))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, index: int):
+        super().__init__()
+        self.heads, self.head_dim, self.eps, self.index = heads, hidden // heads, eps, index
+        self.qkv = nn.Linear(hidden, 3 * hidden)  # fused query/key/value
+        self.attn_out = nn.Linear(hidden, hidden)
+        self.attn_norm = nn.LayerNorm(hidden, eps=eps)
+        self.up = nn.Linear(hidden, intermediate)
+        self.down = nn.Linear(intermediate, hidden)
+        self.out_norm = nn.LayerNorm(hidden, eps=eps)
+        self.act_name = act
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv(x).view(t, 3, self.heads, self.head_dim)  # (T, 3, H, D)
+        a = attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], meta, self.index)  # (T, H, D)
+        k = ops(meta)
+        x = k.add_layer_norm(self.attn_out(a.view(t, -1)), x, self.attn_norm.weight, self.attn_norm.bias, self.eps)
+        h = self.down(linear_act(x, self.up.weight, self.up.bias, self.act_name, self.act))
+        return k.add_layer_norm(h, x, self.out_norm.weight, self.out_norm.bias, self.eps)
+
+
+class BertModel(nn.Module):
+    """Encoder stack; ``position_offset`` is 0 for BERT and ``pad_token_id + 1`` for RoBERTa / XLM-R."""
+
+    is_decoder = False
+    default_causal = False
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        self.hidden_size, self.num_layers = hidden, config["num_hidden_layers"]
+        self.eps = config.get("layer_norm_eps", 1e-12)
+        self.model_type = config.get("model_type", "bert")
+        self.position_offset = config.get("pad_token_id", 1) + 1 if self.model_type in ROBERTA_TYPES else 0
+        self.max_positions = config["max_position_embeddings"] - self.position_offset
+        if config.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(
+                f"position_embedding_type={config['position_embedding_type']!r} is not implemented; "
+                "only 'absolute' (the setting of BERT, RoBERTa and XLM-R checkpoints)"
+            )
+        act = config.get("hidden_act", "gelu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported; known: {', '.join(_ACTIVATIONS)}")
+        self.word_embeddings = nn.Embedding(config["vocab_size"], hidden)
+        self.position_embeddings = nn.Embedding(config["max_position_embeddings"], hidden)
+        self.type_vocab_size = config.get("type_vocab_size", 0)
+        self.token_type_embeddings = nn.Embedding(max(self.type_vocab_size, 1), hidden)
+        self.emb_norm = nn.LayerNorm(hidden, eps=self.eps)
+        self.layers = nn.ModuleList(
+            BertLayer(hidden, heads, config["intermediate_size"], self.eps, act, i) for i in range(self.num_layers)
+        )
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "BertModel":
+        return cls(config)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, token_type_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """input_ids, positions, token_type_ids: ``(T,)`` -> hidden ``(T, hidden)``."""
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
+        if token_type_ids is None:  # type 0 everywhere: one row broadcast instead of a gather
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        x = ops(meta).add_layer_norm(x, None, self.emb_norm.weight, self.emb_norm.bias, self.eps)
+        for layer in self.layers:
+            x = layer(x, meta)
+        return x
+
+    # ------------------------------------------------------------------------------------------------ loading
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load a transformers state dict (``bert.``/``roberta.`` prefixes and classification heads accepted)."""
+        sd = _strip_prefix(sd, ("bert.", "roberta.", "xlm-roberta.", "model.", "encoder_model."))
+        own = {
+            "word_embeddings.weight": "embeddings.word_embeddings.weight",
+            "position_embeddings.weight": "embeddings.position_embeddings.weight",
+            "emb_norm.weight": "embeddings.LayerNorm.weight",
+            "emb_norm.bias": "embeddings.LayerNorm.bias",
+        }
+        new: dict[str, torch.Tensor] = {}
+        for ours, theirs in own.items():
+            new[ours] = _take(sd, theirs)
+        tt = sd.get("embeddings.token_type_embeddings.weight")
+        new["token_type_embeddings.weight"] = tt if tt is not None else torch.zeros_like(
+            self.token_type_embeddings.weight
+        )
+        for i in range(self.num_layers):
+            p = f"encoder.layer.{i}."
+            for kind in ("weight", "bias"):
+                new[f"layers.{i}.qkv.{kind}"] = torch.cat(
+                    [_take(sd, f"{p}attention.self.{n}.{kind}") for n in ("query", "key", "value")]
+                )
+                new[f"layers.{i}.attn_out.{kind}"] = _take(sd, f"{p}attention.output.dense.{kind}")
+                new[f"layers.{i}.attn_norm.{kind}"] = _take(sd, f"{p}attention.output.LayerNorm.{kind}")
+                new[f"layers.{i}.up.{kind}"] = _take(sd, f"{p}intermediate.dense.{kind}")
+                new[f"layers.{i}.down.{kind}"] = _take(sd, f"{p}output.dense.{kind}")
+                new[f"layers.{i}.out_norm.{kind}"] = _take(sd, f"{p}output.LayerNorm.{kind}")
+        self.load_state_dict(new, strict=True)
+
+
+ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
+
+
+class SequenceClassificationHead(nn.Module):
+    """The head of ``*ForSequenceClassification`` over the first token of each sequence.
+
+    BERT: ``classifier(tanh(pooler(h_cls)))``; RoBERTa / XLM-R: ``out_proj(tanh(dense(h_cls)))``.
+    """
+
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden, labels = config["hidden_size"], config.get("num_labels") or len(config.get("id2label", {})) or 2
+        self.num_labels = labels
+        self.dense = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, labels)
+
+    def forward(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+        """(B, hidden) -> logits (B, num_labels)."""
+        return self.out(torch.tanh(self.dense(cls_hidden)))
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        if "classifier.out_proj.weight" in sd:  # RoBERTa-style head
+            names = {"dense": "classifier.dense", "out": "classifier.out_proj"}
+        elif "classifier.weight" in sd:
+            names = {"dense": _first_present(sd, ("bert.pooler.dense", "pooler.dense")), "out": "classifier"}
+        else:
+            raise KeyError("no classification head (classifier.* weights) in this checkpoint")
+        self.load_state_dict(
+            {f"{ours}.{k}": _take(sd, f"{theirs}.{k}") for ours, theirs in names.items() for k in ("weight", "bias")}
+        )
+
+
+def has_classification_head(sd_keys) -> bool:
+    return any(k.startswith("classifier.") for k in sd_keys)
+
+
+def _first_present(sd: dict, prefixes: tuple[str, ...]) -> str:
+    for p in prefixes:
+        if f"{p}.weight" in sd:
+            return p
+    raise KeyError(f"none of {', '.join(p + '.weight' for p in prefixes)} in the checkpoint")
+
+
+def _strip_prefix(sd: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in sd.items():
+        for p in prefixes:
+            if k.startswith(p):
+                k = k[len(p) :]
+                break
+        out[k] = v
+    return out
+
+
+def _take(sd: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    try:
+        return sd[key]
+    except KeyError:
+        near = [k for k in sd if k.split(".")[-1] == key.split(".")[-1]][:3]
+        raise KeyError(f"weight {key!r} missing from the checkpoint (similar keys: {near})") from None

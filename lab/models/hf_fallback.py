@@ -1,0 +1,51 @@
+"""Fallback for architectures without a packed implementation: transformers ``AutoModel`` on padded batches.
+
+It keeps the packed interface (flat tokens + ``AttnMeta`` in, packed hidden states out) by padding inside, so the
+runner and poolers are unchanged; ``padded_tokens`` counts the waste, which the engine reports in ``stats``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lab.batch import AttnMeta
+
+
+class HFFallbackModel(nn.Module):
+    def __init__(self, path: str, config: dict):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.hf = AutoModel.from_pretrained(path, local_files_only=True)
+        self.hf.eval()
+        self.config = config
+        self.hidden_size = config.get("hidden_size") or self.hf.config.hidden_size
+        self.is_decoder = bool(config.get("is_decoder")) or any(
+            a.endswith("ForCausalLM") for a in config.get("architectures") or []
+        )
+        self.default_causal = self.is_decoder
+        self.pad_id = config.get("pad_token_id") or 0
+        self.padded_tokens = 0  # of the last forward
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, token_type_ids=None):
+        if meta.causal != self.default_causal:
+            raise ValueError(
+                "this architecture runs through the transformers fallback, which cannot change its attention "
+                "direction; leave bidirectional=None for it"
+            )
+        if meta.kv is not None:
+            raise ValueError("chunked prefill / prefix cache need a packed implementation; this model has none")
+        b, longest = meta.num_seqs, meta.max_seqlen
+        ids = input_ids.new_full((b, longest), self.pad_id)
+        mask = torch.zeros(b, longest, dtype=torch.long, device=input_ids.device)
+        types = None if token_type_ids is None else torch.zeros_like(ids)
+        for i, (s, n) in enumerate(zip(meta.cu_seqlens[:-1].tolist(), meta.seqlens)):
+            ids[i, :n] = input_ids[s : s + n]
+            mask[i, :n] = 1
+            if types is not None:
+                types[i, :n] = token_type_ids[s : s + n]
+        kw = {} if types is None else {"token_type_ids": types}
+        hidden = self.hf(input_ids=ids, attention_mask=mask, **kw).last_hidden_state  # (B, L, H)
+        self.padded_tokens = b * longest - meta.num_tokens
+        return hidden[mask.bool()]  # (T, H) in packed order

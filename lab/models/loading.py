@@ -1,0 +1,165 @@
+"""Model folders -> our modules: config and weights reading, sentence-transformers defaults, tokenizer.
+
+Reads a local Hugging Face / sentence-transformers folder (safetensors preferred; ``pytorch_model.bin`` only with a
+warning; a ``.gguf`` file through ``lab.models.gguf``), maps the architecture to our implementation through the
+registry in ``lab.models`` and collects what sentence-transformers would use as defaults (pooling mode, Normalize
+module, max_seq_length, prompts). No ``trust_remote_code``.
+
+    >>> spec = read_folder(path)                 # what is there, no weights loaded
+    >>> loaded = load(spec, dtype=torch.float32, device=torch.device("cpu"))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# sentence-transformers' pooling config keys -> our pooling names, in the order it checks them
+_ST_POOLING_KEYS = (
+    ("pooling_mode_cls_token", "cls"),
+    ("pooling_mode_lasttoken", "lasttoken"),
+    ("pooling_mode_weightedmean_tokens", "weightedmean"),
+    ("pooling_mode_max_tokens", "max"),
+    ("pooling_mode_mean_tokens", "mean"),
+)
+
+
+@dataclass
+class ModelSpec:
+    """What a model folder holds and what sentence-transformers would default to."""
+
+    path: Path
+    config: dict
+    weights: list[Path]
+    weight_format: str  # "safetensors" | "bin" | "gguf"
+    pooling: str | None = None
+    include_prompt: bool = True
+    normalize: bool = False
+    max_seq_length: int | None = None
+    prompts: dict[str, str] = field(default_factory=dict)
+    gguf_file: Path | None = None
+
+    @property
+    def name(self) -> str:
+        """The folder's name (its parent's when the folder has a generic name such as ``model``)."""
+        generic = {"model", "models", "snapshot", "weights", "checkpoint", "main"}
+        return self.path.parent.name if self.path.name.lower() in generic else self.path.name
+
+    @property
+    def architecture(self) -> str:
+        archs = self.config.get("architectures") or []
+        return archs[0] if archs else _ARCH_BY_TYPE.get(self.config.get("model_type", ""), "")
+
+
+_ARCH_BY_TYPE = {"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel"}
+
+
+def read_folder(path: str | os.PathLike) -> ModelSpec:
+    """Inspect a model folder (or a ``.gguf`` file); raises ``FileNotFoundError`` naming what is missing."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path {str(p)!r} does not exist; pass a local model folder (offline mode)")
+    if p.is_file() and p.suffix == ".gguf":
+        from lab.models.gguf import cache_gguf_as_safetensors
+
+        return read_folder(cache_gguf_as_safetensors(p))
+    if not p.is_dir():
+        raise FileNotFoundError(f"{str(p)!r} is neither a model folder nor a .gguf file")
+    cfg_file = p / "config.json"
+    if not cfg_file.exists():
+        ggufs = sorted(p.glob("*.gguf"))
+        if ggufs:
+            return read_folder(ggufs[0])
+        raise FileNotFoundError(
+            f"no config.json in {str(p)!r}: a transformers model folder needs config.json next to its weights"
+        )
+    config = json.loads(cfg_file.read_text())
+    weights, fmt = _find_weights(p)
+    spec = ModelSpec(path=p, config=config, weights=weights, weight_format=fmt)
+    _read_sentence_transformers(p, spec)
+    return spec
+
+
+def _find_weights(p: Path) -> tuple[list[Path], str]:
+    index = p / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [p / f for f in files], "safetensors"
+    st = sorted(p.glob("*.safetensors"))
+    if st:
+        return st, "safetensors"
+    bins = sorted(p.glob("pytorch_model*.bin"))
+    if bins:
+        return bins, "bin"
+    raise FileNotFoundError(
+        f"no weights in {str(p)!r}: expected model.safetensors (or a sharded index, or pytorch_model.bin)"
+    )
+
+
+def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
+    """Fill pooling / normalize / max_seq_length / prompts from sentence-transformers files when present."""
+    modules = p / "modules.json"
+    if modules.exists():
+        for m in json.loads(modules.read_text()):
+            kind = m.get("type", "")
+            if kind.endswith("Pooling"):
+                cfg_path = p / m.get("path", "") / "config.json"
+                if cfg_path.exists():
+                    pcfg = json.loads(cfg_path.read_text())
+                    mode = pcfg.get("pooling_mode")
+                    if mode is None:
+                        mode = next((name for key, name in _ST_POOLING_KEYS if pcfg.get(key)), None)
+                    if pcfg.get("pooling_mode_mean_sqrt_len_tokens"):
+                        raise ValueError(f"{cfg_path}: pooling 'mean_sqrt_len_tokens' is not supported")
+                    spec.pooling = {"mean_tokens": "mean", "max_tokens": "max", "cls_token": "cls"}.get(mode, mode)
+                    spec.include_prompt = pcfg.get("include_prompt", True)
+            elif kind.endswith("Normalize"):
+                spec.normalize = True
+    sbert = p / "sentence_bert_config.json"
+    if sbert.exists():
+        spec.max_seq_length = json.loads(sbert.read_text()).get("max_seq_length")
+    st_cfg = p / "config_sentence_transformers.json"
+    if st_cfg.exists():
+        spec.prompts = json.loads(st_cfg.read_text()).get("prompts") or {}
+
+
+def read_state_dict(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """All weights of the folder on CPU, in their stored dtype."""
+    sd: dict[str, torch.Tensor] = {}
+    if spec.weight_format == "safetensors":
+        from safetensors.torch import load_file
+
+        for f in spec.weights:
+            sd.update(load_file(str(f)))
+    else:
+        warnings.warn(
+            f"{spec.path}: loading pytorch_model.bin (pickle); convert the folder to safetensors for safe, fast loads",
+            stacklevel=3,
+        )
+        for f in spec.weights:
+            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+    return sd
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "sentencepiece.bpe.model",
+                    "spiece.model")
+
+
+def load_tokenizer(spec: ModelSpec):
+    from transformers import AutoTokenizer
+
+    if not any((spec.path / f).exists() for f in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer in {str(spec.path)!r}: expected one of {', '.join(_TOKENIZER_FILES)} next to config.json"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(spec.path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(
+            f"no usable tokenizer in {str(spec.path)!r} (tokenizer.json or vocab files): {e}"
+        ) from e

