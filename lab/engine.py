@@ -17,6 +17,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
+import torch
 
 from lab.attention import resolve_backend
 from lab.inputs import InputProcessor, Request, check_texts
@@ -35,7 +36,9 @@ WAVE_SIZE = 4096  # texts tokenized per wave; the next wave is tokenized while t
 @dataclass
 class Stats:
     """What the last call did. ``padded_tokens`` is 0 on the packed path; ``truncated`` counts inputs cut at
-    ``max_length``; ``tokens_computed`` < ``tokens`` when the prefix cache served shared tokens."""
+    ``max_length``; ``tokens`` are the tokens served, ``tokens_computed`` those run through the model (fewer when
+    the prefix cache computed a shared instruction prefix, ``shared_prefix`` tokens long, once); ``chunks`` counts
+    the pieces of the KV-cache path (chunked prefill / prefix cache)."""
 
     sequences: int = 0
     tokens: int = 0
@@ -46,6 +49,7 @@ class Stats:
     tokens_per_s: float = 0.0
     tokens_computed: int = 0
     chunks: int = 0
+    shared_prefix: int = 0
     path: str = "packed"
     backend: str = "torch"
 
@@ -269,21 +273,18 @@ class Engine:
                       backend=self._backend)
         t0 = time.perf_counter()
         bar = _progress(len(texts), show_progress, "embed")
+        kv_path = self._uses_kv_cache(instr)
         for requests in prefetch_waves(texts, tokenize, WAVE_SIZE):
+            if kv_path:
+                self._embed_with_cache(requests, out, stats, bar)
+                continue
             for batch in plan_batches(requests, k.max_batch_tokens, k.max_num_seqs):
                 pooled = self.runner.embed_batch(batch, causal=self.causal, backend=self._backend,
                                                  pooling=self.pooling)
-                pooled = finish(pooled, truncate_dim=k.truncate_dim, normalize=self.normalize)
-                out[[r.index for r in batch]] = pooled.cpu().numpy()
+                self._place(out, batch, pooled, stats, bar)
                 stats.batches += 1
                 stats.padded_tokens += self.runner.padded_tokens
-                n_tok = sum(r.length for r in batch)
-                stats.tokens += n_tok
-                stats.tokens_computed += n_tok
-                stats.truncated += sum(r.truncated for r in batch)
-                stats.sequences += len(batch)
-                if bar is not None:
-                    bar.update(len(batch))
+                stats.tokens_computed += sum(r.length for r in batch)
         if bar is not None:
             bar.close()
         stats.seconds = time.perf_counter() - t0
@@ -291,6 +292,37 @@ class Engine:
         self.stats = stats
         _warn_truncation(stats.truncated, self.max_length)
         return out
+
+    def _uses_kv_cache(self, instruction: str | None) -> bool:
+        """Causal attention with chunked prefill, or with a shared instruction prefix to compute once."""
+        k = self._knobs
+        if not self.causal or hasattr(self.model, "hf"):
+            return False
+        return k.chunked_prefill is not None or bool(k.prefix_cache and instruction and not k.include_instruction)
+
+    def _embed_with_cache(self, requests: list[Request], out: np.ndarray, stats: Stats, bar) -> None:
+        from lab.chunking import CausalPrefill
+
+        k = self._knobs
+        prefill = CausalPrefill(self.runner, chunk=k.chunked_prefill, budget=k.max_batch_tokens,
+                                max_seqs=k.max_num_seqs, backend=self._backend, pooling=self.pooling)
+        rows, pst = prefill.run(requests, shared_prefix=k.prefix_cache)
+        pooled = torch.stack([rows[r.index] for r in requests])
+        self._place(out, requests, pooled, stats, bar)
+        stats.batches += pst.steps
+        stats.chunks += pst.pieces
+        stats.tokens_computed += pst.tokens_computed
+        stats.shared_prefix = max(stats.shared_prefix, pst.shared_prefix)
+
+    def _place(self, out: np.ndarray, requests: list[Request], pooled, stats: Stats, bar) -> None:
+        """Finish (matryoshka, normalize) and write rows back at their input positions; count what ran."""
+        pooled = finish(pooled, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
+        out[[r.index for r in requests]] = pooled.cpu().numpy()
+        stats.sequences += len(requests)
+        stats.tokens += sum(r.length for r in requests)
+        stats.truncated += sum(r.truncated for r in requests)
+        if bar is not None:
+            bar.update(len(requests))
 
     def similarity(self, a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         """Cosine similarity matrix between two sets of embeddings (``b=None``: ``a`` with itself)."""

@@ -78,6 +78,10 @@ class InputProcessor:
         if self.append_eos:
             eos = self.tokenizer.eos_token_id
             ids = [x if x and x[-1] == eos else x + [eos] for x in ids]
+        if any(not x for x in ids):  # "" with a tokenizer that adds no specials: one EOS token stands in for it
+            filler = next(t for t in (self.tokenizer.eos_token_id, self.tokenizer.bos_token_id,
+                                      self.tokenizer.pad_token_id, self.tokenizer.unk_token_id, 0) if t is not None)
+            ids = [x if x else [filler] for x in ids]
         truncated = [False] * len(ids)
         for i in cut:
             truncated[i] = True

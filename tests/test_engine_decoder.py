@@ -1,0 +1,174 @@
+"""Decoder LLMs through the Engine: parity with transformers, the live bidirectional toggle, last-token pooling with
+EOS, instructions excluded from pooling, chunked prefill == unchunked, prefix cache == no cache, and their errors."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import cosine_rows
+from tiny_models import tiny_llama
+
+from lab import Engine
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "a",
+    "What is the capital of France?",
+    "Rotary position embeddings rotate queries and keys.",
+    "",
+    "Embeddings map text to vectors; rerankers score a query against a document. " * 3,
+    "Paris",
+]
+POOLINGS = ["mean", "lasttoken", "weightedmean", "cls", "max"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
+def any_folder(request, tmp_path_factory):
+    return str(tiny_llama(tmp_path_factory.mktemp(request.param), request.param))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])  # the knob sweeps: GQA + bias-free and q/k-norm variants
+def folder(request, tmp_path_factory):
+    return str(tiny_llama(tmp_path_factory.mktemp(request.param), request.param))
+
+
+def hf_hidden(path: str, texts_ids: list[list[int]], causal: bool) -> list[torch.Tensor]:
+    """transformers' own forward, one sequence at a time. Bidirectional: the 4D float mask of zeros replaces
+    transformers' causal mask (every query sees every key), which is exactly LLM2Vec's modification."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in texts_ids:
+            x = torch.tensor([ids])
+            kw = {} if causal else {"attention_mask": torch.zeros(1, 1, len(ids), len(ids))}
+            out.append(model(input_ids=x, **kw).last_hidden_state[0])
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_engine_matches_transformers_and_toggles_live(any_folder, causal):
+    folder = any_folder
+    eng = Engine(folder, pooling="mean", bidirectional=None, max_batch_tokens=40)
+    assert eng.causal is True and eng.pooling == "mean"
+    weight = eng.model.layers[0].qkv.weight
+    eng.configure(bidirectional=not causal)
+    texts = TEXTS[:]
+    random.shuffle(texts)
+    got = eng.embed(texts)
+    ids = [list(r.ids) for r in eng._processor().process(texts)]
+    want = np.stack([h.mean(0).numpy() for h in hf_hidden(folder, ids, causal)])
+    assert cosine_rows(got, want).min() >= 0.9999
+    assert eng.model.layers[0].qkv.weight is weight  # no reload
+    one = eng.embed([texts[2]])  # batch of one, same answer
+    assert cosine_rows(one, got[2:3]).min() >= 0.9999
+
+
+def test_bidirectional_changes_embeddings(folder):
+    eng = Engine(folder, pooling="mean")
+    causal = eng.embed(TEXTS)
+    eng.configure(bidirectional=True)
+    bidir = eng.embed(TEXTS)
+    assert cosine_rows(causal, bidir).min() < 0.999
+    one_token = TEXTS.index("a")  # a single token sees only itself either way (+ EOS? not with mean)
+    assert eng.embed(["a"]).shape == (1, 64)
+    eng.configure(bidirectional=None)
+    np.testing.assert_allclose(eng.embed(TEXTS), causal, atol=1e-6)
+    assert one_token >= 0
+
+
+def test_lasttoken_default_appends_eos(folder):
+    eng = Engine(folder)
+    assert eng.pooling == "lasttoken" and eng.append_eos
+    eos = eng.tokenizer.eos_token_id
+    req = eng._processor().process(["hello there"])[0]
+    assert req.ids[-1] == eos and (req.ids[:-1] != eos).all()
+    got = eng.embed(["hello there"])
+    want = hf_hidden(folder, [list(req.ids)], True)[0][-1].numpy()
+    assert cosine_rows(got, want[None]).min() >= 0.9999
+    eng.configure(append_eos=False)
+    assert eng._processor().process(["hello there"])[0].ids[-1] != eos
+
+
+def test_instruction_attended_not_pooled(folder):
+    instr = "Given a question, retrieve passages that answer it: "
+    eng = Engine(folder, pooling="mean", instruction=instr, prefix_cache=False)
+    got = eng.embed(["What is the capital of France?"])
+    proc = eng._processor()
+    req = proc.process(["What is the capital of France?"], instruction=instr)[0]
+    n_instr = proc.instruction_length(instr)
+    assert 0 < req.pool_start == n_instr < req.length
+    h = hf_hidden(folder, [list(req.ids)], True)[0]
+    assert cosine_rows(got, h[n_instr:].mean(0, keepdim=True).numpy()).min() >= 0.9999
+    # include_instruction pools the instruction tokens too
+    eng.configure(include_instruction=True)
+    assert cosine_rows(eng.embed(["What is the capital of France?"]), h.mean(0, keepdim=True).numpy()).min() >= 0.9999
+    # per-call override
+    eng.configure(include_instruction=False)
+    plain = Engine(folder, pooling="mean").embed(["What is the capital of France?"])
+    np.testing.assert_allclose(eng.embed(["What is the capital of France?"], instruction=None), plain, atol=1e-6)
+
+
+@pytest.mark.parametrize("pooling", POOLINGS)
+def test_chunked_prefill_equals_unchunked(folder, pooling):
+    texts = TEXTS * 2
+    random.shuffle(texts)
+    full = Engine(folder, pooling=pooling).embed(texts)
+    for chunk in (1, 5):
+        eng = Engine(folder, pooling=pooling, chunked_prefill=chunk, max_batch_tokens=24, max_num_seqs=5)
+        got = eng.embed(texts)
+        assert cosine_rows(got, full).min() >= 0.9999, (pooling, chunk)
+        assert eng.stats.chunks > len(texts) and eng.stats.tokens_computed == eng.stats.tokens
+
+
+@pytest.mark.parametrize("pooling", ["mean", "lasttoken", "weightedmean", "cls"])
+def test_chunked_prefill_with_instruction(folder, pooling):
+    instr = "Represent this sentence for retrieval: "
+    full = Engine(folder, pooling=pooling, instruction=instr, prefix_cache=False).embed(TEXTS)
+    got = Engine(folder, pooling=pooling, instruction=instr, chunked_prefill=4, prefix_cache=False).embed(TEXTS)
+    assert cosine_rows(got, full).min() >= 0.9999
+
+
+@pytest.mark.parametrize("pooling", ["mean", "lasttoken", "weightedmean"])
+def test_prefix_cache_equals_no_cache(folder, pooling):
+    instr = "Given a web search query, retrieve relevant passages that answer the query. Query: "
+    texts = TEXTS[:]
+    random.shuffle(texts)
+    plain = Engine(folder, pooling=pooling, instruction=instr, prefix_cache=False)
+    ref = plain.embed(texts)
+    assert plain.stats.tokens_computed == plain.stats.tokens
+    eng = Engine(folder, pooling=pooling, instruction=instr, prefix_cache=True)
+    got = eng.embed(texts)
+    assert cosine_rows(got, ref).min() >= 0.9999
+    s = eng.stats
+    assert s.shared_prefix > 5 and s.tokens == plain.stats.tokens
+    assert s.tokens_computed == s.tokens - s.shared_prefix * (len(texts) - 1)
+    # chunked prefill on top of the prefix cache
+    eng.configure(chunked_prefill=5)
+    assert cosine_rows(eng.embed(texts), ref).min() >= 0.9999
+
+
+def test_chunked_prefill_with_bidirectional_is_refused(folder):
+    with pytest.raises(ValueError, match="bidirectional attention needs the whole sequence"):
+        Engine(folder, chunked_prefill=8, bidirectional=True)
+    eng = Engine(folder, chunked_prefill=8)
+    with pytest.raises(ValueError, match="bidirectional attention needs the whole sequence"):
+        eng.configure(bidirectional=True)
+    assert eng.knobs["bidirectional"] is None  # unchanged after the refusal
+
+
+def test_chunked_prefill_on_encoder_needs_causal(minilm_path):
+    with pytest.raises(ValueError, match="needs causal attention"):
+        Engine(minilm_path, chunked_prefill=8)
+    eng = Engine(minilm_path, chunked_prefill=8, bidirectional=False)  # a causal BERT: allowed
+    assert eng.embed(["a b c d e f g h i j k"]).shape == (1, 384)
+
+
+def test_chunked_peak_cache_is_bounded_by_budget(folder):
+    eng = Engine(folder, pooling="mean", chunked_prefill=4, max_batch_tokens=8, max_num_seqs=2)
+    eng.embed([TEXTS[0]] * 3)
+    assert eng.stats.batches >= 3 * (eng.stats.tokens // 3) // 8

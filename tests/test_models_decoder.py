@@ -1,0 +1,270 @@
+"""``lab.models.decoder`` against transformers on the same weights: per-sequence hidden states of packed batches.
+
+Tiny random checkpoints (``tests/tiny_models.py``: 2 layers, hidden 64, 4 query heads over 2 key/value heads) of
+each family; the packed forward must match transformers' base model (``AutoModel`` -> ``last_hidden_state``) run
+one sequence at a time, token by token, with cosine >= 0.9999 in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tiny_models import KINDS, tiny_llama
+
+from lab.batch import AttnMeta, KVStep
+from lab.models.decoder import DecoderModel
+from lab.models.rope import rope_from_config
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+COS_MIN = 0.9999
+LENGTHS = [5, 1, 7, 7, 3, 1]  # odd lengths, length 1, and a run of equal lengths (one batched SDPA call)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decoders")
+    return {kind: tiny_llama(root, kind) for kind in KINDS}
+
+
+def ours(folder) -> DecoderModel:
+    config = json.loads((folder / "config.json").read_text())
+    model = DecoderModel.from_hf_config(config)
+    model.load_hf_state_dict(load_file(str(folder / "model.safetensors")))
+    return model.eval()
+
+
+def theirs(folder, cls_name: str = "AutoModel"):
+    import transformers
+
+    return getattr(transformers, cls_name).from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def packed(lengths: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, vocab, (sum(lengths),))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return ids, positions
+
+
+def assert_close_per_token(ours_h: torch.Tensor, ref_h: torch.Tensor, what: str) -> float:
+    cos = F.cosine_similarity(ours_h.float(), ref_h.float(), dim=-1)
+    assert cos.min().item() >= COS_MIN, f"{what}: min cosine {cos.min().item():.6f} (per token {cos.tolist()})"
+    return cos.min().item()
+
+
+def compare_with_transformers(model, ref, lengths, *, causal: bool, what: str) -> None:
+    ids, positions = packed(lengths, model.args.vocab_size)
+    with torch.no_grad():
+        hidden = model(ids, positions, AttnMeta.from_lengths(lengths, causal=causal))
+        assert hidden.shape == (sum(lengths), model.hidden_size)
+        start = 0
+        for n in lengths:
+            x = ids[start : start + n][None]
+            # Bidirectional reference: transformers uses a 4D attention mask as given (additive, float), so an
+            # all-zeros (1, 1, n, n) mask replaces its causal mask with "every token sees every token".
+            mask = None if causal else torch.zeros(1, 1, n, n)
+            ref_h = ref(input_ids=x, attention_mask=mask).last_hidden_state[0]
+            assert_close_per_token(hidden[start : start + n], ref_h, f"{what} len {n}")
+            start += n
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_causal_matches_transformers(folders, kind):
+    model = ours(folders[kind])
+    assert model.default_causal and model.is_decoder
+    compare_with_transformers(model, theirs(folders[kind]), LENGTHS, causal=True, what=kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bidirectional_matches_transformers(folders, kind):
+    compare_with_transformers(ours(folders[kind]), theirs(folders[kind]), LENGTHS, causal=False, what=kind)
+
+
+def test_bidirectional_config_flag_matches_transformers_is_causal(folders):
+    """A config with ``is_causal: false`` defaults to bidirectional, as transformers 5's mask creation reads it."""
+    from transformers import AutoConfig, AutoModel
+
+    folder = folders["qwen3"]
+    config = json.loads((folder / "config.json").read_text())
+    for flag in ({"is_causal": False}, {"use_bidirectional_attention": True}):
+        assert DecoderModel.from_hf_config({**config, **flag}).default_causal is False
+    ref_config = AutoConfig.from_pretrained(folder)
+    ref_config.is_causal = False
+    ref = AutoModel.from_pretrained(folder, config=ref_config).eval()
+    model = ours(folder)
+    compare_with_transformers(model, ref, [6, 2], causal=False, what="is_causal=False")
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        {"rope_type": "dynamic", "factor": 2.0},
+    ],
+    ids=lambda r: r["rope_type"],
+)
+def test_rope_scaling_matches_transformers(tmp_path, rope):
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    folder = tiny_llama(tmp_path, "llama", rope_scaling=dict(rope))
+    config = json.loads((folder / "config.json").read_text())
+    model = ours(folder)
+    ref_rope = LlamaRotaryEmbedding(AutoConfig.from_pretrained(folder))
+    torch.testing.assert_close(model.rope.inv_freq, ref_rope.inv_freq, rtol=1e-6, atol=0)
+    assert model.rope.attention_scaling == pytest.approx(ref_rope.attention_scaling)
+    # the old spelling (rope_scaling + top-level rope_theta) reads the same
+    old = {k: v for k, v in config.items() if k != "rope_parameters"}
+    old_rope = rope_from_config({**old, "rope_scaling": dict(rope), "rope_theta": 10000.0}, model.args.head_dim)
+    torch.testing.assert_close(old_rope.inv_freq, model.rope.inv_freq)
+    # long enough that scaled and unscaled frequencies differ (original context 32)
+    compare_with_transformers(model, theirs(folder), [70, 1, 45], causal=True, what=rope["rope_type"])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_chunked_prefill_with_kv_prefix_equals_unchunked(folders, kind):
+    """Step 1 captures K/V of the first chunks; step 2 attends to them as a prefix (positions continue).
+
+    Step 2 also carries a sequence with no prefix at all, so prefix lengths differ within one step.
+    """
+    model = ours(folders[kind])
+    full = [11, 6, 4]  # sequence C (4 tokens) only appears in step 2
+    first = [5, 3]
+    ids, positions = packed(full, model.args.vocab_size)
+    with torch.no_grad():
+        whole = model(ids, positions, AttnMeta.from_lengths(full, causal=True))
+    seqs = list(torch.split(ids, full))
+    step1_ids = torch.cat([seqs[0][:5], seqs[1][:3]])
+    step1_pos = torch.cat([torch.arange(5), torch.arange(3)])
+    kv1 = KVStep(num_layers=model.num_layers, capture=True)
+    with torch.no_grad():
+        h1 = model(step1_ids, step1_pos, AttnMeta.from_lengths(first, causal=True, kv=kv1))
+    assert all(c is not None and c[0].shape == (8, model.args.num_kv_heads, model.args.head_dim) for c in kv1.captured)
+    kv2 = KVStep(
+        num_layers=model.num_layers,
+        cu_prefix=torch.tensor([0, 5, 8, 8], dtype=torch.int32),
+        prefix_lens=[5, 3, 0],
+        prefix_k=[k for k, _ in kv1.captured],
+        prefix_v=[v for _, v in kv1.captured],
+    )
+    second = [6, 3, 4]
+    step2_ids = torch.cat([seqs[0][5:], seqs[1][3:], seqs[2]])
+    step2_pos = torch.cat([torch.arange(5, 11), torch.arange(3, 6), torch.arange(4)])
+    with torch.no_grad():
+        h2 = model(step2_ids, step2_pos, AttnMeta.from_lengths(second, causal=True, kv=kv2))
+    a1, b1 = torch.split(h1, first)
+    a2, b2, c2 = torch.split(h2, second)
+    wa, wb, wc = torch.split(whole, full)
+    for got, want, name in ((torch.cat([a1, a2]), wa, "A"), (torch.cat([b1, b2]), wb, "B"), (c2, wc, "C")):
+        assert_close_per_token(got, want, f"{kind} chunked {name}")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # tied and untied output embeddings
+def test_lm_logits_match_causal_lm(folders, kind):
+    folder = folders[kind]
+    model = ours(folder)
+    ref = theirs(folder, "AutoModelForCausalLM")
+    lengths = [4, 1]
+    ids, positions = packed(lengths, model.args.vocab_size)
+    with torch.no_grad():
+        hidden = model(ids, positions, AttnMeta.from_lengths(lengths, causal=True))
+        last = torch.tensor([3, 4])
+        logits = model.lm_logits(hidden[last])
+        picked = model.lm_logits(hidden[last], token_ids=[7, 3, 11])
+        want = torch.stack([ref(input_ids=ids[:4][None]).logits[0, -1], ref(input_ids=ids[4:][None]).logits[0, -1]])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(picked, want[:, [7, 3, 11]], rtol=1e-4, atol=1e-4)
+
+
+def test_missing_weights_are_named(folders):
+    folder = folders["qwen2"]
+    config = json.loads((folder / "config.json").read_text())
+    sd = load_file(str(folder / "model.safetensors"))
+    del sd["model.layers.1.self_attn.k_proj.bias"]
+    del sd["model.norm.weight"]
+    with pytest.raises(KeyError) as err:
+        DecoderModel.from_hf_config(config).load_hf_state_dict(sd)
+    assert "missing weights: norm.weight, layers.1.self_attn.k_proj.bias (" in str(err.value)
+
+
+def test_unprefixed_names_and_embedding_only_checkpoint(folders):
+    """Weights without ``model.`` (a ``Qwen2Model`` export) and without ``lm_head`` load; LM logits then refuse."""
+    folder = folders["qwen2"]
+    config = json.loads((folder / "config.json").read_text())
+    sd = {k.removeprefix("model."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    sd.pop("lm_head.weight")
+    model = DecoderModel.from_hf_config(config)
+    model.load_hf_state_dict(sd)
+    with pytest.raises(ValueError, match="lm_head"):
+        model.lm_logits(torch.zeros(1, model.hidden_size))
+    compare_with_transformers(model.eval(), theirs(folder), [3, 2], causal=True, what="unprefixed")
+
+
+def test_bfloat16_stays_close_and_keeps_float32_rope(folders):
+    folder = folders["qwen3"]
+    model = ours(folder)
+    lengths = [9, 1, 4]
+    ids, positions = packed(lengths, model.args.vocab_size)
+    meta = AttnMeta.from_lengths(lengths, causal=True)
+    with torch.no_grad():
+        h32 = model(ids, positions, meta)
+        h16 = model.to(torch.bfloat16)(ids, positions, meta)
+    assert h16.dtype == torch.bfloat16 and model.rope.inv_freq.dtype == torch.float32
+    assert F.cosine_similarity(h16.float(), h32, dim=-1).min() > 0.99
+
+
+def test_sliding_window_longer_context_is_refused(tmp_path):
+    folder = tiny_llama(tmp_path, "mistral", sliding_window=8)
+    model = ours(folder)
+    ids, positions = packed([8, 9], model.args.vocab_size)
+    with pytest.raises(ValueError, match="sliding-window"):
+        model(ids, positions, AttnMeta.from_lengths([8, 9], causal=True))
+
+
+@pytest.mark.slow
+def test_smollm2_from_gguf_matches_transformers():
+    """SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized once to a cached safetensors folder) vs transformers."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from lab.models.gguf import smollm2_path
+
+    try:
+        folder = smollm2_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    model = ours(folder)
+    assert model.args.tie_word_embeddings and model.args.num_kv_heads < model.args.num_heads
+    tok = AutoTokenizer.from_pretrained(folder)
+    ref = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    texts = [
+        "The capital of France is Paris.",
+        "Packed prefill runs many sequences of different lengths in one step.",
+        "Hi",
+    ]
+    enc = [tok(t)["input_ids"] for t in texts]
+    lengths = [len(e) for e in enc]
+    ids = torch.tensor([i for e in enc for i in e])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    with torch.no_grad():
+        hidden = model(ids, positions, AttnMeta.from_lengths(lengths, causal=True))
+        for h, e in zip(torch.split(hidden, lengths), enc):
+            ref_h = ref(input_ids=torch.tensor([e])).last_hidden_state[0]
+            assert_close_per_token(h, ref_h, f"SmolLM2 {len(e)} tokens")
