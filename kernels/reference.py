@@ -72,7 +72,7 @@ def varlen_attention(
     Returns:
         ``(total, Hq, D)`` in ``q.dtype``.
     """
-    total, hq, d = q.shape
+    _, hq, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")

