@@ -35,6 +35,26 @@ def _runs(seqlens: list[int], prefix_lens: list[int]) -> list[tuple[int, int, in
     return runs
 
 
+def _buckets(runs: list[tuple[int, int, int, int]], slack: int = 4, ratio: float = 1.125) -> list:
+    """Merge consecutive runs of unequal but close lengths (``max <= ratio * min + slack``) into padded buckets,
+    returned as ``(first_seq, -1, max_len, n_seqs)``; a run that stays alone keeps its zero-copy form. Few, larger
+    attention calls beat many tiny ones (each call has a fixed cost), and the padding stays small."""
+    out: list[tuple[int, int, int, int]] = []
+    i = 0
+    while i < len(runs):
+        first, n, length, _ = runs[i]
+        j, lo, hi, count = i + 1, length, length, n
+        while j < len(runs) and runs[j][2] > 0:
+            nl = runs[j][2]
+            if max(hi, nl) > ratio * min(lo, nl) + slack:
+                break
+            lo, hi, count = min(lo, nl), max(hi, nl), count + runs[j][1]
+            j += 1
+        out.append(runs[i] if j == i + 1 else (first, -1, hi, count))
+        i = j
+    return out
+
+
 def _causal_mask(q_len: int, prefix_len: int, device: torch.device) -> torch.Tensor:
     """Boolean (q_len, prefix_len + q_len) mask: query j sees every prefix key and its own keys 0..j."""
     rows = torch.arange(q_len, device=device)[:, None]
@@ -92,8 +112,12 @@ def varlen_attention(
     pstarts = [0]
     for n in prefix_lens:
         pstarts.append(pstarts[-1] + n)
-    for first, n, length, plen in _runs(seqlens, prefix_lens):
+    runs = _runs(seqlens, prefix_lens) if has_prefix else _buckets(_runs(seqlens, prefix_lens))
+    for first, n, length, plen in runs:
         if length == 0:
+            continue
+        if n == -1:  # a bucket of nearly equal lengths, padded for one call (see _buckets)
+            _padded_bucket(q, k, v, out, starts, seqlens, first, plen, causal, scale, gqa)  # plen = count here
             continue
         s, e = starts[first], starts[first + n]
         qg = q[s:e].view(n, length, hq, d).transpose(1, 2)  # (n, Hq, L, D)
@@ -112,6 +136,28 @@ def varlen_attention(
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
         out[s:e].view(n, length, hq, d).copy_(o.transpose(1, 2))
     return out
+
+
+def _padded_bucket(q, k, v, out, starts, seqlens, first, count, causal, scale, gqa) -> None:
+    """One attention call for ``count`` consecutive sequences of nearly equal length: gather them into a padded
+    ``(n, Hq, Lmax, D)`` block (padding only here, never in the GEMMs), mask the padded keys, scatter back."""
+    lens = seqlens[first : first + count]
+    lmax = max(lens)
+    dev = q.device
+    lens_t = torch.tensor(lens, device=dev)[:, None]
+    pos = torch.arange(lmax, device=dev)[None, :]
+    valid = pos < lens_t  # (n, Lmax)
+    base = torch.tensor(starts[first : first + count], device=dev)[:, None]
+    idx = (base + torch.minimum(pos, lens_t - 1)).reshape(-1)  # padded slots read their sequence's last token
+    n, hq, hkv, d = count, q.shape[1], k.shape[1], q.shape[2]
+    qg = q.index_select(0, idx).view(n, lmax, hq, d).transpose(1, 2)
+    kg = k.index_select(0, idx).view(n, lmax, hkv, d).transpose(1, 2)
+    vg = v.index_select(0, idx).view(n, lmax, hkv, d).transpose(1, 2)
+    # causal: padding sits after every real key, so the causal rule already hides it; else mask padded keys
+    mask = None if causal else valid[:, None, None, :]
+    o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    s, e = starts[first], starts[first + count]
+    out[s:e] = o.transpose(1, 2).reshape(n * lmax, hq, d)[valid.reshape(-1)]
 
 
 def varlen_attention_naive(q, k, v, cu_seqlens, *, causal, scale=None, k_prefix=None, v_prefix=None, cu_prefix=None):
