@@ -62,7 +62,10 @@ def ops(meta_or_backend: AttnMeta | str) -> SimpleNamespace:
     if backend != "triton":
         return _TORCH_OPS
     if _TRITON_OPS is None:
-        from lab.kernels import attention as ka, norms as kn, pooling as kp, rotary as kr
+        from lab.kernels import attention as ka
+        from lab.kernels import norms as kn
+        from lab.kernels import pooling as kp
+        from lab.kernels import rotary as kr
 
         _TRITON_OPS = SimpleNamespace(
             varlen_attention=ka.varlen_attention,

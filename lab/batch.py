@@ -65,7 +65,7 @@ class AttnMeta:
     def from_lengths(
         cls, lengths: list[int], *, causal: bool, device: torch.device | str = "cpu", backend: str = "torch",
         kv: KVStep | None = None,
-    ) -> "AttnMeta":
+    ) -> AttnMeta:
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
@@ -101,7 +101,7 @@ class PackedBatch:
     def build(
         cls, ids: list, *, causal: bool, device: torch.device, backend: str = "torch", token_type_ids=None,
         pool_start: list[int] | None = None, position_offsets: list[int] | None = None, kv: KVStep | None = None,
-    ) -> "PackedBatch":
+    ) -> PackedBatch:
         """Pack per-sequence arrays of token ids (numpy int64) into flat tensors with their metadata."""
         import numpy as np
 

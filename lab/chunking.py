@@ -70,7 +70,9 @@ class CausalPrefill:
     # ------------------------------------------------------------------------------------------------ public
     def run(self, requests: list[Request], *, shared_prefix: bool) -> tuple[dict[int, torch.Tensor], PrefillStats]:
         stats = PrefillStats()
-        empty = lambda: [[] for _ in range(self.num_layers)]  # noqa: E731
+        def empty() -> list[list[torch.Tensor]]:
+            return [[] for _ in range(self.num_layers)]
+
         prefix_k, prefix_v, p = empty(), empty(), 0
         if shared_prefix and len(requests) > 1:
             p = _shared_prefix_length(requests)
@@ -166,9 +168,7 @@ class CausalPrefill:
             w = n_pooled * before + n_pooled * (n_pooled + 1) / 2  # weights before+1 .. before+n_pooled
             a.sum = row * w if a.sum is None else a.sum + row * w
             a.weight += w
-        elif m == "cls" and piece_has_first:
-            a.sum = row.clone()
-        elif m == "lasttoken" and last:
+        elif (m == "cls" and piece_has_first) or (m == "lasttoken" and last):
             a.sum = row.clone()
         elif m == "max" and n_pooled:
             a.sum = row.clone() if a.sum is None else torch.maximum(a.sum, row)

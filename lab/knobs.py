@@ -40,7 +40,7 @@ class Knobs:
     prefix_cache: bool = True
     attention_backend: str = "auto"
 
-    def replace(self, **changes) -> "Knobs":
+    def replace(self, **changes) -> Knobs:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
         if unknown:
             raise TypeError(

@@ -17,7 +17,7 @@ from lab.attention import ops
 from lab.batch import AttnMeta
 from lab.kernels.reference import POOLING_METHODS
 
-__all__ = ["POOLING_METHODS", "pool", "finish"]
+__all__ = ["POOLING_METHODS", "finish", "pool"]
 
 
 def pool(hidden: torch.Tensor, meta: AttnMeta, method: str, *, pool_start: torch.Tensor | None = None,

@@ -106,7 +106,7 @@ class BertModel(nn.Module):
         )
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "BertModel":
+    def from_hf_config(cls, config: dict) -> BertModel:
         return cls(config)
 
     def forward(
