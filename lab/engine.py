@@ -269,8 +269,7 @@ class Engine:
                                 include_instruction=k.include_instruction)
 
         out = np.empty((len(texts), self.embedding_dim), dtype=np.float32)
-        stats = Stats(path="packed" if not hasattr(self.model, "hf") else "transformers-fallback (padded)",
-                      backend=self._backend)
+        stats = self._new_stats()
         t0 = time.perf_counter()
         bar = _progress(len(texts), show_progress, "embed")
         kv_path = self._uses_kv_cache(instr)
@@ -285,13 +284,21 @@ class Engine:
                 stats.batches += 1
                 stats.padded_tokens += self.runner.padded_tokens
                 stats.tokens_computed += sum(r.length for r in batch)
+        self._finish_call(stats, t0, bar)
+        return out
+
+    def _new_stats(self) -> Stats:
+        return Stats(path="packed" if not hasattr(self.model, "hf") else "transformers-fallback (padded)",
+                     backend=self._backend)
+
+    def _finish_call(self, stats: Stats, t0: float, bar) -> None:
+        """Close the progress bar, time the call, publish ``stats`` and warn (once) about truncation."""
         if bar is not None:
             bar.close()
         stats.seconds = time.perf_counter() - t0
         stats.tokens_per_s = stats.tokens / stats.seconds if stats.seconds > 0 else 0.0
         self.stats = stats
         _warn_truncation(stats.truncated, self.max_length)
-        return out
 
     # ------------------------------------------------------------------------------------------------ studies
     def as_mteb_model(self, **kwargs):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lab.engine import _UNSET, WAVE_SIZE, Stats, _progress, _warn_truncation
+from lab.engine import _UNSET, WAVE_SIZE, Stats, _progress
 from lab.inputs import InputProcessor, Request, check_texts
 from lab.scheduler import plan_batches, prefetch_waves
 
@@ -353,17 +353,11 @@ def rerank(engine, query: str, documents, *, top_k: int | None = None, **score_k
 
 # ----------------------------------------------------------------------------------------------------- modes
 def _new_stats(engine) -> Stats:
-    return Stats(path="packed" if not hasattr(engine.model, "hf") else "transformers-fallback (padded)",
-                 backend=engine.resolved["attention_backend"])
+    return engine._new_stats()
 
 
 def _finish(engine, stats: Stats, t0: float, bar) -> None:
-    if bar is not None:
-        bar.close()
-    stats.seconds = time.perf_counter() - t0
-    stats.tokens_per_s = stats.tokens / stats.seconds if stats.seconds > 0 else 0.0
-    engine.stats = stats
-    _warn_truncation(stats.truncated, engine.max_length)
+    engine._finish_call(stats, t0, bar)
 
 
 def _count(stats: Stats, batch: list[Request], bar) -> None:
