@@ -16,6 +16,7 @@ from torch import nn
 
 from lab.attention import attention, ops
 from lab.batch import AttnMeta
+from lab.models.fused import linear_act
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -26,28 +27,6 @@ _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
 }
-
-
-def _has_mkldnn_linear_pointwise() -> bool:
-    try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_FUSED_CPU = _has_mkldnn_linear_pointwise()
-_ONEDNN_ACT = {"gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"), "gelu_pytorch_tanh": ("gelu", "tanh"),
-               "relu": ("relu", "")}
-
-
-def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, act_name: str, act) -> torch.Tensor:
-    """``act(x @ weight.T + bias)``; on CPU one oneDNN call with the activation fused into the GEMM's epilogue
-    (no separate pass over the ``T x intermediate`` activations, and one large buffer instead of two)."""
-    if _FUSED_CPU and x.device.type == "cpu" and act_name in _ONEDNN_ACT and x.dtype in (torch.float32,
-                                                                                        torch.bfloat16):
-        kind, algorithm = _ONEDNN_ACT[act_name]
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, kind, [], algorithm)
-    return act(F.linear(x, weight, bias))
 
 
 class BertLayer(nn.Module):

@@ -23,6 +23,7 @@ from torch import nn
 from lab.attention import attention, ops
 from lab.batch import AttnMeta
 from lab.kernels.reference import rotary_cos_sin
+from lab.models.fused import fusable, gated_mlp
 from lab.models.rope import RopeSpec, rope_from_config
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -132,6 +133,7 @@ class DecoderLayer(nn.Module):
         self.inter = a.intermediate_size
         self.gate_up = nn.Linear(a.hidden_size, 2 * self.inter, bias=a.mlp_bias)  # fused gate/up
         self.down = nn.Linear(self.inter, a.hidden_size, bias=a.mlp_bias)
+        self.act_name = a.hidden_act
         self.act = _ACTIVATIONS[a.hidden_act]
 
     def forward(
@@ -152,8 +154,16 @@ class DecoderLayer(nn.Module):
         k_ops.apply_rotary(k, cos, sin)
         a = attention(q, k, v, meta, self.index)  # (T, Hq, D)
         h, residual = k_ops.add_rms_norm(self.o(a.reshape(t, nq)), residual, self.ln_mlp, self.eps)
+        return self.down(self._mlp_in(h)), residual
+
+    def _mlp_in(self, h: torch.Tensor) -> torch.Tensor:
+        """``act(gate(h)) * up(h)``: fused into the GEMMs on CPU, else one GEMM over the stacked gate/up weight."""
+        i, w, b = self.inter, self.gate_up.weight, self.gate_up.bias
+        if fusable(h, self.act_name):
+            return gated_mlp(h, w[:i], w[i:], self.act_name, self.act, None if b is None else b[:i],
+                             None if b is None else b[i:])
         gu = self.gate_up(h)  # (T, 2 I)
-        return self.down(self.act(gu[:, : self.inter]) * gu[:, self.inter :]), residual
+        return self.act(gu[:, :i]) * gu[:, i:]
 
 
 class DecoderModel(nn.Module):
