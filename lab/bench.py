@@ -153,23 +153,24 @@ def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.d
 
 # ------------------------------------------------------------------------------------- lengths, memory, chunking
 def texts_of_length(tokenizer, corpus: list[str], n_tokens: int, count: int) -> list[str]:
-    """``count`` texts of about ``n_tokens`` tokens each (never fewer than one sentence), joined from consecutive
-    ``corpus`` sentences, each text starting at a different place in the corpus. Whole sentences are kept (no
-    cut words), so lengths are approximate; the tables report the tokens measured."""
+    """``count`` texts of about ``n_tokens`` tokens each, joined from consecutive ``corpus`` sentences (a sentence
+    is added while it brings the total closer to ``n_tokens``; at least one per text), each text starting where
+    the previous one ended. Whole sentences are kept, so lengths are approximate: the tables report the tokens
+    measured."""
     if not corpus:
         raise ValueError("corpus is empty")
     lengths = [len(ids) for ids in tokenizer(list(corpus), add_special_tokens=False)["input_ids"]]
-    out, start = [], 0
+    out, i = [], 0
     for _ in range(count):
-        parts, total, i = [], 0, start
-        while not parts or total + lengths[i % len(corpus)] <= n_tokens:
-            parts.append(corpus[i % len(corpus)])
-            total += lengths[i % len(corpus)]
-            i += 1
-            if i - start >= len(corpus):
+        parts, total = [], 0
+        while len(parts) < len(corpus):
+            n = lengths[i % len(corpus)]
+            if parts and abs(total + n - n_tokens) >= abs(total - n_tokens):
                 break
+            parts.append(corpus[i % len(corpus)])
+            total += n
+            i += 1
         out.append(" ".join(parts))
-        start = i % len(corpus)
     return out
 
 

@@ -1,0 +1,129 @@
+"""lab.bench on tiny workloads: table rows and columns, token and padding counts, knob restoration. No speed claims."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+from lab import Engine
+from lab.bench import (
+    SentenceTransformerBaseline,
+    chunked_prefill,
+    peak_memory,
+    texts_of_length,
+    throughput,
+    throughput_by_length,
+)
+
+TEXTS = [
+    "A man is playing a guitar.",
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
+    "Hi.",
+    "Stocks fell sharply on Monday after the central bank raised interest rates by half a point.",
+    "A woman is slicing an onion.",
+    "Two dogs run through a field.",
+]
+BASE_COLUMNS = {"system", "texts", "tokens", "padded_tokens", "tokens_computed", "seconds_median", "seconds_min",
+                "seconds_max", "tokens_per_s", "threads", "torch", "machine"}
+
+
+@pytest.fixture()
+def minilm(minilm_path):
+    return Engine(minilm_path)
+
+
+def test_throughput_engine_sweep_and_st_baseline(minilm, minilm_st):
+    base = SentenceTransformerBaseline(minilm_st, batch_size=4)
+    before = dict(minilm.knobs)
+    df = throughput({"engine": minilm, "sentence-transformers": base}, TEXTS,
+                    sweep={"max_batch_tokens": [16, 4096], "pooling": ["mean", "cls"]}, repeats=2, warmup=0)
+    assert minilm.knobs == before  # the sweep is undone
+    assert len(df) == 4 + 1  # 2 x 2 engine settings + one baseline row
+    assert BASE_COLUMNS | {"max_batch_tokens", "pooling"} <= set(df.columns)
+    eng, st = df[df.system == "engine"], df[df.system == "sentence-transformers"]
+    assert sorted(map(tuple, eng[["max_batch_tokens", "pooling"]].values.tolist())) == [
+        (16, "cls"), (16, "mean"), (4096, "cls"), (4096, "mean")]
+    assert st["max_batch_tokens"].isna().all() and st["pooling"].isna().all()
+    # the same real tokens for both systems; the engine pads nothing, sentence-transformers pads its batches
+    assert (eng["tokens"] == st["tokens"].iloc[0]).all()
+    assert (eng["padded_tokens"] == 0).all() and st["padded_tokens"].iloc[0] > 0
+    assert (df["texts"] == len(TEXTS)).all()
+    assert (df["seconds_min"] <= df["seconds_median"]).all() and (df["seconds_median"] <= df["seconds_max"]).all()
+    np.testing.assert_allclose(df["tokens_per_s"], df["tokens"] / df["seconds_median"])
+
+
+def test_st_baseline_token_counts(minilm_st):
+    base = SentenceTransformerBaseline(minilm_st, batch_size=2)
+    real, pad = base.token_counts(["a b c d e f", "a", "a b", "a b c"])
+    lengths = sorted((len(x) for x in minilm_st.tokenizer(["a b c d e f", "a", "a b", "a b c"])["input_ids"]),
+                     reverse=True)  # [8, 5, 4, 3]: batches (8, 5) and (4, 3)
+    assert real == sum(lengths) and pad == (8 - 5) + (4 - 3)
+    assert base(["a", "b"]).shape == (2, 384)
+
+
+def test_throughput_plain_callable_and_list_of_systems(minilm):
+    calls = []
+
+    def fake(texts):
+        calls.append(len(texts))
+        return np.zeros((len(texts), 4))
+
+    fake.name = "fake"
+    df = throughput([minilm, fake], TEXTS[:2], repeats=1, warmup=1)
+    assert list(df.system) == [minilm.model_name, "fake"]
+    assert calls == [2, 2]  # warm-up + one timed run
+    assert df.loc[1, "tokens"] == df.loc[0, "tokens"] and pd.isna(df.loc[1, "padded_tokens"])
+    with pytest.raises(ValueError, match="repeats"):
+        throughput([fake], TEXTS, repeats=0)
+
+
+def test_texts_of_length_and_throughput_by_length(minilm):
+    tok = minilm.tokenizer
+    longest = max(len(tok(t, add_special_tokens=False)["input_ids"]) for t in TEXTS)
+    long = texts_of_length(tok, TEXTS, 40, count=3)
+    assert len(long) == 3 and len(set(long)) == 3
+    for t in long:
+        n = len(tok(t, add_special_tokens=False)["input_ids"])
+        assert abs(n - 40) <= longest // 2 + 1  # whole sentences: within half a sentence of the target
+    short = texts_of_length(tok, TEXTS, 1, count=2)
+    assert short == TEXTS[:2]  # never fewer than one sentence
+    df = throughput_by_length({"engine": minilm}, {8: short, 40: long}, repeats=1, warmup=0)
+    assert list(df.bucket) == [8, 40]
+    np.testing.assert_allclose(df["length"], df["tokens"] / df["texts"])
+    assert df["length"].iloc[0] < df["length"].iloc[1]
+
+
+def test_peak_memory_sees_tensor_allocations():
+    def work():
+        a = torch.empty(1 << 20, dtype=torch.float32)  # 4 MiB
+        b = torch.empty(2 << 20, dtype=torch.float32)  # 8 MiB, both alive
+        del a, b
+        return torch.empty(1 << 18).numel()  # 1 MiB, after the peak
+
+    result, peak = peak_memory(work)
+    assert result == 1 << 18
+    assert 12 * 2**20 <= peak < 14 * 2**20
+
+
+def test_chunked_prefill_rows_and_equality(tmp_path):
+    eng = Engine(str(tiny_llama(tmp_path, "llama")))
+    texts = ["The quick brown fox jumps over the lazy dog. " * 4, "Rotary position embeddings rotate queries."]
+    df = chunked_prefill(eng, texts, [8, 32], repeats=1)
+    assert eng.knobs["chunked_prefill"] is None
+    assert len(df) == 2 * 3
+    assert {"text", "input_tokens", "chunked_prefill", "chunks", "seconds", "peak_mb", "max_abs_diff",
+            "cosine"} <= set(df.columns)
+    assert df["chunked_prefill"].isna().sum() == 2  # the unchunked reference, once per text
+    assert (df["max_abs_diff"] < 1e-4).all() and (df["cosine"] > 0.9999).all()
+    assert (df["peak_mb"] > 0).all()
+    first = df[df.text == 0]
+    assert first["input_tokens"].nunique() == 1
+    chunks = dict(zip(first["chunked_prefill"].fillna(0), first["chunks"]))
+    assert chunks[8] > chunks[32]  # smaller chunks, more pieces
+
+    eng.configure(bidirectional=True)
+    with pytest.raises(ValueError, match="causal"):
+        chunked_prefill(eng, texts, [8])
