@@ -1,0 +1,634 @@
+"""Decoder LLMs as embedders, benchmark part: SmolLM2-135M-Instruct through the Engine, in three sections.
+
+1. ``throughput``: ``Engine.embed`` (packed, no padding) against a length-sorted padded transformers embedder (the
+   way llm2vec embeds: ``AutoModel``, tokenizer padding, batches of ``--batch-sizes``, attention mask, pooling on
+   the padded output) on SciFact abstracts, pooling mean and lasttoken, float32 and bfloat16, both systems timed
+   in the same process with their repeats interleaved (median / min / max). Both systems see identical tokens:
+   the baseline truncates and appends EOS exactly as the Engine's ``InputProcessor`` does (checked, and the
+   result is a row). Reports tokens/s, the speed-up (baseline seconds / Engine seconds) and the embeddings'
+   minimum cosine agreement. Targets: >= 1.2x in float32, >= 1.3x in bfloat16.
+2. ``memory``: chunked prefill of one long input (``--lengths`` tokens cut from concatenated SciFact abstracts)
+   with ``chunked_prefill`` in ``--chunks``. Each point runs in a fresh subprocess: the model is loaded and warmed
+   up, the kernel's RSS high-water mark is reset (``/proc/self/clear_refs``), the long input is embedded, and
+   ``VmHWM`` is read (falling back to ``ru_maxrss``, which includes loading, where the reset is not allowed; on
+   CUDA ``torch.cuda.max_memory_allocated``). Also the time and the KV cache held at its peak.
+3. ``prefix``: queries that share a long instruction (>= 3/4 of every input's tokens; ~130-token instruction +
+   SciFact claims) with ``prefix_cache=True`` vs ``False`` on one Engine: speed-up and cosine agreement. Target
+   >= 2.5x.
+
+Writes tidy rows (one per section x system x setting x metric; seconds median/min/max and tokens/s where timed)
+to ``--out`` (default ``evals/results/bench_decoder.csv``), PNG plots next to it (``<stem>_throughput.png``,
+``<stem>_memory.png``, ``<stem>_prefix.png``) and prints a summary. ``--smoke`` shrinks everything (a few docs,
+one repeat, short inputs) and writes ``bench_decoder_smoke.*``; every row carries ``run`` = ``smoke`` / ``full``.
+
+    python evals/bench_decoder.py                                          # all sections, default sizes
+    python evals/bench_decoder.py --sections throughput --docs 128 --repeats 5 --dtypes float32 bfloat16
+    python evals/bench_decoder.py --sections memory --lengths 1024 2048 4096 8192 --chunks none 256 1024
+    python evals/bench_decoder.py --sections prefix --queries 300 --repeats 5
+    python evals/bench_decoder.py --smoke                                  # minutes on a small CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DATA = ROOT / "evals" / "data"
+RESULTS = ROOT / "evals" / "results"
+TARGETS = {("throughput", "float32"): 1.2, ("throughput", "bfloat16"): 1.3, ("prefix", None): 2.5}
+
+# ~130 tokens with SmolLM2's tokenizer; ends in a newline so the claim's first token never merges with it
+INSTRUCTION = (
+    "Instruct: You are given a scientific claim written by an expert annotator. Represent the claim so that it "
+    "retrieves the abstracts of research papers that support or refute it. Pay attention to the biomedical "
+    "entities it names (genes, proteins, cell types, tissues, diseases, drugs and patient populations), to the "
+    "direction and the size of any effect it states, and to the experimental setting it implies, such as an in "
+    "vitro assay, an animal model, a randomized clinical trial or an observational cohort. Ignore the wording and "
+    "the style of the claim: what matters is the finding it asserts and the evidence that could confirm it.\n"
+    "Claim:\n"
+)
+
+COLUMNS = [
+    "run", "section", "system", "dtype", "pooling", "setting", "metric", "value", "unit", "target", "meets_target",
+    "seconds_median", "seconds_min", "seconds_max", "cpu_seconds_median", "tokens", "tokens_per_s", "texts", "repeats", "threads",
+    "device", "torch", "transformers", "machine", "note",
+]
+
+
+# ------------------------------------------------------------------------------------------------------- data
+def read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def spread(n_total: int, n: int | None) -> list[int]:
+    """``n`` evenly spaced indices into ``range(n_total)`` (all of them when ``n`` is None or too large)."""
+    if n is None or n >= n_total:
+        return list(range(n_total))
+    return sorted({round(i * (n_total - 1) / max(n - 1, 1)) for i in range(n)})
+
+
+def scifact_docs(n: int | None = None) -> list[str]:
+    docs = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")
+    return [(docs[i]["title"] + " " + docs[i]["text"]).strip() for i in spread(len(docs), n)]
+
+
+def scifact_queries() -> list[str]:
+    folder = DATA / "scifact"
+    path = next((p for p in (folder / "queries.test.jsonl", folder / "queries.test.jsonl.gz") if p.exists()), None)
+    if path is None:
+        raise FileNotFoundError(f"no SciFact queries in {folder} (queries.test.jsonl[.gz])")
+    return [q["text"] for q in read_jsonl(path)]
+
+
+def model_path(arg: str | None) -> str:
+    if arg:
+        return arg
+    from lab.models.gguf import smollm2_path
+
+    return str(smollm2_path())
+
+
+# --------------------------------------------------------------------------------------------------- baseline
+class PaddedTransformersEmbedder:
+    """The length-sorted padded transformers embedder (what llm2vec does), as a benchmark system.
+
+    ``AutoModel`` (transformers' own attention, ``sdpa`` by default) over right-padded batches of ``batch_size``
+    texts sorted longest first, with an attention mask; mean pooling masks the padding, lasttoken takes each row's
+    last real token. Tokenization matches ``lab.inputs.InputProcessor``: truncation at ``max_length`` (one token
+    less when EOS is appended), then EOS appended unless the text already ends with it. Returns float32 numpy rows
+    in input order (not normalized; compare by cosine).
+    """
+
+    def __init__(self, path: str, *, batch_size: int = 16, dtype: str = "float32", device: str = "cpu",
+                 pooling: str = "mean", max_length: int = 512, append_eos: bool = False):
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path, dtype=torch.float32).eval().to(device)
+        self.device = torch.device(device)
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id
+        self.batch_size, self.max_length = batch_size, max_length
+        self.dtype = None
+        self.configure(dtype=dtype, pooling=pooling, append_eos=append_eos)
+
+    def configure(self, *, dtype: str | None = None, pooling: str | None = None, append_eos: bool | None = None,
+                  batch_size: int | None = None) -> PaddedTransformersEmbedder:
+        if dtype is not None and dtype != self.dtype:
+            self.model = self.model.to(getattr(self.torch, dtype))
+            self.dtype = dtype
+        if pooling is not None:
+            if pooling not in ("mean", "lasttoken"):
+                raise ValueError(f"baseline pooling must be mean or lasttoken, got {pooling!r}")
+            self.pooling = pooling
+        if append_eos is not None:
+            self.append_eos = append_eos and self.tokenizer.eos_token_id is not None
+        if batch_size is not None:
+            self.batch_size = batch_size
+        return self
+
+    @property
+    def name(self) -> str:
+        return f"padded transformers (batch {self.batch_size})"
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        limit = self.max_length - 1 if self.append_eos else self.max_length
+        ids = self.tokenizer(texts, truncation=True, max_length=limit, return_attention_mask=False)["input_ids"]
+        if self.append_eos:
+            eos = self.tokenizer.eos_token_id
+            ids = [x if x and x[-1] == eos else x + [eos] for x in ids]
+        return ids
+
+    def padded_tokens(self, texts: list[str]) -> int:
+        lengths = sorted((len(x) for x in self.tokenize(texts)), reverse=True)
+        b = self.batch_size
+        return sum(lengths[i] * len(lengths[i : i + b]) - sum(lengths[i : i + b]) for i in range(0, len(lengths), b))
+
+    def __call__(self, texts: list[str]):
+        import numpy as np
+
+        torch = self.torch
+        ids = self.tokenize(texts)
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        out = np.empty((len(ids), self.model.config.hidden_size), dtype=np.float32)
+        with torch.inference_mode():
+            for s in range(0, len(order), self.batch_size):
+                rows = order[s : s + self.batch_size]
+                lengths = [len(ids[i]) for i in rows]
+                width = max(lengths)
+                input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for j, i in enumerate(rows):
+                    input_ids[j, : lengths[j]] = torch.tensor(ids[i])
+                    mask[j, : lengths[j]] = 1
+                input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+                hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+                if self.pooling == "mean":
+                    m = mask.unsqueeze(-1).float()
+                    pooled = (hidden.float() * m).sum(1) / m.sum(1)
+                else:
+                    last = torch.tensor(lengths, device=self.device) - 1
+                    pooled = hidden[torch.arange(len(rows), device=self.device), last].float()
+                out[rows] = pooled.cpu().numpy()
+        return out
+
+
+# ------------------------------------------------------------------------------------------------------ rows
+class Table:
+    def __init__(self, run: str, device: str):
+        import torch
+        import transformers
+
+        self.rows: list[dict] = []
+        self.common = dict(run=run, device=device, torch=torch.__version__, transformers=transformers.__version__,
+                           machine=f"{platform.machine()} {os.cpu_count()} cpus", threads=torch.get_num_threads())
+
+    def add(self, section: str, system: str, metric: str, value=None, *, secs: list[float] | None = None,
+            tokens: int | None = None, cpu: list[float] | None = None, **kw) -> dict:
+        row = {c: None for c in COLUMNS}
+        row.update(self.common, section=section, system=system, metric=metric, value=value, **kw)
+        if secs:
+            med = statistics.median(secs)
+            row.update(seconds_median=med, seconds_min=min(secs), seconds_max=max(secs), repeats=len(secs))
+            if tokens:
+                row.update(tokens=tokens, tokens_per_s=tokens / med)
+        elif tokens is not None:
+            row["tokens"] = tokens
+        if cpu:
+            row["cpu_seconds_median"] = statistics.median(cpu)
+        self.rows.append(row)
+        return row
+
+    def frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.rows, columns=COLUMNS)
+
+
+def interleaved(systems: dict, repeats: int, warmup: int) -> dict:
+    """Time each ``name -> fn()`` ``repeats`` times, alternating systems within each round (drift in a shared
+    machine's load then hits all of them alike). Returns ``name -> (wall seconds, CPU seconds, last output)``;
+    CPU seconds (``time.process_time``: every thread of this process) are less sensitive to other processes on a
+    shared machine, but count busy-waiting threads as work."""
+    outs = {}
+    for _ in range(warmup):
+        for name, fn in systems.items():
+            outs[name] = fn()
+    wall = {name: [] for name in systems}
+    cpu = {name: [] for name in systems}
+    for _ in range(repeats):
+        for name, fn in systems.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            outs[name] = fn()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {name: (wall[name], cpu[name], outs[name]) for name in systems}
+
+
+def min_cosine(a, b) -> float:
+    import numpy as np
+
+    a = a / np.clip(np.linalg.norm(a, axis=1, keepdims=True), 1e-12, None)
+    b = b / np.clip(np.linalg.norm(b, axis=1, keepdims=True), 1e-12, None)
+    return float((a * b).sum(1).min())
+
+
+# ------------------------------------------------------------------------------------------------ throughput
+def bench_throughput(args, path: str, table: Table) -> None:
+    from lab import Engine
+
+    texts = scifact_docs(args.docs)
+    eng = Engine(path, max_length=args.max_length, device=args.device, dtype=args.dtypes[0])
+    base = PaddedTransformersEmbedder(path, device=args.device, max_length=args.max_length,
+                                      batch_size=args.batch_sizes[0], dtype=args.dtypes[0])
+    for dtype in args.dtypes:
+        for pooling in args.poolings:
+            eng.configure(dtype=dtype, pooling=pooling)
+            base.configure(dtype=dtype, pooling=pooling, append_eos=eng.append_eos)
+            common = dict(dtype=dtype, pooling=pooling, texts=len(texts))
+            # identical tokens: the Engine's own processor vs the baseline's tokenization
+            reqs = eng._processor().process(texts)
+            same = [list(r.ids) for r in reqs] == base.tokenize(texts)
+            n_tokens = sum(r.length for r in reqs)
+            table.add("throughput", "check", "identical_tokens", bool(same), tokens=n_tokens,
+                      setting=f"max_length={args.max_length}, append_eos={eng.append_eos}", **common)
+            systems = {"engine": lambda: eng.embed(texts)}
+            for bs in args.batch_sizes:
+                systems[f"baseline{bs}"] = (lambda bs=bs: base.configure(batch_size=bs)(texts))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # truncation notices
+                res = interleaved(systems, args.repeats, args.warmup)
+            e_secs, e_cpu, e_out = res["engine"]
+            table.add("throughput", "engine", "time", secs=e_secs, cpu=e_cpu, tokens=eng.stats.tokens, unit="s",
+                      setting=f"max_batch_tokens={eng.knobs['max_batch_tokens']}", **common,
+                      note=f"{eng.stats.batches} batches, padded {eng.stats.padded_tokens}")
+            best = None
+            for bs in args.batch_sizes:
+                b_secs, b_cpu, b_out = res[f"baseline{bs}"]
+                base.configure(batch_size=bs)
+                pad = base.padded_tokens(texts)
+                table.add("throughput", "padded-transformers", "time", secs=b_secs, cpu=b_cpu, tokens=n_tokens,
+                          unit="s", setting=f"batch_size={bs}", **common,
+                          note=f"padded tokens {pad} ({pad / n_tokens:.1%} of real)")
+                ratio = statistics.median(b_secs) / statistics.median(e_secs)
+                target = TARGETS.get(("throughput", dtype))
+                table.add("throughput", "engine", "speedup_vs_baseline", ratio, unit="x", setting=f"batch_size={bs}",
+                          target=target, meets_target=None if target is None else ratio >= target, **common)
+                table.add("throughput", "engine", "speedup_vs_baseline_cpu_time",
+                          statistics.median(b_cpu) / statistics.median(e_cpu), unit="x", setting=f"batch_size={bs}",
+                          **common, note="CPU seconds ratio (less sensitive to a shared machine)")
+                table.add("throughput", "engine", "min_cosine_vs_baseline", min_cosine(e_out, b_out),
+                          setting=f"batch_size={bs}", **common)
+                if best is None or statistics.median(b_secs) < best[1]:
+                    best = (bs, statistics.median(b_secs))
+                    b_cpu_best = b_cpu
+            ratio = best[1] / statistics.median(e_secs)
+            target = TARGETS.get(("throughput", dtype))
+            table.add("throughput", "engine", "speedup_vs_best_baseline", ratio, unit="x", target=target,
+                      meets_target=None if target is None else ratio >= target, setting=f"batch_size={best[0]}",
+                      **common)
+            print(f"  throughput {dtype:8s} {pooling:9s} engine {statistics.median(e_secs):7.2f} s  "
+                  f"best baseline (batch {best[0]}) {best[1]:7.2f} s  -> {ratio:.2f}x "
+                  f"(CPU time {statistics.median(b_cpu_best) / statistics.median(e_cpu):.2f}x)", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def _read_status(field: str) -> int | None:
+    """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak-RSS (VmHWM) counter to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def memory_point(spec: dict) -> dict:
+    """Runs in a fresh subprocess: one long input through ``chunked_prefill=spec['chunk']``; peak memory and time."""
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    from lab import Engine, chunking
+
+    length, chunk = spec["length"], spec["chunk"]
+    peak_cache = {"tokens": 0}
+    run = chunking.CausalPrefill.run
+
+    def recording_run(self, *a, **kw):  # read the KV cache's peak from the prefill's own statistics
+        rows, st = run(self, *a, **kw)
+        peak_cache["tokens"] = max(peak_cache["tokens"], st.peak_cache_tokens)
+        return rows, st
+
+    chunking.CausalPrefill.run = recording_run
+    eng = Engine(spec["path"], pooling="mean", max_length=length, dtype=spec["dtype"], device=spec["device"],
+                 chunked_prefill=chunk)
+    # a text of more than `length` tokens, cut by the engine's truncation to exactly `length`
+    text, n = "", 0
+    docs = iter(scifact_docs())
+    while n <= length:
+        text += next(docs) + "\n\n"
+        n = len(eng.tokenizer(text)["input_ids"])
+    cuda = eng.device.type == "cuda"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng.embed([text[:400]])  # warm-up on a short input: lazy initialization is not the run's memory
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base_alloc = torch.cuda.memory_allocated()
+        peak_cache["tokens"] = 0
+        rss_before = _read_status("VmRSS")
+        reset = _reset_hwm()
+        c0, t0 = time.process_time(), time.perf_counter()
+        eng.embed([text])
+        secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+    out = dict(spec, seconds=secs, cpu_seconds=cpu, tokens=eng.stats.tokens, chunks=eng.stats.chunks, rss_before=rss_before,
+               hwm=_read_status("VmHWM"), hwm_reset=reset,
+               ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    a = eng.model.args
+    bytes_per = torch.finfo(eng.runner.dtype).bits // 8
+    out["kv_cache_tokens"] = peak_cache["tokens"]
+    out["kv_cache_bytes"] = peak_cache["tokens"] * a.num_layers * 2 * a.num_kv_heads * a.head_dim * bytes_per
+    if cuda:
+        out["cuda_peak"] = torch.cuda.max_memory_allocated()
+        out["cuda_base"] = base_alloc
+    return out
+
+
+def bench_memory(args, path: str, table: Table) -> None:
+    import torch
+
+    MB = 1 << 20
+    for length in args.lengths:
+        for chunk in args.chunks:
+            spec = dict(path=path, length=length, chunk=chunk, dtype=args.memory_dtype, device=args.device,
+                        threads=torch.get_num_threads())
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--memory-point", json.dumps(spec)],
+                                  capture_output=True, text=True, cwd=str(ROOT), check=False)
+            line = next((ln for ln in proc.stdout.splitlines()[::-1] if ln.startswith("RESULT ")), None)
+            if proc.returncode or line is None:
+                print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+                table.add("memory", "engine", "error", setting=f"length={length}, chunk={chunk}",
+                          note=(proc.stderr.strip().splitlines() or ["?"])[-1][:200])
+                continue
+            r = json.loads(line.removeprefix("RESULT "))
+            common = dict(dtype=args.memory_dtype, pooling="mean", texts=1,
+                          setting=f"length={length}, chunked_prefill={chunk}")
+            table.add("memory", "engine", "time", secs=[r["seconds"]], cpu=[r["cpu_seconds"]], tokens=r["tokens"],
+                      unit="s", **common,
+                      note=f"{r['chunks']} pieces")
+            if "cuda_peak" in r:
+                table.add("memory", "engine", "peak_cuda_allocated_mb", r["cuda_peak"] / MB, unit="MB", **common)
+                table.add("memory", "engine", "run_cuda_delta_mb", (r["cuda_peak"] - r["cuda_base"]) / MB,
+                          unit="MB", **common)
+            if r["hwm_reset"]:
+                table.add("memory", "engine", "peak_rss_mb", r["hwm"] / MB, unit="MB", **common,
+                          note="VmHWM after a reset at the start of the run")
+                table.add("memory", "engine", "run_rss_delta_mb", (r["hwm"] - r["rss_before"]) / MB, unit="MB",
+                          **common, note="VmHWM minus VmRSS at the start of the run (model loaded, warmed up)")
+            else:
+                table.add("memory", "engine", "peak_rss_mb", r["ru_maxrss"] / MB, unit="MB", **common,
+                          note="ru_maxrss: process lifetime, includes model loading")
+            table.add("memory", "engine", "rss_before_run_mb", (r["rss_before"] or 0) / MB, unit="MB", **common)
+            table.add("memory", "engine", "kv_cache_mb", r["kv_cache_bytes"] / MB, unit="MB", **common,
+                      note=f"peak {r['kv_cache_tokens']} cached tokens")
+            peak = r["cuda_peak"] if "cuda_peak" in r else (r["hwm"] if r["hwm_reset"] else r["ru_maxrss"])
+            print(f"  memory length {length:5d} chunk {chunk!s:>5s}: {r['seconds']:7.2f} s, peak "
+                  f"{peak / MB:7.0f} MB (+{((r['hwm'] or 0) - (r['rss_before'] or 0)) / MB:5.0f} MB over "
+                  f"idle), KV cache {r['kv_cache_bytes'] / MB:6.1f} MB", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- prefix
+def bench_prefix(args, path: str, table: Table) -> None:
+    from lab import Engine
+
+    eng = Engine(path, max_length=args.max_length, device=args.device, dtype=args.prefix_dtype,
+                 instruction=INSTRUCTION)
+    from lab.inputs import InputProcessor
+
+    # keep claims short enough that the instruction is >= 3/4 of every input (counted with EOS appended, the
+    # longer of the two tokenizations, so it holds for every pooling)
+    proc = InputProcessor(eng.tokenizer, eng.max_length, append_eos=True)
+    n_instr = proc.instruction_length(INSTRUCTION)
+    queries = scifact_queries()
+    reqs = proc.process(queries, instruction=INSTRUCTION)
+    kept = [q for q, r in zip(queries, reqs) if r.pool_start / r.length >= 0.75]
+    kept = [kept[i] for i in spread(len(kept), args.queries)]
+    for pooling in args.prefix_poolings:
+        eng.configure(pooling=pooling)
+        reqs = eng._processor().process(kept, instruction=INSTRUCTION)
+        fractions = [r.pool_start / r.length for r in reqs]
+        common = dict(dtype=args.prefix_dtype, pooling=pooling, texts=len(kept))
+        stats = {}
+
+        def run(cache: bool, stats=stats):
+            eng.configure(prefix_cache=cache)
+            out = eng.embed(kept)
+            stats[cache] = eng.stats
+            return out
+
+        res = interleaved({"prefix_cache=True": lambda: run(True), "prefix_cache=False": lambda: run(False)},
+                          args.repeats, args.warmup)
+        eng.configure(prefix_cache=True)
+        (c_secs, c_cpu, c_out), (p_secs, p_cpu, p_out) = res["prefix_cache=True"], res["prefix_cache=False"]
+        table.add("prefix", "engine", "instruction_fraction_min", min(fractions), **common,
+                  setting=f"instruction {n_instr} tokens",
+                  note=f"mean {statistics.mean(fractions):.3f}; {len(kept)} of {len(queries)} claims kept")
+        for cache, secs, cpu in ((True, c_secs, c_cpu), (False, p_secs, p_cpu)):
+            st = stats[cache]
+            table.add("prefix", "engine", "time", secs=secs, cpu=cpu, tokens=st.tokens, unit="s", **common,
+                      setting=f"prefix_cache={cache}",
+                      note=f"tokens_computed {st.tokens_computed}, shared_prefix {st.shared_prefix}, path "
+                           f"{'kv-cache' if st.chunks else 'packed'}")
+        ratio = statistics.median(p_secs) / statistics.median(c_secs)
+        target = TARGETS[("prefix", None)]
+        table.add("prefix", "engine", "speedup_prefix_cache", ratio, unit="x", target=target,
+                  meets_target=ratio >= target, **common, setting="prefix_cache=True vs False",
+                  note=f"token ratio {stats[False].tokens_computed / max(stats[True].tokens_computed, 1):.2f}")
+        table.add("prefix", "engine", "speedup_prefix_cache_cpu_time", statistics.median(p_cpu) / statistics.median(c_cpu),
+                  unit="x", **common, setting="prefix_cache=True vs False", note="CPU seconds ratio")
+        table.add("prefix", "engine", "min_cosine_cache_vs_nocache", min_cosine(c_out, p_out), **common,
+                  setting="prefix_cache=True vs False")
+        print(f"  prefix {pooling:9s}: cache {statistics.median(c_secs):6.2f} s, no cache "
+              f"{statistics.median(p_secs):6.2f} s -> {ratio:.2f}x (shared prefix {stats[True].shared_prefix} of "
+              f"{n_instr} instruction tokens; min cosine {min_cosine(c_out, p_out):.6f})", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------ plots
+def plot(df, stem: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    run = df["run"].iloc[0] if len(df) else ""
+    tp = df[(df.section == "throughput") & (df.metric == "time")]
+    if len(tp):
+        tp = tp.assign(label=tp.system + " " + tp.setting.str.replace("max_batch_tokens=", "tokens ").str.replace(
+            "batch_size=", "batch "), group=tp.dtype + "\n" + tp.pooling)
+        pivot = tp.pivot_table(index="group", columns="label", values="tokens_per_s", sort=False)
+        ax = pivot.plot.bar(rot=0, figsize=(8, 4.5))
+        ax.set_ylabel("tokens / s (median)")
+        ax.set_title(f"SmolLM2-135M on SciFact abstracts: Engine vs padded transformers ({run})")
+        plt.tight_layout()
+        p = stem.with_name(stem.name + "_throughput.png")
+        plt.savefig(p, dpi=120)
+        plt.close()
+        written.append(p)
+    mem = df[df.section == "memory"]
+    if len(mem):
+        m = mem.assign(length=mem.setting.str.extract(r"length=(\d+)")[0].astype(int),
+                       chunk=mem.setting.str.extract(r"chunked_prefill=(\w+)")[0])
+        peak_metric = next((x for x in ("run_cuda_delta_mb", "run_rss_delta_mb", "peak_rss_mb")
+                            if (m.metric == x).any()), "peak_rss_mb")
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+        for chunk, g in m.groupby("chunk", sort=False):
+            label = "off" if chunk == "None" else chunk
+            for ax, metric, col in ((axes[0], peak_metric, "value"), (axes[1], "kv_cache_mb", "value"),
+                                    (axes[2], "time", "seconds_median")):
+                s = g[g.metric == metric].sort_values("length")
+                ax.plot(s.length, s[col], marker="o", label=f"chunked_prefill={label}")
+        title0 = "peak memory above the loaded model" if "delta" in peak_metric else "peak process memory"
+        for ax, title, ylabel in ((axes[0], title0, "MB (" + peak_metric + ")"),
+                                  (axes[1], "KV cache at its peak", "MB"), (axes[2], "time", "seconds")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted(m.length.unique()), [str(x) for x in sorted(m.length.unique())])
+            ax.set_xlabel("input length (tokens)")
+            ax.set_title(title)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+        fig.suptitle(f"SmolLM2-135M, one long input, chunked prefill ({run})")
+        plt.tight_layout()
+        p = stem.with_name(stem.name + "_memory.png")
+        plt.savefig(p, dpi=120)
+        plt.close()
+        written.append(p)
+    pre = df[(df.section == "prefix") & (df.metric == "time")]
+    if len(pre):
+        pivot = pre.pivot_table(index="pooling", columns="setting", values="seconds_median", sort=False)
+        ax = pivot.plot.bar(rot=0, figsize=(6, 4))
+        ax.set_ylabel("seconds (median)")
+        ax.set_title(f"shared-instruction queries: prefix cache ({run})")
+        plt.tight_layout()
+        p = stem.with_name(stem.name + "_prefix.png")
+        plt.savefig(p, dpi=120)
+        plt.close()
+        written.append(p)
+    return written
+
+
+def summary(df) -> str:
+    import pandas as pd
+
+    keep = df[df.metric.isin(["time", "speedup_vs_baseline", "speedup_vs_best_baseline", "min_cosine_vs_baseline",
+                              "speedup_vs_baseline_cpu_time", "speedup_prefix_cache_cpu_time",
+                              "identical_tokens", "peak_rss_mb", "run_rss_delta_mb", "peak_cuda_allocated_mb",
+                              "kv_cache_mb", "speedup_prefix_cache", "min_cosine_cache_vs_nocache",
+                              "instruction_fraction_min"])]
+    cols = ["section", "system", "dtype", "pooling", "setting", "metric", "value", "target", "meets_target",
+            "seconds_median", "cpu_seconds_median", "tokens_per_s"]
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 40,
+                           "display.float_format", "{:.4g}".format):
+        return keep[cols].to_string(index=False)
+
+
+# ------------------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model folder (default: the cached SmolLM2-135M-Instruct)")
+    ap.add_argument("--sections", nargs="+", default=["throughput", "memory", "prefix"],
+                    choices=["throughput", "memory", "prefix"])
+    ap.add_argument("--docs", type=int, default=None, help="SciFact abstracts for throughput (default 128)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per system (median; default 5)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--poolings", nargs="+", default=["mean", "lasttoken"], choices=["mean", "lasttoken"])
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="baseline batch sizes (default 16 32)")
+    ap.add_argument("--max-length", type=int, default=None, help="throughput / prefix max_length (default 512)")
+    ap.add_argument("--lengths", nargs="+", type=int, default=None, help="memory: input lengths (1024..8192)")
+    ap.add_argument("--chunks", nargs="+", default=None, help="memory: chunked_prefill values, 'none' = off")
+    ap.add_argument("--memory-dtype", default="float32")
+    ap.add_argument("--queries", type=int, default=None, help="prefix: SciFact claims (default all that qualify)")
+    ap.add_argument("--prefix-poolings", nargs="+", default=["mean", "lasttoken"], choices=["mean", "lasttoken"])
+    ap.add_argument("--prefix-dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script (run label 'smoke')")
+    ap.add_argument("--out", type=Path, default=None, help="CSV path (default evals/results/bench_decoder.csv)")
+    ap.add_argument("--memory-point", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    small = args.smoke
+    defaults = dict(docs=(6, 128), repeats=(1, 5), batch_sizes=([16], [16, 32]), max_length=(256, 512),
+                    lengths=([256, 512, 1024], [1024, 2048, 4096, 8192]), chunks=(["none", "128", "512"],
+                    ["none", "256", "1024"]), queries=(32, None))
+    for k, (s, f) in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, s if small else f)
+    args.chunks = [None if str(c).lower() in ("none", "off", "0") else int(c) for c in args.chunks]
+    if args.out is None:
+        args.out = RESULTS / ("bench_decoder_smoke.csv" if small else "bench_decoder.csv")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.memory_point:
+        print("RESULT " + json.dumps(memory_point(json.loads(args.memory_point))), flush=True)
+        return 0
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = model_path(args.model)
+    table = Table("smoke" if args.smoke else "full", args.device)
+    t0 = time.perf_counter()
+    for section in args.sections:
+        print(f"[{section}]", flush=True)
+        {"throughput": bench_throughput, "memory": bench_memory, "prefix": bench_prefix}[section](args, path, table)
+    df = table.frame()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(args.out, index=False)
+    pngs = plot(df, args.out.with_suffix(""))
+    print()
+    print(summary(df))
+    print(f"\nwrote {args.out} ({len(df)} rows)" + "".join(f", {p}" for p in pngs)
+          + f" in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
