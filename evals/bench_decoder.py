@@ -63,10 +63,11 @@ INSTRUCTION = (
     "Claim:\n"
 )
 
+PROFILES: list[str] = []  # op tables of --profile, written to <stem>_profile.txt
 COLUMNS = [
     "run", "section", "system", "dtype", "pooling", "setting", "metric", "value", "unit", "target", "meets_target",
-    "seconds_median", "seconds_min", "seconds_max", "cpu_seconds_median", "tokens", "tokens_per_s", "texts", "repeats", "threads",
-    "device", "torch", "transformers", "machine", "note",
+    "seconds_median", "seconds_min", "seconds_max", "cpu_seconds_median", "tokens", "tokens_per_s", "texts", "repeats",
+    "threads", "device", "torch", "transformers", "machine", "note",
 ]
 
 
@@ -253,6 +254,42 @@ def min_cosine(a, b) -> float:
     return float((a * b).sum(1).min())
 
 
+# --------------------------------------------------------------------------------------------------- profile
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise",
+            "aten::_addmm_activation", "aten::mkldnn_linear")
+
+
+def op_group(name: str) -> str:
+    if name in GEMM_OPS or "linear_pointwise" in name or "gemm" in name.lower():
+        return "gemm"
+    if "scaled_dot_product" in name or "attention" in name.lower() or "flash" in name.lower():
+        return "attention"
+    return "other_ops"
+
+
+def profile_call(fn, device: str) -> tuple[dict, str]:
+    """One call under ``torch.profiler``: self time per op group (gemm / attention / other ops, seconds), the
+    profiled call's wall seconds, and the op table (top 15 by self time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    groups = {"gemm": 0.0, "attention": 0.0, "other_ops": 0.0}
+    for e in ka:
+        groups[op_group(e.key)] += getattr(e, attr, 0.0) / 1e6
+    groups["profiled_wall"] = wall
+    return groups, ka.table(sort_by=attr, row_limit=15)
+
+
 # ------------------------------------------------------------------------------------------------ throughput
 def bench_throughput(args, path: str, table: Table) -> None:
     from lab import Engine
@@ -302,6 +339,15 @@ def bench_throughput(args, path: str, table: Table) -> None:
                 if best is None or statistics.median(b_secs) < best[1]:
                     best = (bs, statistics.median(b_secs))
                     b_cpu_best = b_cpu
+            if args.profile:
+                base.configure(batch_size=best[0])
+                for name, fn in (("engine", lambda: eng.embed(texts)), ("padded-transformers", lambda: base(texts))):
+                    groups, text = profile_call(fn, args.device)
+                    for g, secs in groups.items():
+                        table.add("profile", name, f"{g}_seconds", secs, unit="s", **common,
+                                  setting=f"batch_size={best[0]}" if name != "engine" else "",
+                                  note="self time of the ops in this group under torch.profiler (one call)")
+                    PROFILES.append(f"== {name}, {dtype}, {pooling}, {len(texts)} docs ==\n{text}")
             ratio = best[1] / statistics.median(e_secs)
             target = TARGETS.get(("throughput", dtype))
             table.add("throughput", "engine", "speedup_vs_best_baseline", ratio, unit="x", target=target,
@@ -374,7 +420,8 @@ def memory_point(spec: dict) -> dict:
         c0, t0 = time.process_time(), time.perf_counter()
         eng.embed([text])
         secs, cpu = time.perf_counter() - t0, time.process_time() - c0
-    out = dict(spec, seconds=secs, cpu_seconds=cpu, tokens=eng.stats.tokens, chunks=eng.stats.chunks, rss_before=rss_before,
+    out = dict(spec, seconds=secs, cpu_seconds=cpu, tokens=eng.stats.tokens, chunks=eng.stats.chunks,
+               rss_before=rss_before,
                hwm=_read_status("VmHWM"), hwm_reset=reset,
                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     a = eng.model.args
@@ -477,8 +524,9 @@ def bench_prefix(args, path: str, table: Table) -> None:
         table.add("prefix", "engine", "speedup_prefix_cache", ratio, unit="x", target=target,
                   meets_target=ratio >= target, **common, setting="prefix_cache=True vs False",
                   note=f"token ratio {stats[False].tokens_computed / max(stats[True].tokens_computed, 1):.2f}")
-        table.add("prefix", "engine", "speedup_prefix_cache_cpu_time", statistics.median(p_cpu) / statistics.median(c_cpu),
-                  unit="x", **common, setting="prefix_cache=True vs False", note="CPU seconds ratio")
+        table.add("prefix", "engine", "speedup_prefix_cache_cpu_time",
+                  statistics.median(p_cpu) / statistics.median(c_cpu), unit="x", **common,
+                  setting="prefix_cache=True vs False", note="CPU seconds ratio")
         table.add("prefix", "engine", "min_cosine_cache_vs_nocache", min_cosine(c_out, p_out), **common,
                   setting="prefix_cache=True vs False")
         print(f"  prefix {pooling:9s}: cache {statistics.median(c_secs):6.2f} s, no cache "
@@ -558,7 +606,8 @@ def summary(df) -> str:
                               "speedup_vs_baseline_cpu_time", "speedup_prefix_cache_cpu_time",
                               "identical_tokens", "peak_rss_mb", "run_rss_delta_mb", "peak_cuda_allocated_mb",
                               "kv_cache_mb", "speedup_prefix_cache", "min_cosine_cache_vs_nocache",
-                              "instruction_fraction_min"])]
+                              "instruction_fraction_min", "gemm_seconds", "attention_seconds",
+                              "other_ops_seconds", "profiled_wall_seconds"])]
     cols = ["section", "system", "dtype", "pooling", "setting", "metric", "value", "target", "meets_target",
             "seconds_median", "cpu_seconds_median", "tokens_per_s"]
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 40,
@@ -585,10 +634,13 @@ def parse_args(argv=None):
     ap.add_argument("--queries", type=int, default=None, help="prefix: SciFact claims (default all that qualify)")
     ap.add_argument("--prefix-poolings", nargs="+", default=["mean", "lasttoken"], choices=["mean", "lasttoken"])
     ap.add_argument("--prefix-dtype", default="float32")
+    ap.add_argument("--profile", action="store_true",
+                    help="throughput: also profile one call of each system (op-group rows + <stem>_profile.txt)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script (run label 'smoke')")
     ap.add_argument("--out", type=Path, default=None, help="CSV path (default evals/results/bench_decoder.csv)")
+    ap.add_argument("--label", default=None, help="the rows' run label (default 'smoke' with --smoke, else 'full')")
     ap.add_argument("--memory-point", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     small = args.smoke
@@ -614,7 +666,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = model_path(args.model)
-    table = Table("smoke" if args.smoke else "full", args.device)
+    table = Table(args.label or ("smoke" if args.smoke else "full"), args.device)
     t0 = time.perf_counter()
     for section in args.sections:
         print(f"[{section}]", flush=True)
@@ -623,6 +675,10 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out, index=False)
     pngs = plot(df, args.out.with_suffix(""))
+    if PROFILES:
+        prof_path = args.out.with_name(args.out.stem + "_profile.txt")
+        prof_path.write_text("\n\n".join(PROFILES) + "\n")
+        pngs.append(prof_path)
     print()
     print(summary(df))
     print(f"\nwrote {args.out} ({len(df)} rows)" + "".join(f", {p}" for p in pngs)
