@@ -13,15 +13,12 @@ is fully visible to every query, causal or not.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a function, i.e. when this module is imported;
-# snapshot it at the same moment so the launcher agrees with how the kernels were built.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ._launch import check_device
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
@@ -137,11 +134,7 @@ def _check(name: str, t: torch.Tensor, ndim: int) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if not (t.is_cuda or _INTERPRET):
-        raise ValueError(
-            f"{name} is on {t.device}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
-            "lab.kernels.attention is imported); use lab.kernels.reference on CPU"
-        )
+    check_device(name, t)
     return t if ndim == 1 or t.stride(-1) == 1 else t.contiguous()
 
 

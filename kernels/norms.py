@@ -11,14 +11,13 @@ transformers' ``LlamaRMSNorm``: normalize in float32, cast back to the input dty
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ._launch import check_device
+
 # read at import, when @triton.jit decorated the kernels (see lab.kernels.attention)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -66,11 +65,7 @@ def _rows(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> torch
     """Validate and view ``t`` as ``(rows, N)`` with unit stride along N."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not (t.is_cuda or _INTERPRET):
-        raise ValueError(
-            f"{name} is on {t.device}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before triton "
-            "is imported); use lab.kernels.reference on CPU"
-        )
+    check_device(name, t)
     if t.dtype not in _DTYPES:
         raise ValueError(f"{name} must be one of {_DTYPES}, got {t.dtype}")
     if like is not None and (t.shape != like.shape or t.dtype != like.dtype):
@@ -84,8 +79,7 @@ def _rows(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> torch
 def _param(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
     if t.shape != (n,):
         raise ValueError(f"{name} must be ({n},), got {tuple(t.shape)}")
-    if not (t.is_cuda or _INTERPRET):
-        raise ValueError(f"{name} is on {t.device}: Triton kernels need CUDA tensors")
+    check_device(name, t)
     return t.contiguous()
 
 

@@ -11,15 +11,14 @@ row, the 1-based weighted-mean positions plus ``weight_offset``) follow the refe
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from lab.kernels.reference import POOLING_METHODS
 
+from ._launch import check_device
+
 # read at import, when @triton.jit decorated the kernel (see lab.kernels.attention)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _METHOD_CODE = {"cls": 0, "lasttoken": 1, "mean": 2, "weightedmean": 3, "max": 4}
 MAX_HIDDEN = 32768
 
@@ -82,14 +81,6 @@ def _segment_pool_kernel(
     tl.store(OUT + seq.to(tl.int64) * hidden + offs_h, acc, mask=h_mask)
 
 
-def _check_device(name: str, t: torch.Tensor) -> None:
-    if not (t.is_cuda or _INTERPRET):
-        raise ValueError(
-            f"{name} is on {t.device}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before triton "
-            "is imported); use lab.kernels.reference on CPU"
-        )
-
-
 def segment_pool(
     hidden: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -118,7 +109,7 @@ def segment_pool(
     for name, t in (("hidden", hidden), ("cu_seqlens", cu_seqlens), ("pool_start", pool_start),
                     ("weight_offset", weight_offset)):
         if t is not None:
-            _check_device(name, t)
+            check_device(name, t)
     out = torch.zeros((b, h), dtype=torch.float32, device=hidden.device)
     if b == 0 or h == 0 or total == 0:
         return out  # (the reference cannot index an empty tensor; zeros are the sensible answer)

@@ -10,14 +10,13 @@ then taken in float32 and rounded once (the reference rounds each product in ``x
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ._launch import check_device
+
 # read at import, when @triton.jit decorated the kernel (see lab.kernels.attention)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -44,11 +43,7 @@ def _rotary_kernel(
 def _check(name: str, t: torch.Tensor, ndim: int) -> None:
     if not isinstance(t, torch.Tensor) or t.dim() != ndim:
         raise ValueError(f"{name} must be a {ndim}-D tensor, got {getattr(t, 'shape', type(t))}")
-    if not (t.is_cuda or _INTERPRET):
-        raise ValueError(
-            f"{name} is on {t.device}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before triton "
-            "is imported); use lab.kernels.reference on CPU"
-        )
+    check_device(name, t)
     if t.dtype not in _DTYPES:
         raise ValueError(f"{name} must be one of {_DTYPES}, got {t.dtype}")
 
