@@ -11,7 +11,9 @@
    with ``chunked_prefill`` in ``--chunks``. Each point runs in a fresh subprocess: the model is loaded and warmed
    up, the kernel's RSS high-water mark is reset (``/proc/self/clear_refs``), the long input is embedded, and
    ``VmHWM`` is read (falling back to ``ru_maxrss``, which includes loading, where the reset is not allowed; on
-   CUDA ``torch.cuda.max_memory_allocated``). Also the time and the KV cache held at its peak.
+   CUDA ``torch.cuda.max_memory_allocated``). A second, profiled run gives the peak of torch tensor memory
+   (``lab.bench.peak_memory``; exact, unlike RSS, which the allocator's retained heap blurs). Also the time and
+   the state chunked prefill holds across steps (hidden states + one layer's K/V, ``lab.chunking``).
 3. ``prefix``: queries that share a long instruction (>= 3/4 of every input's tokens; ~130-token instruction +
    SciFact claims) with ``prefix_cache=True`` vs ``False`` on one Engine: speed-up and cosine agreement. Target
    >= 2.5x.
@@ -397,12 +399,12 @@ def memory_point(spec: dict) -> dict:
     from lab import Engine, chunking
 
     length, chunk = spec["length"], spec["chunk"]
-    peak_cache = {"tokens": 0}
+    peak_state = {"bytes": 0}
     run = chunking.CausalPrefill.run
 
-    def recording_run(self, *a, **kw):  # read the KV cache's peak from the prefill's own statistics
+    def recording_run(self, *a, **kw):  # read the held state from the prefill's own statistics
         rows, st = run(self, *a, **kw)
-        peak_cache["tokens"] = max(peak_cache["tokens"], st.peak_cache_tokens)
+        peak_state["bytes"] = max(peak_state["bytes"], st.state_bytes)
         return rows, st
 
     chunking.CausalPrefill.run = recording_run
@@ -422,7 +424,7 @@ def memory_point(spec: dict) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base_alloc = torch.cuda.memory_allocated()
-        peak_cache["tokens"] = 0
+        peak_state["bytes"] = 0
         rss_before = _read_status("VmRSS")
         reset = _reset_hwm()
         c0, t0 = time.process_time(), time.perf_counter()
@@ -432,10 +434,12 @@ def memory_point(spec: dict) -> dict:
                rss_before=rss_before,
                hwm=_read_status("VmHWM"), hwm_reset=reset,
                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    a = eng.model.args
-    bytes_per = torch.finfo(eng.runner.dtype).bits // 8
-    out["kv_cache_tokens"] = peak_cache["tokens"]
-    out["kv_cache_bytes"] = peak_cache["tokens"] * a.num_layers * 2 * a.num_kv_heads * a.head_dim * bytes_per
+    out["state_bytes"] = peak_state["bytes"]
+    from lab.bench import peak_memory
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out["tensor_peak"] = peak_memory(lambda: eng.embed([text]))[1]
     if cuda:
         out["cuda_peak"] = torch.cuda.max_memory_allocated()
         out["cuda_base"] = base_alloc
@@ -477,12 +481,15 @@ def bench_memory(args, path: str, table: Table) -> None:
                 table.add("memory", "engine", "peak_rss_mb", r["ru_maxrss"] / MB, unit="MB", **common,
                           note="ru_maxrss: process lifetime, includes model loading")
             table.add("memory", "engine", "rss_before_run_mb", (r["rss_before"] or 0) / MB, unit="MB", **common)
-            table.add("memory", "engine", "kv_cache_mb", r["kv_cache_bytes"] / MB, unit="MB", **common,
-                      note=f"peak {r['kv_cache_tokens']} cached tokens")
+            table.add("memory", "engine", "peak_tensor_mb", r["tensor_peak"] / MB, unit="MB", **common,
+                      note="torch tensor memory above the loaded model, profiler memory events")
+            table.add("memory", "engine", "state_mb", r["state_bytes"] / MB, unit="MB", **common,
+                      note="hidden states + one layer's K/V held across chunked-prefill steps")
             peak = r["cuda_peak"] if "cuda_peak" in r else (r["hwm"] if r["hwm_reset"] else r["ru_maxrss"])
             print(f"  memory length {length:5d} chunk {chunk!s:>5s}: {r['seconds']:7.2f} s, peak "
                   f"{peak / MB:7.0f} MB (+{((r['hwm'] or 0) - (r['rss_before'] or 0)) / MB:5.0f} MB over "
-                  f"idle), KV cache {r['kv_cache_bytes'] / MB:6.1f} MB", flush=True)
+                  f"idle), tensors {r['tensor_peak'] / MB:6.1f} MB, state {r['state_bytes'] / MB:6.1f} MB",
+                  flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------- prefix
@@ -575,18 +582,19 @@ def plot(df, stem: Path) -> list[Path]:
     if len(mem):
         m = mem.assign(length=mem.setting.str.extract(r"length=(\d+)")[0].astype(int),
                        chunk=mem.setting.str.extract(r"chunked_prefill=(\w+)")[0])
-        peak_metric = next((x for x in ("run_cuda_delta_mb", "run_rss_delta_mb", "peak_rss_mb")
+        peak_metric = next((x for x in ("run_cuda_delta_mb", "peak_tensor_mb", "run_rss_delta_mb", "peak_rss_mb")
                             if (m.metric == x).any()), "peak_rss_mb")
         fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
         for chunk, g in m.groupby("chunk", sort=False):
             label = "off" if chunk == "None" else chunk
-            for ax, metric, col in ((axes[0], peak_metric, "value"), (axes[1], "kv_cache_mb", "value"),
+            for ax, metric, col in ((axes[0], peak_metric, "value"), (axes[1], "run_rss_delta_mb", "value"),
                                     (axes[2], "time", "seconds_median")):
                 s = g[g.metric == metric].sort_values("length")
                 ax.plot(s.length, s[col], marker="o", label=f"chunked_prefill={label}")
-        title0 = "peak memory above the loaded model" if "delta" in peak_metric else "peak process memory"
+        title0 = {"peak_tensor_mb": "peak tensor memory above the loaded model",
+                  "run_cuda_delta_mb": "peak CUDA memory above the loaded model"}.get(peak_metric, "peak memory")
         for ax, title, ylabel in ((axes[0], title0, "MB (" + peak_metric + ")"),
-                                  (axes[1], "KV cache at its peak", "MB"), (axes[2], "time", "seconds")):
+                                  (axes[1], "RSS high-water mark above idle", "MB"), (axes[2], "time", "seconds")):
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted(m.length.unique()), [str(x) for x in sorted(m.length.unique())])
             ax.set_xlabel("input length (tokens)")
@@ -621,7 +629,7 @@ def summary(df) -> str:
     keep = df[df.metric.isin(["time", "speedup_vs_baseline", "speedup_vs_best_baseline", "min_cosine_vs_baseline",
                               "speedup_vs_baseline_cpu_time", "speedup_prefix_cache_cpu_time",
                               "identical_tokens", "peak_rss_mb", "run_rss_delta_mb", "peak_cuda_allocated_mb",
-                              "kv_cache_mb", "speedup_prefix_cache", "min_cosine_cache_vs_nocache",
+                              "peak_tensor_mb", "state_mb", "speedup_prefix_cache", "min_cosine_cache_vs_nocache",
                               "instruction_fraction_min", "gemm_seconds", "attention_seconds",
                               "other_ops_seconds", "profiled_wall_seconds"])]
     cols = ["section", "system", "dtype", "pooling", "setting", "metric", "value", "target", "meets_target",

@@ -128,6 +128,10 @@ def varlen_attention(
             ps, pe = pstarts[first], pstarts[first + n]
             kp = k_prefix[ps:pe].view(n, plen, hkv, d).transpose(1, 2)
             vp = v_prefix[ps:pe].view(n, plen, hkv, d).transpose(1, 2)
+            if causal and _FLASH_CPU is not None and q.device.type == "cpu":
+                o = _prefix_then_causal(qg, kp, vp, kg, vg, scale)
+                out[s:e].view(n, length, hq, d).copy_(o.transpose(1, 2))
+                continue
             kg, vg = torch.cat([kp, kg], dim=2), torch.cat([vp, vg], dim=2)  # (n, Hkv, P+L, D)
             if causal:
                 mask, is_causal = _causal_mask(length, plen, q.device), False
@@ -136,6 +140,31 @@ def varlen_attention(
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
         out[s:e].view(n, length, hq, d).copy_(o.transpose(1, 2))
     return out
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _prefix_then_causal(q, kp, vp, k, v, scale):
+    """Causal attention over ``[prefix (fully visible), own keys (causal)]`` as two flash calls merged by their
+    log-sum-exp (the flash-decoding merge): no ``(L, P + L)`` mask, and the prefix keys are read in place instead of
+    being joined to the chunk's — a chunk's step allocates nothing that grows with the prefix.
+
+    q ``(n, Hq, L, D)``; kp/vp ``(n, Hkv, P, D)``; k/v ``(n, Hkv, L, D)`` -> ``(n, Hq, L, D)``.
+    """
+    n, hq, length, d = q.shape
+    hkv = k.shape[1]
+    rep = hq // hkv
+    # query heads sharing a K/V head, stacked along the query axis: legal for the prefix, which every query sees
+    o1, l1 = _FLASH_CPU(q.reshape(n, hkv, rep * length, d), kp, vp, 0.0, False, scale=scale)
+    if rep > 1:  # chunk-sized copies
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    o2, l2 = _FLASH_CPU(q, k, v, 0.0, True, scale=scale)
+    l1 = l1.reshape(n, hq, length)
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp_()[..., None], (l2 - m).exp_()[..., None]
+    o = o1.reshape(n, hq, length, d).float().mul_(w1).add_(o2.float().mul_(w2)).div_(w1 + w2)
+    return o.to(q.dtype)
 
 
 def _padded_bucket(q, k, v, out, starts, seqlens, first, count, causal, scale, gqa) -> None:

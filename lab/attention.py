@@ -85,8 +85,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     kw = {}
     kv = meta.kv
     if kv is not None:
-        if kv.capture:
-            kv.captured[layer] = (k, v)
+        if kv.capture is not None:
+            kv.capture(layer, k, v)
         if kv.has_prefix:
             kw = dict(
                 k_prefix=kv.prefix_k[layer], v_prefix=kv.prefix_v[layer], cu_prefix=kv.cu_prefix,

@@ -10,7 +10,8 @@ of earlier tokens (chunked prefill, prefix cache) into one step and collects thi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -20,21 +21,18 @@ class KVStep:
     """Per-layer K/V context for one forward step.
 
     ``prefix_k[layer]`` / ``prefix_v[layer]``: ``(total_prefix, Hkv, D)`` keys/values of tokens that precede each
-    sequence of this step, laid out by ``cu_prefix`` (``prefix_lens[i]`` tokens for sequence ``i``, possibly 0).
-    When ``capture`` is set, the attention call stores this step's ``(k, v)`` per layer in ``captured``.
+    sequence of this step, laid out by ``cu_prefix`` (``prefix_lens[i]`` tokens for sequence ``i``, possibly 0);
+    any object indexable by layer (built lazily by ``lab.chunking``, one layer at a time).
+    ``capture(layer, k, v)``, when set, receives this step's ``(T, Hkv, D)`` keys/values of every layer as the
+    attention call sees them (after RoPE); it must copy what it keeps, since they are views of the layer's buffers.
     """
 
     num_layers: int
     cu_prefix: torch.Tensor | None = None
     prefix_lens: list[int] | None = None
-    prefix_k: list[torch.Tensor] | None = None
-    prefix_v: list[torch.Tensor] | None = None
-    capture: bool = False
-    captured: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
-
-    def __post_init__(self):
-        if self.capture and not self.captured:
-            self.captured = [None] * self.num_layers
+    prefix_k: Sequence[torch.Tensor] | None = None
+    prefix_v: Sequence[torch.Tensor] | None = None
+    capture: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def has_prefix(self) -> bool:

@@ -132,7 +132,11 @@ def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.d
 
     FLOPs per token count the projections (q/k/v/o: ``4 h^2``, FFN: ``2 h i``) at 2 FLOPs per multiply-add; the
     attention scores (a few % for short inputs) are left out, so the roofline is a ceiling for the GEMM work.
+    The GEMM timed is the engine's (``lab.models.fused.linear``: for bfloat16 on a CPU without AMX, a float32 GEMM
+    over the bfloat16 values), i.e. the fastest GEMM this machine offers for the dtype.
     """
+    from lab.models.fused import linear
+
     x = torch.randn(tokens, hidden, dtype=dtype)
     shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, intermediate), (intermediate, hidden)]
     ws = [torch.randn(o, i, dtype=dtype) * 0.02 for i, o in shapes]
@@ -140,7 +144,7 @@ def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.d
 
     def run():
         for a, w in zip(ins, ws):
-            torch.nn.functional.linear(a, w)
+            linear(a, w)
 
     run()
     secs = statistics.median(_time(run, repeats))

@@ -1,182 +1,240 @@
-"""Causal prefill with a KV cache: chunked prefill for long inputs, and a shared-prefix (instruction) cache.
+"""Causal prefill over cached keys/values: chunked prefill for long inputs, and a shared-prefix (instruction) cache.
 
-Both are the same loop. Each request has a cursor and per-layer cached keys/values of the tokens before it; a
-step packs the next piece of several requests (at most ``chunk`` tokens each, under the token budget), attends
-over ``cached prefix + piece`` through ``KVStep``, appends the piece's K/V to the cache and folds the piece's
-pooled statistics into the request's accumulator. A request's embedding exists only after its last piece
-(vLLM's rule). Under causal attention every pooling gives the result of the unchunked forward: mean and
-weighted mean are accumulated as sums, cls is taken from the piece holding the first pooled token, lasttoken
-from the last piece, max as a running max.
+**Chunked prefill runs layer by layer.** A prefill-only engine never decodes, so nothing needs every layer's K/V
+at once. For each layer in turn, the pieces (at most ``chunk`` tokens) of a long input run in order; each piece
+attends to the K/V this layer produced for the earlier pieces, and its output overwrites the input's hidden
+states. Between steps a long input therefore holds its hidden states plus one layer's K/V,
+``hidden + 2 * Hkv * D`` values per token: 3.8 KB for SmolLM2-135M in float32, against 46 KB for a vLLM-style
+cache of every layer's K/V and about 27 KB of activations in an unchunked forward. Everything else a step
+allocates scales with ``chunk``. The pooled row is computed after the last piece of the last layer, from the
+hidden states the unchunked forward gives, so every pooling equals the unchunked one under causal attention.
+Several long inputs share the rounds of one layer (one packed step per round) while their tokens fit the budget.
 
-The prefix cache computes the longest token prefix that all requests of a wave share — capped at the tokens
-excluded from pooling (the instruction) — once, and starts every request's cursor after it.
+**The prefix cache** computes the longest token prefix that all requests of a wave share, capped at the tokens
+excluded from pooling (the instruction), once. Its K/V is kept for every layer (the only all-layer cache; it is
+short), and every request runs from the token after it, attending to it as a prefix.
 
-    >>> out = CausalPrefill(runner, chunk=512, budget=16384, max_seqs=256, backend="torch", pooling="mean")
-    >>> rows, stats = out.run(requests, shared_prefix=True)       # {request.index: (hidden,) float32}
+    >>> prefill = CausalPrefill(runner, chunk=512, budget=16384, max_seqs=256, backend="torch", pooling="mean")
+    >>> rows, stats = prefill.run(requests, shared_prefix=True)     # {request.index: (hidden,) float32}
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from lab.batch import KVStep
+from lab.batch import AttnMeta, KVStep, PackedBatch
 from lab.inputs import Request
 from lab.pooling import pool
+from lab.scheduler import plan_batches
 
 
-class _LazyPrefix:
-    """Per-layer concatenation of every active request's cached K (or V), built only when a layer asks."""
+class _PerLayer:
+    """``obj[layer]`` -> ``fn(layer)``: a prefix K or V built only when that layer's attention asks for it."""
 
-    def __init__(self, segments_per_request: list[list[list[torch.Tensor]]]):
-        self.segs = segments_per_request  # [request][layer] -> list of (n, Hkv, D) tensors
+    def __init__(self, fn):
+        self.fn = fn
 
     def __getitem__(self, layer: int) -> torch.Tensor:
-        return torch.cat([t for per_layer in self.segs for t in per_layer[layer]])
-
-
-@dataclass(eq=False)  # identity, not field equality: requests hold arrays
-class _Active:
-    req: Request
-    cursor: int
-    k: list[list[torch.Tensor]]  # per layer: cached key segments
-    v: list[list[torch.Tensor]]
-    sum: torch.Tensor | None = None  # mean / weightedmean numerator, or the cls / lasttoken / max row
-    weight: float = 0.0
-    cached: int = 0  # tokens in the cache
-
-    @property
-    def remaining(self) -> int:
-        return self.req.length - self.cursor
+        return self.fn(layer)
 
 
 @dataclass
 class PrefillStats:
+    """What one ``CausalPrefill.run`` did.
+
+    ``steps``: packed steps (a layer-by-layer group counts its rounds once, not once per layer); ``pieces``:
+    request pieces run (a request cut into n chunks counts n); ``state_bytes``: the most K/V and hidden-state
+    memory held across steps at once (the shared prefix's K/V plus one layer-by-layer group's state).
+    """
+
     tokens_computed: int = 0
     steps: int = 0
     pieces: int = 0
     shared_prefix: int = 0
-    peak_cache_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+    state_bytes: int = 0
+
+
+@dataclass
+class _Prefix:
+    k: torch.Tensor  # (layers, P, Hkv, D)
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
 
 
 class CausalPrefill:
     def __init__(self, runner, *, chunk: int | None, budget: int, max_seqs: int, backend: str, pooling: str):
         self.runner, self.chunk, self.budget, self.max_seqs = runner, chunk, budget, max_seqs
         self.backend, self.pooling = backend, pooling
+        self.model = runner.model
         self.num_layers = runner.model.num_layers
 
     # ------------------------------------------------------------------------------------------------ public
-    def run(self, requests: list[Request], *, shared_prefix: bool) -> tuple[dict[int, torch.Tensor], PrefillStats]:
-        stats = PrefillStats()
-        def empty() -> list[list[torch.Tensor]]:
-            return [[] for _ in range(self.num_layers)]
-
-        prefix_k, prefix_v, p = empty(), empty(), 0
-        if shared_prefix and len(requests) > 1:
-            p = _shared_prefix_length(requests)
-        if p:
-            # one pseudo-request for the shared prefix: nothing pooled, its cache becomes everyone's start
-            pseudo = Request(index=-1, ids=requests[0].ids[:p], pool_start=p)
-            done = self._loop([_Active(pseudo, 0, empty(), empty())], stats, keep_cache=True)
-            prefix_k, prefix_v = done[0].k, done[0].v
-            stats.shared_prefix = p
-        active = [
-            _Active(r, p, [list(x) for x in prefix_k], [list(x) for x in prefix_v], cached=p)
-            for r in sorted(requests, key=lambda r: -r.length)
-        ]
-        finished = self._loop(active, stats, keep_cache=False)
-        return {a.req.index: self._result(a) for a in finished}, stats
-
-    # -------------------------------------------------------------------------------------------------- loop
-    def _loop(self, queue: list[_Active], stats: PrefillStats, *, keep_cache: bool) -> list[_Active]:
-        finished: list[_Active] = []
-        running: list[_Active] = []
-        queue = list(queue)
-        while running or queue:
-            # requests that hold a cache go first (finishing them frees memory); then admit new ones
-            step, tokens = [], 0
-            for a in running + queue:
-                n = self._piece(a)
-                if step and (tokens + n > self.budget or len(step) >= self.max_seqs):
-                    break
-                step.append((a, n))
-                tokens += n
-            for a, _ in step:
-                if a not in running:
-                    queue.remove(a)
-                    running.append(a)
-            self._step(step, keep_cache)
-            stats.steps += 1
-            stats.pieces += len(step)
-            stats.tokens_computed += tokens
-            stats.peak_cache_tokens = max(stats.peak_cache_tokens, sum(a.cached for a in running))
-            for a, _ in step:
-                if a.remaining == 0:
-                    running.remove(a)
-                    finished.append(a)
-                    if not keep_cache:
-                        a.k = a.v = None  # free the cache as soon as the request is done
-        return finished
-
-    def _piece(self, a: _Active) -> int:
-        return a.remaining if self.chunk is None else min(self.chunk, a.remaining)
-
     @torch.inference_mode()
-    def _step(self, step: list[tuple[_Active, int]], keep_cache: bool) -> None:
-        prefix_lens = [a.cached for a, _ in step]
-        kv = KVStep(num_layers=self.num_layers, capture=True)
-        if any(prefix_lens):
-            cu = [0]
-            for n in prefix_lens:
-                cu.append(cu[-1] + n)
-            kv.cu_prefix = torch.tensor(cu, dtype=torch.int32, device=self.runner.device)
-            kv.prefix_lens = prefix_lens
-            kv.prefix_k = _LazyPrefix([a.k for a, _ in step])
-            kv.prefix_v = _LazyPrefix([a.v for a, _ in step])
-        ids = [a.req.ids[a.cursor : a.cursor + n] for a, n in step]
-        batch = self.runner.pack([], causal=True, backend=self.backend, kv=kv,
-                                 position_offsets=[a.cursor for a, _ in step], ids=ids)
-        hidden = self.runner.forward(batch)
-        # where pooling starts inside each piece, and how many pooled tokens came before it (weighted mean)
-        local_start = [min(max(a.req.pool_start - a.cursor, 0), n) for a, n in step]
-        before = [max(a.cursor - a.req.pool_start, 0) for a, _ in step]
-        dev = self.runner.device
-        pooled = pool(hidden, batch.meta, self.pooling, pool_start=torch.tensor(local_start, device=dev),
-                      weight_offset=torch.tensor(before, device=dev))
-        s = 0
-        for i, (a, n) in enumerate(step):
-            last = a.cursor + n == a.req.length
-            if not last or keep_cache:  # the last piece's K/V is never read again
-                for layer, (k, v) in enumerate(kv.captured):
-                    a.k[layer].append(k[s : s + n].clone())
-                    a.v[layer].append(v[s : s + n].clone())
-                a.cached += n
-            self._accumulate(a, pooled[i], n - local_start[i], before[i], piece_has_first=local_start[i] < n
-                             and a.cursor + local_start[i] == a.req.pool_start, last=last)
-            a.cursor += n
-            s += n
+    def run(self, requests: list[Request], *, shared_prefix: bool) -> tuple[dict[int, torch.Tensor], PrefillStats]:
+        """Pooled rows ``{request.index: (hidden,) float32}`` of ``requests`` under causal attention."""
+        stats = PrefillStats()
+        p = _shared_prefix_length(requests) if shared_prefix and len(requests) > 1 else 0
+        prefix = None
+        if p:
+            pseudo = Request(index=-1, ids=requests[0].ids[:p], pool_start=p)
+            _, prefix = self._layerwise([pseudo], None, stats, keep=True)
+            stats.shared_prefix = p
+        rows: dict[int, torch.Tensor] = {}
+        fits = [r for r in requests if self.chunk is None or r.length - p <= self.chunk]
+        long = [r for r in requests if self.chunk is not None and r.length - p > self.chunk]
+        for batch in plan_batches(_Own.wrap(fits, p), self.budget, self.max_seqs):
+            self._whole(batch, prefix, rows, stats)
+        for group in plan_batches(_Own.wrap(long, p), self.budget, self.max_seqs):
+            pooled, _ = self._layerwise([o.req for o in group], prefix, stats, keep=False)
+            rows.update({o.req.index: row for o, row in zip(group, pooled)})
+        return rows, stats
 
-    def _accumulate(self, a: _Active, row: torch.Tensor, n_pooled: int, before: int, *, piece_has_first: bool,
-                    last: bool) -> None:
-        m = self.pooling
-        if m == "mean" and n_pooled:
-            a.sum = row * n_pooled if a.sum is None else a.sum + row * n_pooled
-            a.weight += n_pooled
-        elif m == "weightedmean" and n_pooled:
-            w = n_pooled * before + n_pooled * (n_pooled + 1) / 2  # weights before+1 .. before+n_pooled
-            a.sum = row * w if a.sum is None else a.sum + row * w
-            a.weight += w
-        elif (m == "cls" and piece_has_first) or (m == "lasttoken" and last):
-            a.sum = row.clone()
-        elif m == "max" and n_pooled:
-            a.sum = row.clone() if a.sum is None else torch.maximum(a.sum, row)
+    # ----------------------------------------------------------------------------------- one step per request
+    def _whole(self, batch: list[_Own], prefix: _Prefix | None, rows: dict, stats: PrefillStats) -> None:
+        """Requests that fit one piece: one packed step, attending to the shared prefix if there is one."""
+        p = 0 if prefix is None else prefix.length
+        kv = None
+        if p:
+            n = len(batch)
+            kv = KVStep(num_layers=self.num_layers, prefix_lens=[p] * n,
+                        cu_prefix=torch.arange(0, (n + 1) * p, p, dtype=torch.int32, device=self.runner.device),
+                        prefix_k=_PerLayer(lambda layer: prefix.k[layer].repeat(n, 1, 1)),
+                        prefix_v=_PerLayer(lambda layer: prefix.v[layer].repeat(n, 1, 1)))
+        packed = self._pack([o.req for o in batch], p, kv)
+        hidden = self.runner.forward(packed)
+        pooled = pool(hidden, packed.meta, self.pooling, pool_start=packed.pool_start)
+        rows.update({o.req.index: row for o, row in zip(batch, pooled)})
+        stats.steps += 1
+        stats.pieces += len(batch)
+        stats.tokens_computed += packed.meta.num_tokens
 
-    def _result(self, a: _Active) -> torch.Tensor:
-        if self.pooling in ("mean", "weightedmean"):
-            return a.sum / a.weight
-        return a.sum
+    # ------------------------------------------------------------------------------------------ layer by layer
+    def _layerwise(self, group: list[Request], prefix: _Prefix | None, stats: PrefillStats, *,
+                   keep: bool) -> tuple[torch.Tensor | None, _Prefix | None]:
+        """Run ``group`` (each after the shared prefix) one layer at a time, in pieces of ``chunk`` tokens.
+
+        Returns the pooled rows, or with ``keep`` (computing the shared prefix itself) nothing pooled and the
+        group's K/V of every layer.
+        """
+        model, dev = self.model, self.runner.device
+        p = 0 if prefix is None else prefix.length
+        packed = self._pack(group, p, None)
+        lens = packed.meta.seqlens
+        model.check_context(p + max(lens))
+        h = model.embed_tokens(packed.input_ids, packed.positions, packed.token_type_ids, self.backend)
+        total = h.shape[0]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        chunk = self.chunk or max(lens)
+        rounds = []  # per round: [(member, start within member, piece length)]
+        for r in range(math.ceil(max(lens) / chunk)):
+            rounds.append([(j, r * chunk, min(chunk, n - r * chunk)) for j, n in enumerate(lens) if r * chunk < n])
+        steps = [self._round_step(members, starts, p, dev) for members in rounds]
+
+        kv_k = kv_v = None  # (layers or 1, total, Hkv, D): this layer's K/V (every layer's with keep)
+
+        def store(layer: int, k: torch.Tensor, v: torch.Tensor, rows) -> None:
+            nonlocal kv_k, kv_v
+            if kv_k is None:
+                shape = (self.num_layers if keep else 1, total, *k.shape[1:])
+                kv_k, kv_v = k.new_empty(shape), v.new_empty(shape)
+            i = layer if keep else 0
+            if isinstance(rows, slice):
+                kv_k[i, rows].copy_(k)
+                kv_v[i, rows].copy_(v)
+            else:
+                kv_k[i].index_copy_(0, rows, k)
+                kv_v[i].index_copy_(0, rows, v)
+
+        def earlier(buf_fn, members, layer: int, shared) -> torch.Tensor:
+            """Prefix of each member for ``layer``: the shared prefix, then this layer's K/V of its earlier pieces."""
+            i = layer if keep else 0
+            parts = []
+            for j, s, _ in members:
+                if shared is not None:
+                    parts.append(shared[layer])
+                if s:
+                    parts.append(buf_fn()[i, starts[j] : starts[j] + s])
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        for layer in range(self.num_layers):
+            for members, (rows, seq_lens, prefix_lens) in zip(rounds, steps):
+                kv = KVStep(num_layers=self.num_layers, capture=lambda i, k, v, rows=rows: store(i, k, v, rows))
+                if any(prefix_lens):
+                    cu = np.concatenate([[0], np.cumsum(prefix_lens)])
+                    kv.cu_prefix = torch.tensor(cu, dtype=torch.int32, device=dev)
+                    kv.prefix_lens = prefix_lens
+                    kv.prefix_k = _PerLayer(lambda i, m=members: earlier(lambda: kv_k, m, i, _field(prefix, "k")))
+                    kv.prefix_v = _PerLayer(lambda i, m=members: earlier(lambda: kv_v, m, i, _field(prefix, "v")))
+                meta = AttnMeta.from_lengths(seq_lens, causal=True, device=dev, backend=self.backend, kv=kv)
+                x = h[rows] if isinstance(rows, slice) else h.index_select(0, rows)
+                y = model.run_layer(layer, x, packed.positions[rows], meta)
+                if isinstance(rows, slice):
+                    h[rows] = y
+                else:
+                    h.index_copy_(0, rows, y)
+        stats.steps += len(rounds)
+        stats.pieces += sum(len(m) for m in rounds)
+        stats.tokens_computed += total
+        held = h.numel() * h.element_size() + (0 if kv_k is None else 2 * kv_k.numel() * kv_k.element_size())
+        stats.state_bytes = max(stats.state_bytes, held + (0 if prefix is None else prefix.nbytes))
+        if keep:
+            return None, _Prefix(kv_k, kv_v)
+        for rows, _, _ in steps:  # final norm piece by piece, in place
+            if isinstance(rows, slice):
+                h[rows] = model.finish(h[rows], self.backend)
+            else:
+                h.index_copy_(0, rows, model.finish(h.index_select(0, rows), self.backend))
+        return pool(h, packed.meta, self.pooling, pool_start=packed.pool_start), None
+
+    @staticmethod
+    def _round_step(members, starts, p, dev):
+        """Rows of ``h`` a round reads (a slice when one member runs), its piece lengths and prefix lengths."""
+        seq_lens = [n for _, _, n in members]
+        prefix_lens = [p + s for _, s, _ in members]
+        if len(members) == 1:
+            j, s, n = members[0]
+            rows = slice(starts[j] + s, starts[j] + s + n)
+        else:
+            rows = torch.cat([torch.arange(starts[j] + s, starts[j] + s + n, device=dev) for j, s, n in members])
+        return rows, seq_lens, prefix_lens
+
+    def _pack(self, requests: list[Request], p: int, kv: KVStep | None) -> PackedBatch:
+        """The tokens of ``requests`` after the shared prefix (positions continue from ``p``); pooling windows
+        shifted to match (the prefix is never pooled: ``p <= pool_start``)."""
+        return PackedBatch.build(
+            [r.ids[p:] for r in requests], causal=True, device=self.runner.device, backend=self.backend,
+            token_type_ids=[None if r.token_type_ids is None else r.token_type_ids[p:] for r in requests],
+            pool_start=[r.pool_start - p for r in requests], position_offsets=[p] * len(requests), kv=kv,
+        )
+
+
+@dataclass(eq=False)
+class _Own:
+    """A request seen by the scheduler with the length it computes: its tokens after the shared prefix."""
+
+    req: Request
+    length: int
+
+    @staticmethod
+    def wrap(requests: list[Request], p: int) -> list[_Own]:
+        return [_Own(r, r.length - p) for r in requests]
+
+
+def _field(prefix: _Prefix | None, name: str):
+    return None if prefix is None else getattr(prefix, name)
 
 
 def _shared_prefix_length(requests: list[Request]) -> int:

@@ -79,7 +79,8 @@ class Engine:
         dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16``, ``float16``.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` (fixed at load).
         bidirectional: ``None`` = the model's own attention; ``True``/``False`` override (LLM2Vec-style).
-        chunked_prefill: tokens per chunk for long inputs under causal attention (``None`` = off).
+        chunked_prefill: tokens per chunk for long inputs under causal attention (``None`` = off); runs layer by
+            layer, holding hidden states + one layer's K/V per long input (``lab.chunking``).
         instruction: text prepended to every input, attended to but not pooled unless ``include_instruction``.
         append_eos: append EOS when the tokenizer does not (``None`` = on for decoders with lasttoken pooling).
         prefix_cache: reuse the shared instruction prefix's K/V under causal attention.

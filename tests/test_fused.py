@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.models.fused import fusable, gated_mlp, linear_act
+from lab.models.fused import fusable, linear_act
 
 
 @pytest.mark.parametrize("act_name,act", [("gelu", F.gelu), ("gelu_new", lambda x: F.gelu(x, approximate="tanh")),
@@ -18,18 +18,39 @@ def test_linear_act_matches_plain(act_name, act, dtype, tol):
     torch.testing.assert_close(linear_act(x, w, b, act_name, act).float(), want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_gated_mlp_matches_plain(dtype, tol, bias):
-    x = torch.randn(9, 16, dtype=dtype)
-    wg, wu = torch.randn(32, 16, dtype=dtype) * 0.2, torch.randn(32, 16, dtype=dtype) * 0.2
-    bg, bu = (torch.randn(32, dtype=dtype), torch.randn(32, dtype=dtype)) if bias else (None, None)
-    want = F.silu(F.linear(x.float(), wg.float(), None if bg is None else bg.float())) * F.linear(
-        x.float(), wu.float(), None if bu is None else bu.float())
-    got = gated_mlp(x, wg, wu, "silu", F.silu, bg, bu)
-    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
-
-
 def test_fusable_only_for_cpu_float32_bfloat16_and_known_activations():
     assert not fusable(torch.zeros(2, 2, dtype=torch.float16), "gelu")
     assert not fusable(torch.zeros(2, 2), "unknown_act")
+
+
+@pytest.mark.parametrize("widen", [False, True])
+def test_bfloat16_linear_is_bfloat16_gemm_arithmetic(monkeypatch, widen):
+    """A float32 GEMM over bfloat16 values (exact products, float32 sums) rounded once to bfloat16: within one
+    bfloat16 rounding of the float64 product, like oneDNN's native bfloat16 GEMM; dtype stays bfloat16."""
+    from lab.models import fused
+
+    monkeypatch.setattr(fused, "BF16_GEMM_IN_FP32", widen)
+    x, w, b = torch.randn(33, 48).bfloat16(), (torch.randn(20, 48) * 0.2).bfloat16(), torch.randn(20).bfloat16()
+    want = F.linear(x.double(), w.double(), b.double())
+    got = fused.linear(x, w, b)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3)
+    act = fused.linear_act(x, w, b, "gelu", F.gelu)
+    assert act.dtype == torch.bfloat16
+    torch.testing.assert_close(act.double(), F.gelu(want), rtol=2**-7, atol=1e-2)
+    layer = fused.Linear(48, 20)
+    assert isinstance(layer, torch.nn.Linear)
+    layer = layer.bfloat16()
+    torch.testing.assert_close(layer(x), fused.linear(x, layer.weight, layer.bias))
+
+
+def test_bfloat16_gemm_mode_is_validated(monkeypatch):
+    from lab.models import fused
+
+    monkeypatch.setenv("LAB_CPU_BF16_GEMM", "fp32")
+    assert fused._bf16_gemm_in_fp32() is True
+    monkeypatch.setenv("LAB_CPU_BF16_GEMM", "native")
+    assert fused._bf16_gemm_in_fp32() is False
+    monkeypatch.setenv("LAB_CPU_BF16_GEMM", "fast")
+    with pytest.raises(ValueError, match="valid: auto, native, fp32"):
+        fused._bf16_gemm_in_fp32()

@@ -153,16 +153,18 @@ def test_chunked_prefill_with_kv_prefix_equals_unchunked(folders, kind):
     seqs = list(torch.split(ids, full))
     step1_ids = torch.cat([seqs[0][:5], seqs[1][:3]])
     step1_pos = torch.cat([torch.arange(5), torch.arange(3)])
-    kv1 = KVStep(num_layers=model.num_layers, capture=True)
+    captured = {}
+    kv1 = KVStep(num_layers=model.num_layers, capture=lambda i, k, v: captured.__setitem__(i, (k.clone(), v.clone())))
     with torch.no_grad():
         h1 = model(step1_ids, step1_pos, AttnMeta.from_lengths(first, causal=True, kv=kv1))
-    assert all(c is not None and c[0].shape == (8, model.args.num_kv_heads, model.args.head_dim) for c in kv1.captured)
+    assert sorted(captured) == list(range(model.num_layers))
+    assert all(k.shape == (8, model.args.num_kv_heads, model.args.head_dim) for k, _ in captured.values())
     kv2 = KVStep(
         num_layers=model.num_layers,
         cu_prefix=torch.tensor([0, 5, 8, 8], dtype=torch.int32),
         prefix_lens=[5, 3, 0],
-        prefix_k=[k for k, _ in kv1.captured],
-        prefix_v=[v for _, v in kv1.captured],
+        prefix_k=[captured[i][0] for i in range(model.num_layers)],
+        prefix_v=[captured[i][1] for i in range(model.num_layers)],
     )
     second = [6, 3, 4]
     step2_ids = torch.cat([seqs[0][5:], seqs[1][3:], seqs[2]])
@@ -268,3 +270,18 @@ def test_smollm2_from_gguf_matches_transformers():
         for h, e in zip(torch.split(hidden, lengths), enc):
             ref_h = ref(input_ids=torch.tensor([e])).last_hidden_state[0]
             assert_close_per_token(h, ref_h, f"SmolLM2 {len(e)} tokens")
+
+
+def test_row_blocked_mlp_equals_whole(folders, monkeypatch):
+    """CPU steps longer than ``MLP_ROWS`` run the FFN in row blocks; the hidden states must not change."""
+    from lab.models import decoder
+
+    model = ours(folders["qwen2"])  # biases on q/k/v: every projection path
+    lengths = [13, 1, 7, 22]
+    ids, positions = packed(lengths, model.args.vocab_size)
+    meta = AttnMeta.from_lengths(lengths, causal=True)
+    with torch.no_grad():
+        whole = model(ids, positions, meta)
+        monkeypatch.setattr(decoder, "MLP_ROWS", 5)  # 43 tokens: 8 full blocks and a 3-row tail
+        blocked = model(ids, positions, meta)
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)

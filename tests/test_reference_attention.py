@@ -33,13 +33,18 @@ def test_ragged_batches_match_oracle(causal, heads):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_prefix_matches_oracle(causal):
-    lens, plens = [4, 4, 1, 7], [3, 3, 0, 5]
-    q, k, v = torch.randn(16, 4, 8), torch.randn(16, 2, 8), torch.randn(16, 2, 8)
-    kp, vp = torch.randn(11, 2, 8), torch.randn(11, 2, 8)
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 1), (3, 3)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_prefix_matches_oracle(causal, hq, hkv, dtype, tol):
+    """Causal steps with a prefix take the two-call log-sum-exp merge on CPU; a length-1 piece after a prefix too."""
+    lens, plens = [4, 4, 1, 7, 1], [3, 3, 0, 5, 9]
+    t, p = sum(lens), sum(plens)
+    q, k, v = (torch.randn(t, h, 8, dtype=dtype) for h in (hq, hkv, hkv))
+    kp, vp = torch.randn(p, hkv, 8, dtype=dtype), torch.randn(p, hkv, 8, dtype=dtype)
     got = varlen_attention(q, k, v, _cu(lens), 7, causal=causal, k_prefix=kp, v_prefix=vp, cu_prefix=_cu(plens))
     want = varlen_attention_naive(q, k, v, _cu(lens), causal=causal, k_prefix=kp, v_prefix=vp, cu_prefix=_cu(plens))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_buckets_merge_close_lengths_only():

@@ -16,7 +16,7 @@ from torch import nn
 
 from lab.attention import attention, ops
 from lab.batch import AttnMeta
-from lab.models.fused import linear_act
+from lab.models.fused import Linear, linear_act
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -33,11 +33,11 @@ class BertLayer(nn.Module):
     def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, index: int):
         super().__init__()
         self.heads, self.head_dim, self.eps, self.index = heads, hidden // heads, eps, index
-        self.qkv = nn.Linear(hidden, 3 * hidden)  # fused query/key/value
-        self.attn_out = nn.Linear(hidden, hidden)
+        self.qkv = Linear(hidden, 3 * hidden)  # fused query/key/value
+        self.attn_out = Linear(hidden, hidden)
         self.attn_norm = nn.LayerNorm(hidden, eps=eps)
-        self.up = nn.Linear(hidden, intermediate)
-        self.down = nn.Linear(intermediate, hidden)
+        self.up = Linear(hidden, intermediate)
+        self.down = Linear(intermediate, hidden)
         self.out_norm = nn.LayerNorm(hidden, eps=eps)
         self.act_name = act
         self.act = _ACTIVATIONS[act]
@@ -92,15 +92,31 @@ class BertModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, token_type_ids: torch.Tensor | None
     ) -> torch.Tensor:
         """input_ids, positions, token_type_ids: ``(T,)`` -> hidden ``(T, hidden)``."""
+        x = self.embed_tokens(input_ids, positions, token_type_ids, meta.backend)
+        for layer in self.layers:
+            x = layer(x, meta)
+        return x
+
+    # ---------------------------------------------------- stages: the same forward, one layer at a time (lab.chunking)
+    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None,
+                     backend: str = "torch") -> torch.Tensor:
+        """Input of layer 0: word + position + token-type embeddings, LayerNorm-ed. ``(T, hidden)``."""
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
         if token_type_ids is None:  # type 0 everywhere: one row broadcast instead of a gather
             x = x + self.token_type_embeddings.weight[0]
         else:
             x = x + self.token_type_embeddings(token_type_ids)
-        x = ops(meta).add_layer_norm(x, None, self.emb_norm.weight, self.emb_norm.bias, self.eps)
-        for layer in self.layers:
-            x = layer(x, meta)
-        return x
+        return ops(backend).add_layer_norm(x, None, self.emb_norm.weight, self.emb_norm.bias, self.eps)
+
+    def run_layer(self, index: int, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        return self.layers[index](x, meta)
+
+    def finish(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        return x  # post-norm layers: the last layer's output is final
+
+    def check_context(self, longest: int) -> None:
+        if longest > self.max_positions:
+            raise ValueError(f"a sequence spans {longest} tokens but this model has {self.max_positions} positions")
 
     # ------------------------------------------------------------------------------------------------ loading
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 from lab.attention import attention, ops
 from lab.batch import AttnMeta
 from lab.kernels.reference import rotary_cos_sin
-from lab.models.fused import fusable, gated_mlp
+from lab.models.fused import Linear
 from lab.models.rope import RopeSpec, rope_from_config
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -32,6 +32,11 @@ ARCHITECTURES = tuple(
     for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
     for suffix in ("Model", "ForCausalLM", "ForSequenceClassification")
 )
+
+# Tokens per FFN block on CPU. One (T, 2I) gate/up activation for a 16k-token step is ~200 MB for SmolLM2 and
+# leaves the caches between the GEMM and the gating; 4096-row blocks measured 1.07-1.15x faster end to end in
+# float32 (bfloat16 unchanged), and a single GEMM over the stacked gate/up weight beat oneDNN's fused epilogues.
+MLP_ROWS = 4096
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -123,16 +128,16 @@ class DecoderLayer(nn.Module):
         self.hq, self.hkv, self.d = a.num_heads, a.num_kv_heads, a.head_dim
         self.ln_attn = nn.Parameter(torch.empty(a.hidden_size))
         self.ln_mlp = nn.Parameter(torch.empty(a.hidden_size))
-        self.qkv = nn.Linear(a.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=a.qkv_bias)  # fused q/k/v
-        self.o = nn.Linear(self.hq * self.d, a.hidden_size, bias=a.o_bias)
+        self.qkv = Linear(a.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=a.qkv_bias)  # fused q/k/v
+        self.o = Linear(self.hq * self.d, a.hidden_size, bias=a.o_bias)
         if a.qk_norm:
             self.q_norm = nn.Parameter(torch.empty(self.d))
             self.k_norm = nn.Parameter(torch.empty(self.d))
         else:
             self.q_norm = self.k_norm = None
         self.inter = a.intermediate_size
-        self.gate_up = nn.Linear(a.hidden_size, 2 * self.inter, bias=a.mlp_bias)  # fused gate/up
-        self.down = nn.Linear(self.inter, a.hidden_size, bias=a.mlp_bias)
+        self.gate_up = Linear(a.hidden_size, 2 * self.inter, bias=a.mlp_bias)  # fused gate/up
+        self.down = Linear(self.inter, a.hidden_size, bias=a.mlp_bias)
         self.act_name = a.hidden_act
         self.act = _ACTIVATIONS[a.hidden_act]
 
@@ -154,16 +159,23 @@ class DecoderLayer(nn.Module):
         k_ops.apply_rotary(k, cos, sin)
         a = attention(q, k, v, meta, self.index)  # (T, Hq, D)
         h, residual = k_ops.add_rms_norm(self.o(a.reshape(t, nq)), residual, self.ln_mlp, self.eps)
-        return self.down(self._mlp_in(h)), residual
+        return self._mlp(h), residual
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """``down(act(gate(h)) * up(h))``, in row blocks of ``MLP_ROWS`` tokens on CPU (see ``MLP_ROWS``)."""
+        t = h.shape[0]
+        if h.device.type != "cpu" or t <= MLP_ROWS:
+            return self.down(self._mlp_in(h))
+        out = h.new_empty(t, self.down.out_features)
+        for s in range(0, t, MLP_ROWS):
+            out[s : s + MLP_ROWS] = self.down(self._mlp_in(h[s : s + MLP_ROWS]))
+        return out
 
     def _mlp_in(self, h: torch.Tensor) -> torch.Tensor:
-        """``act(gate(h)) * up(h)``: fused into the GEMMs on CPU, else one GEMM over the stacked gate/up weight."""
-        i, w, b = self.inter, self.gate_up.weight, self.gate_up.bias
-        if fusable(h, self.act_name):
-            return gated_mlp(h, w[:i], w[i:], self.act_name, self.act, None if b is None else b[:i],
-                             None if b is None else b[i:])
+        """``act(gate(h)) * up(h)`` from one GEMM over the stacked gate/up weight."""
+        i = self.inter
         gu = self.gate_up(h)  # (T, 2 I)
-        return self.act(gu[:, :i]) * gu[:, i:]
+        return self.act(gu[:, :i]).mul_(gu[:, i:])
 
 
 class DecoderModel(nn.Module):
@@ -203,13 +215,33 @@ class DecoderModel(nn.Module):
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: ``(T,)`` -> final-normed hidden states ``(T, hidden)``; ``token_type_ids`` unused."""
-        self._check_context(meta)
+        kv = meta.kv
+        longest = meta.max_seqlen
+        if kv is not None and kv.has_prefix:
+            longest = max(p + n for p, n in zip(kv.prefix_lens, meta.seqlens))
+        self.check_context(longest)
         x = self.embed(input_ids)  # (T, hidden)
         cos, sin = rotary_cos_sin(positions, self._freqs(x.device), self.rope.attention_scaling, dtype=x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, meta)
         return ops(meta).add_rms_norm(x, residual, self.norm, self.eps)[0]
+
+    # ---------------------------------------------------- stages: the same forward, one layer at a time (lab.chunking)
+    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids=None,
+                     backend: str = "torch") -> torch.Tensor:
+        """Input of layer 0: ``(T, hidden)``."""
+        return self.embed(input_ids)
+
+    def run_layer(self, index: int, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """Hidden states after layer ``index`` from those before it (the residual sum ``forward`` carries apart)."""
+        cos, sin = rotary_cos_sin(positions, self._freqs(x.device), self.rope.attention_scaling, dtype=x.dtype)
+        out, residual = self.layers[index](x, None, cos, sin, meta)
+        return out + residual  # the add ``forward`` leaves to the next norm, in the same order
+
+    def finish(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        """Final RMSNorm of the last layer's hidden states."""
+        return ops(backend).add_rms_norm(x, None, self.norm, self.eps)[0]
 
     def lm_logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
         """Language-model logits ``(N, V)`` of hidden states ``(N, hidden)``, or only the columns ``token_ids``."""
@@ -229,19 +261,13 @@ class DecoderModel(nn.Module):
             f = self._inv_freq[device] = self.rope.inv_freq.to(device)
         return f
 
-    def _check_context(self, meta: AttnMeta) -> None:
+    def check_context(self, longest: int) -> None:
         """Refuse contexts the implementation would get wrong (sliding windows, dynamic NTK), from host ints only."""
         limit = self.args.sliding_window
         why = "sliding-window attention is not implemented"
         if self.rope.max_context is not None and (limit is None or self.rope.max_context < limit):
             limit, why = self.rope.max_context, "dynamic NTK RoPE past max_position_embeddings is not implemented"
-        if limit is None:
-            return
-        longest = meta.max_seqlen
-        kv = meta.kv
-        if kv is not None and kv.has_prefix:
-            longest = max(p + n for p, n in zip(kv.prefix_lens, meta.seqlens))
-        if longest > limit:
+        if limit is not None and longest > limit:
             raise ValueError(f"a sequence spans {longest} tokens but only {limit} are supported: {why}")
 
     # ------------------------------------------------------------------------------------------------ loading
