@@ -40,7 +40,6 @@ and batch 16, 1.9% at 512): it is in each baseline row's note.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import platform
@@ -56,6 +55,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from evals.data_io import read_jsonl, spread  # after the path set-up: this runs as a script
 
 DATA = ROOT / "evals" / "data"
 RESULTS = ROOT / "evals" / "results"
@@ -81,18 +82,6 @@ COLUMNS = [
 
 
 # ------------------------------------------------------------------------------------------------------- data
-def read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def spread(n_total: int, n: int | None) -> list[int]:
-    """``n`` evenly spaced indices into ``range(n_total)`` (all of them when ``n`` is None or too large)."""
-    if n is None or n >= n_total:
-        return list(range(n_total))
-    return sorted({round(i * (n_total - 1) / max(n - 1, 1)) for i in range(n)})
-
 
 def scifact_docs(n: int | None = None) -> list[str]:
     docs = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")

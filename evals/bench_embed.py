@@ -15,8 +15,6 @@ Writes evals/results/bench_embed.csv (tidy rows) and evals/results/bench_embed.p
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import statistics
 import time
@@ -26,21 +24,18 @@ import numpy as np
 import pandas as pd
 import torch
 
+from evals.data_io import read_jsonl
+
 ROOT = Path(__file__).resolve().parent
 DATA, RESULTS = ROOT / "data", ROOT / "results"
 
 
-def _jsonl(path: Path) -> list[dict]:
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
 def load_corpus(name: str, scifact_docs: int) -> list[str]:
     if name == "stsbenchmark":
-        rows = _jsonl(DATA / "stsbenchmark" / "test.jsonl.gz")
+        rows = read_jsonl(DATA / "stsbenchmark" / "test.jsonl.gz")
         return [r["sentence1"] for r in rows] + [r["sentence2"] for r in rows]
     if name == "scifact":
-        rows = _jsonl(DATA / "scifact" / "corpus.jsonl.gz")[:scifact_docs]
+        rows = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")[:scifact_docs]
         return [(r.get("title", "") + " " + r["text"]).strip() for r in rows]
     raise ValueError(f"unknown corpus {name!r}; valid: stsbenchmark, scifact")
 

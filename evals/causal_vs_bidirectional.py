@@ -19,8 +19,6 @@ Writes ``<out>.csv`` (one row per variant), ``<out>.md`` (pooling x attention ta
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import platform
 import sys
@@ -33,17 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from evals.data_io import read_jsonl, spread  # after the path set-up: this runs as a script
+
 DATA = ROOT / "evals" / "data" / "stsbenchmark" / "test.jsonl.gz"
 DEFAULT_OUT = ROOT / "evals" / "results" / "causal_vs_bidirectional"
 
 
 def load_pairs(limit: int | None) -> list[dict]:
-    with gzip.open(DATA, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if limit is not None and limit < len(rows):  # evenly spaced, so every genre / year stays represented
-        idx = sorted({round(i * (len(rows) - 1) / max(limit - 1, 1)) for i in range(limit)})
-        rows = [rows[i] for i in idx]
-    return rows
+    rows = read_jsonl(DATA)
+    return [rows[i] for i in spread(len(rows), limit)]  # evenly spaced: every genre / year stays represented
 
 
 def ranks(x):

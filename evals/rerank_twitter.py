@@ -18,8 +18,6 @@ Writes ``evals/results/rerank_twitter.csv`` (one row per model x metric) and ``r
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import platform
 import time
@@ -27,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from evals.data_io import read_jsonl, spread
 
 ROOT = Path(__file__).resolve().parent
 DATA = Path(os.environ.get("LAB_EVAL_DATA") or ROOT / "data") / "twitterurlcorpus" / "test.reranking.jsonl.gz"
@@ -37,11 +37,8 @@ INSTRUCTION = "Retrieve tweets that paraphrase the given news headline"  # the c
 def load_queries(limit: int | None, seed: int = 0) -> list[dict]:
     """``[{"query", "documents", "labels"}]``: ``limit`` evenly spaced queries (the rule of ``evals.tasks``'s
     ``limit``), candidates shuffled per query with ``seed``."""
-    with gzip.open(DATA, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if limit is not None and limit < len(rows):
-        keep = sorted({round(i * (len(rows) - 1) / max(limit - 1, 1)) for i in range(limit)})
-        rows = [rows[i] for i in keep]
+    rows = read_jsonl(DATA)
+    rows = [rows[i] for i in spread(len(rows), limit)]
     rng = np.random.default_rng(seed)
     out = []
     for r in rows:

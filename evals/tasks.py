@@ -15,9 +15,7 @@ reranking view of TwitterURLCorpus), not an official MTEB one.
 from __future__ import annotations
 
 import csv
-import gzip
 import hashlib
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +25,8 @@ from datasets import Dataset, DatasetDict
 from mteb.abstasks.retrieval import AbsTaskRetrieval
 from mteb.abstasks.task_metadata import TaskMetadata
 
+from evals.data_io import read_jsonl, spread
+
 DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
@@ -34,18 +34,6 @@ def data_root() -> Path:
     """Root of the local data: ``$LAB_EVAL_DATA`` if set, else ``evals/data`` next to this file."""
     return Path(os.environ.get("LAB_EVAL_DATA") or DEFAULT_DATA_DIR)
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _spread(n_total: int, n: int | None) -> list[int]:
-    """``n`` evenly spaced indices into ``range(n_total)`` (all of them when ``n`` is None or too large)."""
-    if n is None or n >= n_total:
-        return list(range(n_total))
-    return sorted({round(i * (n_total - 1) / max(n - 1, 1)) for i in range(n)})
 
 
 def _official(name: str) -> type:
@@ -128,7 +116,7 @@ class LocalTask:
 
 
 def _sts_rows(rows: list[dict], limit: int | None) -> Dataset:
-    rows = [rows[i] for i in _spread(len(rows), limit)]
+    rows = [rows[i] for i in spread(len(rows), limit)]
     return Dataset.from_dict(
         {
             "sentence1": [r["sentence1"] for r in rows],
@@ -176,11 +164,11 @@ class SciFact(LocalTask, _official("SciFact")):
         queries = [q for q in read_jsonl(self.path("queries.test.jsonl")) if q["_id"] in qrels]
         corpus = read_jsonl(self.path("corpus.jsonl.gz"))
         if self.limit is not None:
-            queries = [queries[i] for i in _spread(len(queries), self.limit)]
+            queries = [queries[i] for i in spread(len(queries), self.limit)]
             qrels = {q["_id"]: qrels[q["_id"]] for q in queries}
             keep = {d for rel in qrels.values() for d in rel}
             others = [d for d in corpus if d["_id"] not in keep]
-            keep |= {others[i]["_id"] for i in _spread(len(others), max(10 * self.limit - len(keep), 0))}
+            keep |= {others[i]["_id"] for i in spread(len(others), max(10 * self.limit - len(keep), 0))}
             corpus = [d for d in corpus if d["_id"] in keep]
         split = {
             "corpus": Dataset.from_dict(
@@ -206,7 +194,7 @@ class Banking77Classification(LocalTask, _official("Banking77Classification")):
         for split in ("train", "test"):
             rows = read_jsonl(self.path(f"{split}.jsonl.gz"))
             if split == "test":
-                rows = [rows[i] for i in _spread(len(rows), self.limit)]
+                rows = [rows[i] for i in spread(len(rows), self.limit)]
             out[split] = Dataset.from_dict({"text": [r["text"] for r in rows], "label": [r["label"] for r in rows]})
         return DatasetDict(out)
 
@@ -221,7 +209,7 @@ class TwentyNewsgroupsClustering(LocalTask, _official("TwentyNewsgroupsClusterin
 
     def _load_local(self) -> DatasetDict:
         rows = read_jsonl(self.path("test.subjects.jsonl.gz"))
-        rows = [rows[i] for i in _spread(len(rows), self.limit)]
+        rows = [rows[i] for i in spread(len(rows), self.limit)]
         one_set = {"sentences": [[r["text"] for r in rows]], "labels": [[int(r["label"]) for r in rows]]}
         return DatasetDict({"test": Dataset.from_dict(one_set)})
 
@@ -235,7 +223,7 @@ class TwitterURLCorpus(LocalTask, _official("TwitterURLCorpus")):
 
     def _load_local(self) -> DatasetDict:
         rows = read_jsonl(self.path("test.jsonl.gz"))
-        rows = [rows[i] for i in _spread(len(rows), self.limit)]
+        rows = [rows[i] for i in spread(len(rows), self.limit)]
         return DatasetDict(
             {
                 "test": Dataset.from_dict(
@@ -289,7 +277,7 @@ class TwitterURLCorpusReranking(LocalTask, AbsTaskRetrieval):
 
     def _load_local(self) -> dict:
         rows = read_jsonl(self.path("test.reranking.jsonl.gz"))
-        rows = [rows[i] for i in _spread(len(rows), self.limit)]
+        rows = [rows[i] for i in spread(len(rows), self.limit)]
         doc_ids, doc_texts, qrels, top_ranked = [], [], {}, {}
         for qi, r in enumerate(rows):
             qid = f"q{qi}"

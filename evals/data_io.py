@@ -1,0 +1,28 @@
+"""Reading the local evaluation data: JSON-lines files (gzipped or not) and evenly spaced subsets.
+
+Light on purpose (no mteb, no torch): the benchmark scripts import it too, some in fresh subprocesses.
+
+    >>> rows = read_jsonl(Path("evals/data/stsbenchmark/test.jsonl.gz"))
+    >>> rows = [rows[i] for i in spread(len(rows), 200)]      # 200 evenly spaced rows
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every non-blank line of a ``.jsonl`` or ``.jsonl.gz`` file, parsed."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def spread(n_total: int, n: int | None) -> list[int]:
+    """``n`` evenly spaced indices into ``range(n_total)`` (all of them when ``n`` is None or too large), so a
+    subset keeps every part of a file that is ordered by genre, year or topic."""
+    if n is None or n >= n_total:
+        return list(range(n_total))
+    return sorted({round(i * (n_total - 1) / max(n - 1, 1)) for i in range(n)})
