@@ -82,11 +82,28 @@ def _log2_x(ax, values) -> None:
         ax.set_xticks(ticks, [f"{t:,.0f}" for t in ticks])
 
 
-def _tokens_per_s_band(rows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
-    if not {"tokens", "seconds_min", "seconds_max"} <= set(rows.columns):
-        return None
-    tokens = rows["tokens"].astype(float).to_numpy()
-    return tokens / rows["seconds_max"].astype(float).to_numpy(), tokens / rows["seconds_min"].astype(float).to_numpy()
+def _tokens_per_s_lines(ax, df: pd.DataFrame, x: str, keys: list[str]) -> None:
+    """One tokens/s line per ``keys`` group against column ``x``, shaded between the slowest and fastest repeat
+    when the table has ``tokens`` / ``seconds_min`` / ``seconds_max``."""
+    band = {"tokens", "seconds_min", "seconds_max"} <= set(df.columns)
+    for label, rows in _groups(df, keys):
+        xs = rows[x].astype(float).to_numpy()
+        (line,) = ax.plot(xs, rows["tokens_per_s"].to_numpy(dtype=float), marker="o", label=label)
+        if band:
+            tokens = rows["tokens"].astype(float).to_numpy()
+            slowest, fastest = (tokens / rows[c].astype(float).to_numpy() for c in ("seconds_max", "seconds_min"))
+            ax.fill_between(xs, slowest, fastest, color=line.get_color(), alpha=0.15, linewidth=0)
+
+
+def _tokens_per_s_axes(ax, x_values, xlabel: str, title: str) -> None:
+    """Log2 x axis at the measured values, tokens/s from zero, grid and legend."""
+    _log2_x(ax, x_values)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("tokens / s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
 
 
 def tokens_per_s_vs_budget(
@@ -102,24 +119,12 @@ def tokens_per_s_vs_budget(
     fig, ax = _figure()
     swept = df[df[budget].notna()].sort_values(budget)
     fixed = df[df[budget].isna()]
-    keys = ["system", *_varying(swept, exclude=[budget, "system"])]
-    for label, rows in _groups(swept, keys):
-        x = rows[budget].astype(float).to_numpy()
-        (line,) = ax.plot(x, rows["tokens_per_s"].to_numpy(dtype=float), marker="o", label=label)
-        band = _tokens_per_s_band(rows)
-        if band is not None:
-            ax.fill_between(x, *band, color=line.get_color(), alpha=0.15, linewidth=0)
+    _tokens_per_s_lines(ax, swept, budget, ["system", *_varying(swept, exclude=[budget, "system"])])
     for label, rows in _groups(fixed, ["system"]):
         ax.axhline(rows["tokens_per_s"].astype(float).median(), linestyle="--", color="gray", label=label)
     if roofline:
         ax.axhline(roofline, linestyle=":", color="black", label="GEMM roofline")
-    _log2_x(ax, swept[budget])
-    ax.set_xlabel(f"{budget} (tokens per packed step)")
-    ax.set_ylabel("tokens / s")
-    ax.set_ylim(bottom=0)
-    ax.set_title(title or "Throughput vs token budget")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _tokens_per_s_axes(ax, swept[budget], f"{budget} (tokens per packed step)", title or "Throughput vs token budget")
     return fig
 
 
@@ -131,19 +136,8 @@ def tokens_per_s_vs_length(df: pd.DataFrame, *, length: str = "length", title: s
     _require(df, ["system", length, "tokens_per_s"], "tokens_per_s_vs_length")
     fig, ax = _figure()
     keys = ["system", *_varying(df, exclude=[length, "system"])]
-    for label, rows in _groups(df.sort_values(length), keys):
-        x = rows[length].astype(float).to_numpy()
-        (line,) = ax.plot(x, rows["tokens_per_s"].to_numpy(dtype=float), marker="o", label=label)
-        band = _tokens_per_s_band(rows)
-        if band is not None:
-            ax.fill_between(x, *band, color=line.get_color(), alpha=0.15, linewidth=0)
-    _log2_x(ax, df[length])
-    ax.set_xlabel("tokens per input")
-    ax.set_ylabel("tokens / s")
-    ax.set_ylim(bottom=0)
-    ax.set_title(title or "Throughput vs input length")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _tokens_per_s_lines(ax, df.sort_values(length), length, keys)
+    _tokens_per_s_axes(ax, df[length], "tokens per input", title or "Throughput vs input length")
     return fig
 
 
