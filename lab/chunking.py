@@ -147,26 +147,24 @@ class CausalPrefill:
 
         def store(layer: int, k: torch.Tensor, v: torch.Tensor, rows) -> None:
             nonlocal kv_k, kv_v
-            if kv_k is None:
+            if kv_k is None:  # K/V head shapes are known from the first capture
                 shape = (self.num_layers if keep else 1, total, *k.shape[1:])
                 kv_k, kv_v = k.new_empty(shape), v.new_empty(shape)
             i = layer if keep else 0
-            if isinstance(rows, slice):
-                kv_k[i, rows].copy_(k)
-                kv_v[i, rows].copy_(v)
-            else:
-                kv_k[i].index_copy_(0, rows, k)
-                kv_v[i].index_copy_(0, rows, v)
+            _put(kv_k[i], rows, k)
+            _put(kv_v[i], rows, v)
 
-        def earlier(buf_fn, members, layer: int, shared) -> torch.Tensor:
-            """Prefix of each member for ``layer``: the shared prefix, then this layer's K/V of its earlier pieces."""
-            i = layer if keep else 0
+        def earlier(which: str, members, layer: int) -> torch.Tensor:
+            """Prefix of each member for ``layer``: the shared prefix, then this layer's K/V of its earlier pieces.
+            Called by the attention after this step's capture, so the buffers exist."""
+            buf = (kv_k if which == "k" else kv_v)[layer if keep else 0]
+            shared = None if prefix is None else getattr(prefix, which)[layer]
             parts = []
             for j, s, _ in members:
                 if shared is not None:
-                    parts.append(shared[layer])
+                    parts.append(shared)
                 if s:
-                    parts.append(buf_fn()[i, starts[j] : starts[j] + s])
+                    parts.append(buf[starts[j] : starts[j] + s])
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         for layer in range(self.num_layers):
@@ -176,15 +174,10 @@ class CausalPrefill:
                     cu = np.concatenate([[0], np.cumsum(prefix_lens)])
                     kv.cu_prefix = torch.tensor(cu, dtype=torch.int32, device=dev)
                     kv.prefix_lens = prefix_lens
-                    kv.prefix_k = _PerLayer(lambda i, m=members: earlier(lambda: kv_k, m, i, _field(prefix, "k")))
-                    kv.prefix_v = _PerLayer(lambda i, m=members: earlier(lambda: kv_v, m, i, _field(prefix, "v")))
+                    kv.prefix_k = _PerLayer(lambda i, m=members: earlier("k", m, i))
+                    kv.prefix_v = _PerLayer(lambda i, m=members: earlier("v", m, i))
                 meta = AttnMeta.from_lengths(seq_lens, causal=True, device=dev, backend=self.backend, kv=kv)
-                x = h[rows] if isinstance(rows, slice) else h.index_select(0, rows)
-                y = model.run_layer(layer, x, packed.positions[rows], meta)
-                if isinstance(rows, slice):
-                    h[rows] = y
-                else:
-                    h.index_copy_(0, rows, y)
+                _put(h, rows, model.run_layer(layer, _take(h, rows), packed.positions[rows], meta))
         stats.steps += len(rounds)
         stats.pieces += sum(len(m) for m in rounds)
         stats.tokens_computed += total
@@ -193,10 +186,7 @@ class CausalPrefill:
         if keep:
             return None, _Prefix(kv_k, kv_v)
         for rows, _, _ in steps:  # final norm piece by piece, in place
-            if isinstance(rows, slice):
-                h[rows] = model.finish(h[rows], self.backend)
-            else:
-                h.index_copy_(0, rows, model.finish(h.index_select(0, rows), self.backend))
+            _put(h, rows, model.finish(_take(h, rows), self.backend))
         return pool(h, packed.meta, self.pooling, pool_start=packed.pool_start), None
 
     @staticmethod
@@ -233,8 +223,17 @@ class _Own:
         return [_Own(r, r.length - p) for r in requests]
 
 
-def _field(prefix: _Prefix | None, name: str):
-    return None if prefix is None else getattr(prefix, name)
+def _take(t: torch.Tensor, rows) -> torch.Tensor:
+    """Rows of ``t``: a view for a slice (one request's piece), a gather for an index tensor (several)."""
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+
+def _put(t: torch.Tensor, rows, value: torch.Tensor) -> None:
+    """Write ``value`` into the rows ``_take`` read."""
+    if isinstance(rows, slice):
+        t[rows] = value
+    else:
+        t.index_copy_(0, rows, value)
 
 
 def _shared_prefix_length(requests: list[Request]) -> int:
