@@ -273,18 +273,13 @@ class Engine:
         stats = self._new_stats()
         t0 = time.perf_counter()
         bar = _progress(len(texts), show_progress, "embed")
-        kv_path = self._uses_kv_cache(instr)
+        kv_path = self._uses_kv_cache(shared_prefix=bool(instr and not k.include_instruction))
         for requests in prefetch_waves(texts, tokenize, WAVE_SIZE):
             if kv_path:
-                self._embed_with_cache(requests, out, stats, bar)
+                self._place(out, requests, self._cached_prefill(requests, self.pooling, stats), stats, bar)
                 continue
-            for batch in plan_batches(requests, k.max_batch_tokens, k.max_num_seqs):
-                pooled = self.runner.embed_batch(batch, causal=self.causal, backend=self._backend,
-                                                 pooling=self.pooling)
+            for batch, pooled in self._packed_batches(requests, self.pooling, stats):
                 self._place(out, batch, pooled, stats, bar)
-                stats.batches += 1
-                stats.padded_tokens += self.runner.padded_tokens
-                stats.tokens_computed += sum(r.length for r in batch)
         self._finish_call(stats, t0, bar)
         return out
 
@@ -315,36 +310,45 @@ class Engine:
 
         return build_panel(self)
 
-    def _uses_kv_cache(self, instruction: str | None) -> bool:
-        """Causal attention with chunked prefill, or with a shared instruction prefix to compute once."""
+    def _uses_kv_cache(self, *, shared_prefix: bool) -> bool:
+        """Causal attention with chunked prefill, or with a prefix the inputs share (``shared_prefix``: an
+        unpooled instruction, a prompt template) that the prefix cache computes once."""
         k = self._knobs
         if not self.causal or hasattr(self.model, "hf"):
             return False
-        return k.chunked_prefill is not None or bool(k.prefix_cache and instruction and not k.include_instruction)
+        return k.chunked_prefill is not None or (k.prefix_cache and shared_prefix)
 
-    def _embed_with_cache(self, requests: list[Request], out: np.ndarray, stats: Stats, bar) -> None:
+    def _packed_batches(self, requests: list[Request], pooling: str, stats: Stats):
+        """Token-budget batches through the runner: yields ``(batch, pooled (B, hidden) float32)``, counting the
+        batches, padding and computed tokens in ``stats``."""
+        k = self._knobs
+        for batch in plan_batches(requests, k.max_batch_tokens, k.max_num_seqs):
+            pooled = self.runner.embed_batch(batch, causal=self.causal, backend=self._backend, pooling=pooling)
+            stats.batches += 1
+            stats.padded_tokens += self.runner.padded_tokens
+            stats.tokens_computed += sum(r.length for r in batch)
+            yield batch, pooled
+
+    def _cached_prefill(self, requests: list[Request], pooling: str, stats: Stats) -> torch.Tensor:
+        """Chunked prefill / prefix cache (``lab.chunking``): pooled ``(B, hidden)`` float32 in request order,
+        with its steps, pieces, computed tokens and shared prefix counted in ``stats``."""
         from lab.chunking import CausalPrefill
 
         k = self._knobs
         prefill = CausalPrefill(self.runner, chunk=k.chunked_prefill, budget=k.max_batch_tokens,
-                                max_seqs=k.max_num_seqs, backend=self._backend, pooling=self.pooling)
+                                max_seqs=k.max_num_seqs, backend=self._backend, pooling=pooling)
         rows, pst = prefill.run(requests, shared_prefix=k.prefix_cache)
-        pooled = torch.stack([rows[r.index] for r in requests])
-        self._place(out, requests, pooled, stats, bar)
         stats.batches += pst.steps
         stats.chunks += pst.pieces
         stats.tokens_computed += pst.tokens_computed
         stats.shared_prefix = max(stats.shared_prefix, pst.shared_prefix)
+        return torch.stack([rows[r.index] for r in requests])
 
     def _place(self, out: np.ndarray, requests: list[Request], pooled, stats: Stats, bar) -> None:
         """Finish (matryoshka, normalize) and write rows back at their input positions; count what ran."""
         pooled = finish(pooled, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
         out[[r.index for r in requests]] = pooled.cpu().numpy()
-        stats.sequences += len(requests)
-        stats.tokens += sum(r.length for r in requests)
-        stats.truncated += sum(r.truncated for r in requests)
-        if bar is not None:
-            bar.update(len(requests))
+        count_served(stats, requests, bar)
 
     # ----------------------------------------------------------------------------------- score / rerank (lab.rerank)
     @property
@@ -405,3 +409,11 @@ def _progress(total: int, show: bool | None, desc: str):
 
     return tqdm(total=total, desc=desc, unit="text")
 
+
+def count_served(stats: Stats, requests: list[Request], bar) -> None:
+    """Count served sequences, tokens and truncated inputs in ``stats``; advance the progress bar."""
+    stats.sequences += len(requests)
+    stats.tokens += sum(r.length for r in requests)
+    stats.truncated += sum(r.truncated for r in requests)
+    if bar is not None:
+        bar.update(len(requests))

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lab.engine import _UNSET, WAVE_SIZE, Stats, _progress
+from lab.engine import _UNSET, WAVE_SIZE, Stats, _progress, count_served
 from lab.inputs import InputProcessor, Request, check_texts
-from lab.scheduler import plan_batches, prefetch_waves
+from lab.scheduler import prefetch_waves
 
 MODES = ("cross-encoder", "llm", "bi-encoder")
 ACTIVATIONS = ("default", "sigmoid", "softmax", "tanh", None)
@@ -360,26 +360,11 @@ def _finish(engine, stats: Stats, t0: float, bar) -> None:
     engine._finish_call(stats, t0, bar)
 
 
-def _count(stats: Stats, batch: list[Request], bar) -> None:
-    stats.sequences += len(batch)
-    stats.tokens += sum(r.length for r in batch)
-    stats.truncated += sum(r.truncated for r in batch)
-    if bar is not None:
-        bar.update(len(batch))
-
-
-def _run_packed(engine, requests: list[Request], pooling: str, stats: Stats, bar) -> list[tuple[list, torch.Tensor]]:
-    """Token-budget batches through the runner: ``[(batch, pooled (B, hidden) float32), ...]``."""
-    k, backend = engine.knobs, engine.resolved["attention_backend"]
-    out = []
-    for batch in plan_batches(requests, k["max_batch_tokens"], k["max_num_seqs"]):
-        pooled = engine.runner.embed_batch(batch, causal=engine.causal, backend=backend, pooling=pooling)
-        out.append((batch, pooled))
-        _count(stats, batch, bar)
-        stats.batches += 1
-        stats.padded_tokens += engine.runner.padded_tokens
-        stats.tokens_computed += sum(r.length for r in batch)
-    return out
+def _run_packed(engine, requests: list[Request], pooling: str, stats: Stats, bar):
+    """Token-budget batches through the engine's runner: yields ``(batch, pooled (B, hidden) float32)``."""
+    for batch, pooled in engine._packed_batches(requests, pooling, stats):
+        count_served(stats, batch, bar)
+        yield batch, pooled
 
 
 @torch.inference_mode()
@@ -409,9 +394,7 @@ def _llm_log_odds(engine, queries: list[str], documents: list[str], prompt: YesN
     ids = [layout.yes_id, layout.no_id]
     out = torch.empty(len(queries), dtype=torch.float32)
     stats, t0, bar = _new_stats(engine), time.perf_counter(), _progress(len(queries), show_progress, "score")
-    k = engine.knobs
-    kv_path = engine.causal and not hasattr(engine.model, "hf") and (k["prefix_cache"] or
-                                                                     k["chunked_prefill"] is not None)
+    kv_path = engine._uses_kv_cache(shared_prefix=True)  # every prompt starts with the same template
 
     def tokenize(chunk: list[int], first: int) -> list[Request]:
         return layout.requests([queries[i] for i in chunk], [documents[i] for i in chunk], first_index=first)
@@ -425,18 +408,8 @@ def _llm_log_odds(engine, queries: list[str], documents: list[str], prompt: YesN
             for batch, pooled in _run_packed(engine, requests, "lasttoken", stats, bar):
                 place(batch, pooled)
             continue
-        from lab.chunking import CausalPrefill
-
-        prefill = CausalPrefill(engine.runner, chunk=k["chunked_prefill"], budget=k["max_batch_tokens"],
-                                max_seqs=k["max_num_seqs"], backend=engine.resolved["attention_backend"],
-                                pooling="lasttoken")
-        rows, pst = prefill.run(requests, shared_prefix=k["prefix_cache"])
-        place(requests, torch.stack([rows[r.index] for r in requests]))
-        _count(stats, requests, bar)
-        stats.batches += pst.steps
-        stats.chunks += pst.pieces
-        stats.tokens_computed += pst.tokens_computed
-        stats.shared_prefix = max(stats.shared_prefix, pst.shared_prefix)
+        place(requests, engine._cached_prefill(requests, "lasttoken", stats))
+        count_served(stats, requests, bar)
     _finish(engine, stats, t0, bar)
     return out
 
