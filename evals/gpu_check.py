@@ -24,8 +24,6 @@ import argparse
 import contextlib
 import csv
 import functools
-import gzip
-import json
 import os
 import statistics
 import sys
@@ -332,10 +330,9 @@ def load_texts(n: int) -> tuple[list[str], str]:
     path = REPO / "evals" / "data" / "stsbenchmark" / "test.jsonl.gz"
     texts, source = [], "synthetic"
     if path.exists():
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            for line in f:
-                rec = json.loads(line)
-                texts += [rec["sentence1"], rec["sentence2"]]
+        from evals.data_io import read_jsonl  # the repository is on sys.path by now (main)
+
+        texts = [s for rec in read_jsonl(path) for s in (rec["sentence1"], rec["sentence2"])]
         source = f"stsbenchmark test ({len(texts)} sentences)"
     if not texts:
         words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "researchers",
