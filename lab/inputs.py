@@ -56,6 +56,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.append_eos = append_eos and tokenizer.eos_token_id is not None
+        self._layout: tuple[int, int] | None | bool = False  # _special_layout, probed on first need
 
     def _encode(self, texts: list[str], pairs: list[str] | None, max_length: int) -> dict:
         kw = dict(truncation=True, max_length=max_length, return_attention_mask=False, verbose=False)
@@ -69,7 +70,13 @@ class InputProcessor:
         enc = self._encode(texts, pairs, limit + 1)
         ids, types = enc["input_ids"], enc.get("token_type_ids")
         cut = [i for i, x in enumerate(ids) if len(x) > limit]
-        if cut:  # tokenize only the overflowing inputs again, at the real limit
+        specials = self._special_layout() if pairs is None else None
+        if cut and specials is not None and limit > sum(specials):  # drop the last text token, keep the specials
+            n_suffix = specials[1]
+            for i in cut:
+                x = ids[i]
+                ids[i] = x[: len(x) - n_suffix - 1] + x[len(x) - n_suffix :]
+        elif cut:  # text pairs (or an unusual tokenizer): tokenize the overflowing inputs again, at the real limit
             again = self._encode([texts[i] for i in cut], [pairs[i] for i in cut] if pairs else None, limit)
             for j, i in enumerate(cut):
                 ids[i] = again["input_ids"][j]
@@ -86,6 +93,23 @@ class InputProcessor:
         for i in cut:
             truncated[i] = True
         return ids, types, truncated
+
+    def _special_layout(self) -> tuple[int, int] | None:
+        """``(n_prefix, n_suffix)``: special tokens the tokenizer puts before and after a single text, when cutting
+        the ``limit + 1`` encoding by its last text token equals encoding at ``limit`` (right-side truncation);
+        else ``None``. Saves tokenizing every over-long input twice."""
+        if self._layout is not False:
+            return self._layout
+        tok, layout = self.tokenizer, None
+        probe = "hello world"
+        body = tok(probe, add_special_tokens=False)["input_ids"]
+        full = tok(probe, add_special_tokens=True)["input_ids"]
+        if getattr(tok, "truncation_side", "right") == "right" and body:
+            starts = [p for p in range(len(full) - len(body) + 1) if full[p : p + len(body)] == body]
+            if len(starts) == 1:
+                layout = (starts[0], len(full) - starts[0] - len(body))
+        self._layout = layout
+        return layout
 
     def instruction_length(self, instruction: str) -> int:
         """Tokens the instruction contributes at the front of ``instruction + text`` (no trailing specials)."""

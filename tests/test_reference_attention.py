@@ -1,5 +1,5 @@
-"""The CPU attention path (lab.kernels.reference.varlen_attention: zero-copy equal-length runs and padded buckets of
-close lengths) equals the per-sequence explicit-softmax oracle on random ragged batches."""
+"""The CPU attention path (lab.kernels.reference.varlen_attention: one zero-copy call per run of equal lengths)
+equals the per-sequence explicit-softmax oracle on random ragged batches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lab.kernels.reference import _buckets, _runs, varlen_attention, varlen_attention_naive
+from lab.kernels.reference import _runs, varlen_attention, varlen_attention_naive
 
 
 def _cu(lens):
@@ -25,7 +25,7 @@ def test_ragged_batches_match_oracle(causal, heads):
     for _ in range(25):
         lens = [random.choice([1, 2, 3, 5, 8, 9, 10, 30, 31, 33, 64]) for _ in range(random.randint(1, 10))]
         if random.random() < 0.7:
-            lens.sort(reverse=True)  # the scheduler's order: buckets form
+            lens.sort(reverse=True)  # the scheduler's order: equal lengths form runs
         t = sum(lens)
         q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
         got = varlen_attention(q, k, v, _cu(lens), max(lens), causal=causal)
@@ -47,6 +47,6 @@ def test_prefix_matches_oracle(causal, hq, hkv, dtype, tol):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-def test_buckets_merge_close_lengths_only():
-    runs = _runs([30, 29, 28, 10, 10, 9, 1, 1, 200], [0] * 9)
-    assert _buckets(runs) == [(0, -1, 30, 3), (3, -1, 10, 3), (6, 2, 1, 0), (8, 1, 200, 0)]
+def test_runs_group_equal_lengths_and_prefixes():
+    runs = _runs([30, 30, 29, 10, 10, 10, 1, 1, 200], [0, 0, 0, 4, 4, 0, 0, 0, 0])
+    assert runs == [(0, 2, 30, 0), (2, 1, 29, 0), (3, 2, 10, 4), (5, 1, 10, 0), (6, 2, 1, 0), (8, 1, 200, 0)]

@@ -64,11 +64,18 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; bfloat16 on CPU without AMX runs as a float32 GEMM over the bfloat16 values (module doc)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; bfloat16 on CPU without AMX runs as a float32 GEMM over the bfloat16 values (module doc).
+    ``out``: a contiguous ``(T, N)`` tensor (a row block of a larger one) to write into, for 2-D ``x``."""
     if _widen(x):
-        return F.linear(x.float(), weight.float(), _f32(bias)).to(torch.bfloat16)
-    return F.linear(x, weight, bias)
+        y = F.linear(x.float(), weight.float(), _f32(bias))
+        return y.to(torch.bfloat16) if out is None else out.copy_(y)
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 class Linear(nn.Linear):
