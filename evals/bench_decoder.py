@@ -385,18 +385,9 @@ def memory_point(spec: dict) -> dict:
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    from lab import Engine, chunking
+    from lab import Engine
 
     length, chunk = spec["length"], spec["chunk"]
-    peak_state = {"bytes": 0}
-    run = chunking.CausalPrefill.run
-
-    def recording_run(self, *a, **kw):  # read the held state from the prefill's own statistics
-        rows, st = run(self, *a, **kw)
-        peak_state["bytes"] = max(peak_state["bytes"], st.state_bytes)
-        return rows, st
-
-    chunking.CausalPrefill.run = recording_run
     eng = Engine(spec["path"], pooling="mean", max_length=length, dtype=spec["dtype"], device=spec["device"],
                  chunked_prefill=chunk)
     # a text of more than `length` tokens, cut by the engine's truncation to exactly `length`
@@ -413,7 +404,6 @@ def memory_point(spec: dict) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base_alloc = torch.cuda.memory_allocated()
-        peak_state["bytes"] = 0
         rss_before = _read_status("VmRSS")
         reset = _reset_hwm()
         c0, t0 = time.process_time(), time.perf_counter()
@@ -423,7 +413,7 @@ def memory_point(spec: dict) -> dict:
                rss_before=rss_before,
                hwm=_read_status("VmHWM"), hwm_reset=reset,
                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    out["state_bytes"] = peak_state["bytes"]
+    out["state_bytes"] = eng.stats.state_bytes
     from lab.bench import peak_memory
 
     with warnings.catch_warnings():

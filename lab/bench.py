@@ -127,13 +127,14 @@ def throughput(
 
 
 def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.dtype = torch.float32,
-                  tokens: int = 4096, repeats: int = 5) -> dict:
+                  tokens: int = 4096, repeats: int = 20) -> dict:
     """Measured matmul FLOP/s at the model's GEMM shapes and the tokens/s they imply for its FLOPs per token.
 
     FLOPs per token count the projections (q/k/v/o: ``4 h^2``, FFN: ``2 h i``) at 2 FLOPs per multiply-add; the
     attention scores (a few % for short inputs) are left out, so the roofline is a ceiling for the GEMM work.
     The GEMM timed is the engine's (``lab.models.fused.linear``: for bfloat16 on a CPU without AMX, a float32 GEMM
-    over the bfloat16 values), i.e. the fastest GEMM this machine offers for the dtype.
+    over the bfloat16 values), i.e. the fastest GEMM this machine offers for the dtype. The rate is the best of
+    ``repeats`` timings, not their median: a ceiling, which a slow moment on a shared machine cannot lower much.
     """
     from lab.models.fused import linear
 
@@ -147,7 +148,7 @@ def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.d
             linear(a, w)
 
     run()
-    secs = statistics.median(_time(run, repeats))
+    secs = min(_time(run, repeats))
     flops_step = 2 * tokens * sum(i * o for i, o in shapes)
     flops_per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * intermediate)
     flops_per_s = flops_step / secs
@@ -212,7 +213,8 @@ def chunked_prefill(engine, texts: list[str], chunk_sizes: list[int | None], *, 
     unchunked embedding (the engine's ``chunked_prefill`` knob is restored afterwards).
 
     Needs causal attention (a decoder, or ``bidirectional=False``). Returns one row per (text, chunk size):
-    ``text, input_tokens, chunked_prefill (None = unchunked), chunks, seconds, peak_mb, max_abs_diff, cosine``.
+    ``text, input_tokens, chunked_prefill (None = unchunked), chunks, seconds, peak_mb, state_mb, max_abs_diff,
+    cosine``; ``state_mb`` is what chunked prefill held across steps (``Engine.stats.state_bytes``; 0 unchunked).
     """
     import numpy as np
     from tqdm.auto import tqdm
@@ -238,7 +240,8 @@ def chunked_prefill(engine, texts: list[str], chunk_sizes: list[int | None], *, 
                 cos = float(emb @ reference / (np.linalg.norm(emb) * np.linalg.norm(reference) + 1e-30))
                 rows.append({"text": i, "input_tokens": engine.stats.tokens, "chunked_prefill": chunk,
                              "chunks": engine.stats.chunks, "seconds": statistics.median(secs),
-                             "peak_mb": peak / 2**20, "max_abs_diff": float(np.abs(emb - reference).max()),
+                             "peak_mb": peak / 2**20, "state_mb": engine.stats.state_bytes / 2**20,
+                             "max_abs_diff": float(np.abs(emb - reference).max()),
                              "cosine": cos})
                 bar.update()
     finally:

@@ -38,7 +38,8 @@ class Stats:
     """What the last call did. ``padded_tokens`` is 0 on the packed path; ``truncated`` counts inputs cut at
     ``max_length``; ``tokens`` are the tokens served, ``tokens_computed`` those run through the model (fewer when
     the prefix cache computed a shared instruction prefix, ``shared_prefix`` tokens long, once); ``chunks`` counts
-    the pieces of the KV-cache path (chunked prefill / prefix cache)."""
+    the pieces of the KV-cache path (chunked prefill / prefix cache) and ``state_bytes`` the most it held across
+    steps (hidden states + one layer's K/V of the inputs in flight, plus the shared prefix's K/V; 0 elsewhere)."""
 
     sequences: int = 0
     tokens: int = 0
@@ -50,6 +51,7 @@ class Stats:
     tokens_computed: int = 0
     chunks: int = 0
     shared_prefix: int = 0
+    state_bytes: int = 0
     path: str = "packed"
     backend: str = "torch"
 
@@ -342,6 +344,7 @@ class Engine:
         stats.chunks += pst.pieces
         stats.tokens_computed += pst.tokens_computed
         stats.shared_prefix = max(stats.shared_prefix, pst.shared_prefix)
+        stats.state_bytes = max(stats.state_bytes, pst.state_bytes)
         return torch.stack([rows[r.index] for r in requests])
 
     def _place(self, out: np.ndarray, requests: list[Request], pooled, stats: Stats, bar) -> None:

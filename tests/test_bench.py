@@ -114,7 +114,7 @@ def test_chunked_prefill_rows_and_equality(tmp_path):
     df = chunked_prefill(eng, texts, [8, 32], repeats=1)
     assert eng.knobs["chunked_prefill"] is None
     assert len(df) == 2 * 3
-    assert {"text", "input_tokens", "chunked_prefill", "chunks", "seconds", "peak_mb", "max_abs_diff",
+    assert {"text", "input_tokens", "chunked_prefill", "chunks", "seconds", "peak_mb", "state_mb", "max_abs_diff",
             "cosine"} <= set(df.columns)
     assert df["chunked_prefill"].isna().sum() == 2  # the unchunked reference, once per text
     assert (df["max_abs_diff"] < 1e-4).all() and (df["cosine"] > 0.9999).all()
@@ -123,6 +123,12 @@ def test_chunked_prefill_rows_and_equality(tmp_path):
     assert first["input_tokens"].nunique() == 1
     chunks = dict(zip(first["chunked_prefill"].fillna(0), first["chunks"]))
     assert chunks[8] > chunks[32]  # smaller chunks, more pieces
+    # held across steps: the input's hidden states + one layer's K and V (float32); nothing on the unchunked path
+    cfg = eng.spec.config
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = (cfg["hidden_size"] + 2 * cfg["num_key_value_heads"] * head_dim) * 4
+    state = dict(zip(first["chunked_prefill"].fillna(0), first["state_mb"] * 2**20))
+    assert state[0] == 0 and state[8] == first["input_tokens"].iloc[0] * per_token
 
     eng.configure(bidirectional=True)
     with pytest.raises(ValueError, match="causal"):
