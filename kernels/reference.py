@@ -103,23 +103,22 @@ def varlen_attention(
         qg = q[s:e].view(n, length, hq, d).transpose(1, 2)  # (n, Hq, L, D)
         kg = k[s:e].view(n, length, hkv, d).transpose(1, 2)  # (n, Hkv, L, D)
         vg = v[s:e].view(n, length, hkv, d).transpose(1, 2)
-        mask, is_causal = None, causal
+        o, mask, is_causal = None, None, causal
         if plen:
             ps, pe = pstarts[first], pstarts[first + n]
             kp = k_prefix[ps:pe].view(n, plen, hkv, d).transpose(1, 2)
             vp = v_prefix[ps:pe].view(n, plen, hkv, d).transpose(1, 2)
             if causal and _FLASH_CPU is not None and q.device.type == "cpu":
                 o = _prefix_then_causal(qg, kp, vp, kg, vg, scale)
-                if out is None:
-                    return o.transpose(1, 2).reshape(q.shape)
-                out[s:e].view(n, length, hq, d).copy_(o.transpose(1, 2))
-                continue
-            kg, vg = torch.cat([kp, kg], dim=2), torch.cat([vp, vg], dim=2)  # (n, Hkv, P+L, D)
-            if causal:
-                mask, is_causal = _causal_mask(length, plen, q.device), False
-        if length == 1 and not plen:
-            is_causal = False  # one query, one key: identical either way, and the cheaper path
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+            else:
+                kg, vg = torch.cat([kp, kg], dim=2), torch.cat([vp, vg], dim=2)  # (n, Hkv, P+L, D)
+                if causal:
+                    mask, is_causal = _causal_mask(length, plen, q.device), False
+        if o is None:
+            if length == 1 and not plen:
+                is_causal = False  # one query, one key: identical either way, and the cheaper path
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                               enable_gqa=gqa)
         if out is None:  # the whole step is one run: the kernel wrote (n, L, H, D) memory, the packed layout itself
             return o.transpose(1, 2).reshape(q.shape)
         out[s:e].view(n, length, hq, d).copy_(o.transpose(1, 2))

@@ -70,8 +70,8 @@ class InputProcessor:
         enc = self._encode(texts, pairs, limit + 1)
         ids, types = enc["input_ids"], enc.get("token_type_ids")
         cut = [i for i, x in enumerate(ids) if len(x) > limit]
-        specials = self._special_layout() if pairs is None else None
-        if cut and specials is not None and limit > sum(specials):  # drop the last text token, keep the specials
+        specials = self._special_layout() if cut and pairs is None else None
+        if specials is not None and limit > sum(specials):  # drop the last text token, keep the specials
             n_suffix = specials[1]
             for i in cut:
                 x = ids[i]
