@@ -87,6 +87,9 @@ class Engine:
         append_eos: append EOS when the tokenizer does not (``None`` = on for decoders with lasttoken pooling).
         prefix_cache: reuse the shared instruction prefix's K/V under causal attention.
         attention_backend: ``auto`` (triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+        cpu_workers: on CPU, split each packed step across this many worker threads, each running its share of
+            the sequences with ``torch.get_num_threads() // cpu_workers`` intra-op threads (``None`` = one worker
+            per intra-op thread; ``1`` = the whole step on all threads). See ``lab.runner``.
     """
 
     def __init__(
@@ -108,11 +111,12 @@ class Engine:
         append_eos: bool | None = None,
         prefix_cache: bool = True,
         attention_backend: str = "auto",
+        cpu_workers: int | None = None,
     ):
         knobs = {f.name: v for f, v in zip(fields(Knobs), (
             pooling, normalize, truncate_dim, max_length, max_batch_tokens, max_num_seqs, dtype, device,
             bidirectional, chunked_prefill, instruction, include_instruction, append_eos, prefix_cache,
-            attention_backend,
+            attention_backend, cpu_workers,
         ))}
         self._knobs = Knobs().replace(**knobs)
         if not isinstance(model, (str,)) and not hasattr(model, "__fspath__"):
@@ -167,6 +171,7 @@ class Engine:
             max_length=self.max_length, causal=self.causal, dtype=str(self.runner.dtype).removeprefix("torch."),
             device=str(self.device), attention_backend=self._backend, chunked_prefill=self._knobs.chunked_prefill,
             instruction=self._knobs.instruction, append_eos=self.append_eos,
+            cpu_workers=self.runner.cpu_workers(self._knobs.cpu_workers),
         )
 
     def configure(self, **knobs) -> Engine:
@@ -325,7 +330,8 @@ class Engine:
         batches, padding and computed tokens in ``stats``."""
         k = self._knobs
         for batch in plan_batches(requests, k.max_batch_tokens, k.max_num_seqs):
-            pooled = self.runner.embed_batch(batch, causal=self.causal, backend=self._backend, pooling=pooling)
+            pooled = self.runner.embed_batch(batch, causal=self.causal, backend=self._backend, pooling=pooling,
+                                             workers=k.cpu_workers)
             stats.batches += 1
             stats.padded_tokens += self.runner.padded_tokens
             stats.tokens_computed += sum(r.length for r in batch)

@@ -39,6 +39,7 @@ class Knobs:
     append_eos: bool | None = None
     prefix_cache: bool = True
     attention_backend: str = "auto"
+    cpu_workers: int | None = None
 
     def replace(self, **changes) -> Knobs:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
@@ -71,6 +72,9 @@ class Knobs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        v = self.cpu_workers
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"cpu_workers must be a positive int or None (one per intra-op thread), got {v!r}")
         normalize_dtype(self.dtype)
         normalize_device(self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:

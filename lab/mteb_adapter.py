@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 # Knobs that change speed or memory but not the numbers: kept out of the experiment name.
-SCHEDULING_KNOBS = frozenset({"max_batch_tokens", "max_num_seqs", "prefix_cache", "device", "show_progress"})
+SCHEDULING_KNOBS = frozenset({"max_batch_tokens", "max_num_seqs", "prefix_cache", "device", "show_progress",
+                              "cpu_workers"})
 
 
 def as_mteb_model(

@@ -4,11 +4,22 @@ It owns the model on its device, casts weights between dtypes from a master copy
 is reversible without a reload), builds the flat inputs (``PackedBatch``) and pools by index. The KV cache exists
 only for chunked prefill and the prefix cache (``lab.chunking``); a plain prefill keeps none.
 
+**Data parallel on CPU.** A packed step's sequences are independent, so on CPU the runner splits a step across
+worker threads, each running its share as its own packed forward with ``1/workers`` of the intra-op threads
+(PyTorch's thread count is per thread; weights are shared). Every op then runs without the fork/join barriers of
+multi-threaded kernels, and each GEMM stays on one core's cache; on the 2-core development machine this measured
+1.09-1.13x (MiniLM, SciFact) and 1.08-1.09x (SmolLM2) end to end over one multi-threaded forward (paired,
+interleaved runs), same embeddings. How the
+sequences are shared is ``lab.scheduler.split_for_workers``; a step that cannot be shared evenly (say, one long
+input with a few short ones) runs undivided on all threads.
+
     >>> runner = Runner(model, device=torch.device("cpu"), dtype=torch.float32)
     >>> pooled = runner.embed_batch(requests, causal=False, backend="torch", pooling="mean")   # (B, H) float32
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -16,7 +27,7 @@ from torch import nn
 from lab.batch import KVStep, PackedBatch
 from lab.inputs import Request
 from lab.pooling import pool
-
+from lab.scheduler import split_for_workers
 
 class Runner:
     def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype):
@@ -26,6 +37,8 @@ class Runner:
         self._master = {name: p.detach() for name, p in self.model.named_parameters()}
         self.dtype = None
         self.set_dtype(dtype)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_shape: tuple[int, int] = (0, 0)
 
     def set_dtype(self, dtype: torch.dtype) -> None:
         """Re-cast the live weights from the master copy (no reload; float32 shares the master's storage)."""
@@ -60,8 +73,48 @@ class Runner:
         )
 
     @torch.inference_mode()
-    def embed_batch(self, requests: list[Request], *, causal: bool, backend: str, pooling: str) -> torch.Tensor:
-        """Forward and pool one batch: ``(B, hidden)`` float32 in the order of ``requests``."""
+    def embed_batch(self, requests: list[Request], *, causal: bool, backend: str, pooling: str,
+                    workers: int | None = 1) -> torch.Tensor:
+        """Forward and pool one batch: ``(B, hidden)`` float32 in the order of ``requests``.
+
+        ``workers``: on CPU, split the batch across this many worker threads (``None`` = one per intra-op thread;
+        module doc); elsewhere, or when the split would be unbalanced, one forward over the whole batch.
+        """
+        n = self.cpu_workers(workers) if backend == "torch" else 1  # Triton's CPU interpreter is not thread-safe
+        parts = split_for_workers([r.length for r in requests], n)
+        if parts is None:
+            return self._embed(requests, causal, backend, pooling)
+        pool_ = self._workers(n)
+        futures = [pool_.submit(self._embed, [requests[i] for i in part], causal, backend, pooling) for part in parts]
+        out = None
+        for part, fut in zip(parts, futures):
+            rows = fut.result()
+            if out is None:
+                out = rows.new_empty(len(requests), rows.shape[1])
+            out[part] = rows
+        return out
+
+    @torch.inference_mode()  # thread-local: entered again in each worker
+    def _embed(self, requests: list[Request], causal: bool, backend: str, pooling: str) -> torch.Tensor:
         batch = self.pack(requests, causal=causal, backend=backend)
         hidden = self.forward(batch)
         return pool(hidden, batch.meta, pooling, pool_start=batch.pool_start)
+
+    def cpu_workers(self, workers: int | None) -> int:
+        """Workers a step may be split across: the knob's value (``None`` = ``torch.get_num_threads()``) on CPU,
+        1 elsewhere and for the padded transformers fallback."""
+        if self.device.type != "cpu" or hasattr(self.model, "hf"):
+            return 1
+        return torch.get_num_threads() if workers is None else workers
+
+    def _workers(self, n: int) -> ThreadPoolExecutor:
+        """A pool of ``n`` threads with ``torch.get_num_threads() // n`` (at least 1) intra-op threads each, kept
+        across calls and rebuilt when either number changes."""
+        shape = (n, max(1, torch.get_num_threads() // n))
+        if self._pool is None or self._pool_shape != shape:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(n, thread_name_prefix="lab-cpu-worker",
+                                            initializer=torch.set_num_threads, initargs=(shape[1],))
+            self._pool_shape = shape
+        return self._pool

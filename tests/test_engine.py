@@ -12,11 +12,12 @@ from conftest import cosine_rows
 from lab import Engine
 
 
-@pytest.mark.parametrize("budget", [8, 64, 300, 16384])
-def test_parity_with_sentence_transformers_shuffled(minilm_path, minilm_st, sentences, budget):
+@pytest.mark.parametrize("budget,workers", [(8, None), (64, 3), (300, 1), (16384, None), (16384, 2)])
+def test_parity_with_sentence_transformers_shuffled(minilm_path, minilm_st, sentences, budget, workers):
     texts = sentences * 3
     random.shuffle(texts)
-    eng = Engine(minilm_path, max_batch_tokens=budget, max_num_seqs=7)
+    threads = torch.get_num_threads()
+    eng = Engine(minilm_path, max_batch_tokens=budget, max_num_seqs=7, cpu_workers=workers)
     got = eng.embed(texts)
     ref = minilm_st.encode(texts, convert_to_numpy=True, batch_size=5)
     assert got.dtype == np.float32 and got.shape == (len(texts), 384)
@@ -27,6 +28,7 @@ def test_parity_with_sentence_transformers_shuffled(minilm_path, minilm_st, sent
     assert s.sequences == len(texts) and s.padded_tokens == 0
     assert s.truncated == 3  # the one long sentence, three times
     assert s.batches >= 2 if budget <= 300 else s.batches >= 1
+    assert torch.get_num_threads() == threads  # the CPU workers' thread counts stay theirs
 
 
 def test_output_keeps_input_order(minilm_engine, sentences):
@@ -50,6 +52,7 @@ def test_defaults_come_from_sentence_transformers_files(minilm_engine):
     r = minilm_engine.resolved
     assert r["pooling"] == "mean" and r["normalize"] is True and r["max_length"] == 256 and r["causal"] is False
     assert minilm_engine.knobs["pooling"] is None  # still "model default"
+    assert r["cpu_workers"] == torch.get_num_threads()  # one CPU worker per intra-op thread
 
 
 def test_configure_is_live_without_reload(minilm_path, sentences):

@@ -50,10 +50,10 @@ def hf_hidden(path: str, texts_ids: list[list[int]], causal: bool) -> list[torch
     return out
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_engine_matches_transformers_and_toggles_live(any_folder, causal):
+@pytest.mark.parametrize("causal,workers", [(True, None), (False, 3)])
+def test_engine_matches_transformers_and_toggles_live(any_folder, causal, workers):
     folder = any_folder
-    eng = Engine(folder, pooling="mean", bidirectional=None, max_batch_tokens=40)
+    eng = Engine(folder, pooling="mean", bidirectional=None, max_batch_tokens=40, cpu_workers=workers)
     assert eng.causal is True and eng.pooling == "mean"
     weight = eng.model.layers[0].qkv.weight
     eng.configure(bidirectional=not causal)

@@ -31,6 +31,7 @@ def test_non_string_item_names_its_index(minilm_engine):
         ("attention_backend", "flash", "unknown attention_backend 'flash'; valid: auto, torch, triton"),
         ("max_batch_tokens", 0, "max_batch_tokens must be a positive int"),
         ("truncate_dim", -3, "truncate_dim must be a positive int"),
+        ("cpu_workers", 0, "cpu_workers must be a positive int or None"),
     ],
 )
 def test_unknown_knob_values_list_valid_ones(minilm_path, minilm_engine, knob, value, match):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.models.fused import fusable, linear_act
+from lab.models.fused import ACTIVATIONS, activation_inplace, fusable, linear, linear_act, row_blocks
 
 
 @pytest.mark.parametrize("act_name,act", [("gelu", F.gelu), ("gelu_new", lambda x: F.gelu(x, approximate="tanh")),
@@ -54,3 +54,21 @@ def test_bfloat16_gemm_mode_is_validated(monkeypatch):
     monkeypatch.setenv("LAB_CPU_BF16_GEMM", "fast")
     with pytest.raises(ValueError, match="valid: auto, native, fp32"):
         fused._bf16_gemm_in_fp32()
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_activation_inplace_equals_activation_and_writes_its_input(name):
+    x = torch.randn(9, 13) * 3
+    want = ACTIVATIONS[name](x.clone())
+    y = x.clone()
+    got = activation_inplace(name)(y)
+    assert got.data_ptr() == y.data_ptr()
+    torch.testing.assert_close(y, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("t,rows", [(1, 4), (37, 8), (37, 37), (64, 16)])
+def test_row_blocks_equals_whole_ffn(t, rows):
+    x, up, down, b = torch.randn(t, 24), torch.randn(40, 24) * 0.2, torch.randn(16, 40) * 0.2, torch.randn(16)
+    want = F.linear(F.gelu(F.linear(x, up)), down, b)
+    got = row_blocks(x, down, b, rows, lambda r: activation_inplace("gelu")(linear(r, up)))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lab.scheduler import plan_batches, prefetch_waves
+from lab.scheduler import MAX_IMBALANCE, plan_batches, prefetch_waves, split_for_workers
 
 
 @dataclass
@@ -67,3 +67,25 @@ def test_prefetch_waves_surfaces_errors():
     assert next(it) == [0, 1, 2, 3, 4]
     with pytest.raises(RuntimeError, match="bad wave"):
         list(it)
+
+
+@pytest.mark.parametrize("workers", [2, 3, 8])
+def test_split_for_workers_covers_each_sequence_once_longest_first(workers):
+    rng = random.Random(workers)
+    lengths = [rng.randint(1, 300) for _ in range(57)]
+    parts = split_for_workers(lengths, workers)
+    assert parts is not None and len(parts) == workers
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    for p in parts:
+        assert [lengths[i] for i in p] == sorted((lengths[i] for i in p), reverse=True)
+    tokens = [sum(lengths[i] for i in p) for p in parts]
+    assert max(tokens) <= MAX_IMBALANCE * sum(tokens) / workers
+
+
+def test_split_for_workers_declines_what_it_cannot_share():
+    assert split_for_workers([5, 5, 5], 1) is None  # one worker
+    assert split_for_workers([7], 4) is None  # one sequence
+    assert split_for_workers([4000, 3, 3, 3], 2) is None  # one long input among short ones
+    assert split_for_workers([256] * 4, 8) == [[0], [1], [2], [3]]  # fewer sequences than workers
+    assert split_for_workers([10, 9, 6, 5], 2) == [[0, 3], [1, 2]]
+    assert split_for_workers([10, 10, 9, 1], 2) is None  # 19 vs 11 tokens: past MAX_IMBALANCE

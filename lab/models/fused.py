@@ -14,18 +14,60 @@ activation inside the GEMM: no separate pass over the ``T x intermediate``
 activations and one large buffer instead of two or three. Elsewhere (CUDA, other dtypes, a build without oneDNN)
 the plain ops run; both paths compute the same function.
 
+**Row blocks.** ``row_blocks`` runs an FFN (``down(inner(x))``) a block of tokens at a time, so the wide
+intermediate activations of a block stay in cache between the GEMMs and the activation, and the down projection
+writes straight into the output.
+
     >>> h = linear_act(x, w, b, "gelu", F.gelu)                  # BERT FFN up-projection
     >>> proj = Linear(576, 1536)                                 # nn.Linear with the bfloat16 rule above
+    >>> out = row_blocks(x, down.weight, down.bias, 1024, lambda r: activation_inplace("gelu")(up(r)))
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}  # transformers' ``hidden_act`` names the models accept
+
+
+def check_activation(name: str) -> None:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {name!r} is not supported; known: {', '.join(ACTIVATIONS)}")
+
+
+def activation_inplace(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``ACTIVATIONS[name]`` overwriting its input (a GEMM output nothing else reads); returns that input."""
+    if ACTIVATIONS[name] is F.silu:
+        return lambda x: F.silu(x, inplace=True)
+    if ACTIVATIONS[name] is F.relu:
+        return torch.relu_
+    approximate = "none" if ACTIVATIONS[name] is F.gelu else "tanh"
+    return lambda x: torch.ops.aten.gelu_(x, approximate=approximate)
+
+
+def row_blocks(x: torch.Tensor, down_w: torch.Tensor, down_b: torch.Tensor | None, rows: int,
+               inner: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``linear(inner(x), down_w, down_b)`` for 2-D ``x``, ``rows`` tokens at a time, each block's result written
+    into its rows of the output (module doc)."""
+    t = x.shape[0]
+    out = x.new_empty(t, down_w.shape[0])
+    for s in range(0, t, rows):
+        linear(inner(x[s : s + rows]), down_w, down_b, out=out[s : s + rows])
+    return out
 
 
 def _has_linear_pointwise() -> bool:
