@@ -86,6 +86,52 @@ class AttnMeta:
 
 
 @dataclass
+class OutputRows:
+    """One row per sequence whose final hidden state a step needs (what ``cls`` / ``lasttoken`` pooling reads).
+
+    A model's last layer then computes queries, attention, output projection and MLP for these rows alone; keys and
+    values still come from every row. ``others`` are the rows each selected row attends to besides itself (earlier
+    rows under causal attention, every other row of its sequence under bidirectional attention), laid out per
+    sequence by ``cu_others``. Attention sees them as a fully visible prefix of a one-token sequence: exact, since
+    attention does not depend on the order of its keys once RoPE has placed them.
+
+        >>> sel = OutputRows.build(meta, rows=np.array([4, 9]))    # two sequences of 5 tokens, lasttoken
+    """
+
+    rows: torch.Tensor  # (B,) int64
+    others: torch.Tensor  # (P,) int64
+    cu_others: torch.Tensor  # (B + 1,) int32
+    others_lens: list[int]
+
+    @classmethod
+    def build(cls, meta: AttnMeta, rows, device: torch.device | str = "cpu") -> OutputRows:
+        """``rows``: ``(B,)`` integer array, the packed row each sequence of ``meta`` keeps."""
+        import numpy as np
+
+        rows = np.asarray(rows, dtype=np.int64)
+        lengths = np.asarray(meta.seqlens, dtype=np.int64)
+        seg = np.repeat(np.arange(len(lengths)), lengths)
+        t = np.arange(len(seg), dtype=np.int64)
+        keep = t < rows[seg] if meta.causal else t != rows[seg]
+        lens = np.bincount(seg[keep], minlength=len(lengths))
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        return cls(
+            rows=torch.from_numpy(rows).to(device),
+            others=torch.from_numpy(t[keep]).to(device),
+            cu_others=torch.from_numpy(cu.astype(np.int32)).to(device),
+            others_lens=lens.tolist(),
+        )
+
+    def step_meta(self, meta: AttnMeta, layer: int, k: torch.Tensor, v: torch.Tensor) -> AttnMeta:
+        """The selected rows' attention at ``layer``: one query per sequence, ``others``' keys/values (rows of the
+        layer's ``(T, Hkv, D)`` ``k`` / ``v``) as its prefix."""
+        kv = KVStep(num_layers=layer + 1, cu_prefix=self.cu_others, prefix_lens=self.others_lens,
+                    prefix_k={layer: k[self.others]}, prefix_v={layer: v[self.others]})
+        return AttnMeta.from_lengths([1] * len(self.others_lens), causal=meta.causal, device=self.rows.device,
+                                     backend=meta.backend, kv=kv)
+
+
+@dataclass
 class PackedBatch:
     """Flat model inputs for one step: every sequence's tokens back to back, no padding."""
 

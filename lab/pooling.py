@@ -10,6 +10,7 @@ A pure function of hidden states and metadata (vLLM's pooler shape): ``cls`` = f
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -17,7 +18,7 @@ from lab.attention import ops
 from lab.batch import AttnMeta
 from lab.kernels.reference import POOLING_METHODS
 
-__all__ = ["POOLING_METHODS", "finish", "pool"]
+__all__ = ["POOLING_METHODS", "finish", "pool", "pooled_rows"]
 
 
 def pool(hidden: torch.Tensor, meta: AttnMeta, method: str, *, pool_start: torch.Tensor | None = None,
@@ -29,6 +30,21 @@ def pool(hidden: torch.Tensor, meta: AttnMeta, method: str, *, pool_start: torch
     if method == "max" and meta.backend == "triton":  # the fused kernel covers the others; max is rare
         k = ops("torch")
     return k.segment_pool(hidden, meta.cu_seqlens, method, pool_start=pool_start, weight_offset=weight_offset)
+
+
+def pooled_rows(lengths: list[int], method: str, pool_start: list[int] | None = None) -> np.ndarray | None:
+    """The one packed row per sequence that ``cls`` / ``lasttoken`` pooling reads (the rows ``pool`` gathers), or
+    ``None`` for poolings over many rows (and for an empty sequence or a ``cls`` past its sequence's end)."""
+    if method not in ("cls", "lasttoken") or not lengths or min(lengths) < 1:
+        return None
+    n = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(n)
+    if method == "lasttoken":
+        return ends - 1
+    ps = np.zeros_like(n) if pool_start is None else np.asarray(pool_start, dtype=np.int64)
+    if (ps >= n).any():
+        return None
+    return ends - n + ps
 
 
 def finish(pooled: torch.Tensor, *, truncate_dim: int | None, normalize: bool) -> torch.Tensor:

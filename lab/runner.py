@@ -24,10 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from lab.batch import KVStep, PackedBatch
+from lab.batch import KVStep, OutputRows, PackedBatch
 from lab.inputs import Request
-from lab.pooling import pool
+from lab.pooling import pool, pooled_rows
 from lab.scheduler import split_for_workers
+
 
 class Runner:
     def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype):
@@ -96,7 +97,14 @@ class Runner:
 
     @torch.inference_mode()  # thread-local: entered again in each worker
     def _embed(self, requests: list[Request], causal: bool, backend: str, pooling: str) -> torch.Tensor:
+        """One packed forward, pooled. Under ``cls`` / ``lasttoken`` pooling a model that can
+        (``computes_output_rows``) runs its last layer for the pooled rows only (``lab.batch.OutputRows``)."""
         batch = self.pack(requests, causal=causal, backend=backend)
+        if getattr(self.model, "computes_output_rows", False):
+            rows = pooled_rows(batch.meta.seqlens, pooling, [r.pool_start for r in requests])
+            if rows is not None:
+                sel = OutputRows.build(batch.meta, rows, self.device)
+                return self.model(batch.input_ids, batch.positions, batch.meta, output_rows=sel).float()
         hidden = self.forward(batch)
         return pool(hidden, batch.meta, pooling, pool_start=batch.pool_start)
 

@@ -36,6 +36,8 @@ SCRIPT = textwrap.dedent(
         ("llama-causal", llama, {{"pooling": "mean"}}),
         ("llama-bidirectional", llama, {{"pooling": "weightedmean", "bidirectional": True}}),
         ("llama-chunked", llama, {{"pooling": "lasttoken", "chunked_prefill": 3}}),
+        ("llama-lasttoken", llama, {{"pooling": "lasttoken"}}),  # last layer for the pooled rows only
+        ("llama-cls-bidirectional", llama, {{"pooling": "cls", "bidirectional": True}}),
     ]
     for name, path, knobs in cases:
         ref = Engine(str(path), attention_backend="torch", **knobs).embed(texts)
@@ -54,6 +56,7 @@ def test_engine_triton_backend_equals_torch(minilm_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = dict(line.split() for line in proc.stdout.strip().splitlines())
-    assert set(results) == {"bert", "llama-causal", "llama-bidirectional", "llama-chunked"}
+    assert set(results) == {"bert", "llama-causal", "llama-bidirectional", "llama-chunked", "llama-lasttoken",
+                            "llama-cls-bidirectional"}
     for name, cos in results.items():
         assert float(cos) >= 0.9999, (name, cos)

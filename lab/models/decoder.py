@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lab.attention import attention, ops
-from lab.batch import AttnMeta
+from lab.batch import AttnMeta, OutputRows
 from lab.kernels.reference import rotary_cos_sin
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.rope import RopeSpec, rope_from_config
@@ -131,23 +131,40 @@ class DecoderLayer(nn.Module):
         self.act_inplace = activation_inplace(a.hidden_act)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
+        only: OutputRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: this block's input delta ``(T, hidden)``, residual: the running sum (``None`` before block 0)."""
+        """x: this block's input delta ``(T, hidden)``, residual: the running sum (``None`` before block 0).
+
+        ``only``: compute the block's output for ``only.rows`` alone, ``(B, hidden)`` (the last block under ``cls`` /
+        ``lasttoken`` pooling): keys and values from every row, queries and everything after attention from those
+        rows. For SmolLM2 (30 blocks) that skips ~3 % of the forward's FLOPs."""
         k_ops = ops(meta)
         t = x.shape[0]
         h, residual = k_ops.add_rms_norm(x, residual, self.ln_attn, self.eps)
-        qkv = self.qkv(h)  # (T, (Hq + 2 Hkv) * D)
         nq, nk = self.hq * self.d, self.hkv * self.d
-        q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
+        if only is None:
+            qkv = self.qkv(h)  # (T, (Hq + 2 Hkv) * D)
+            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
+            q_cos, q_sin = cos, sin
+        else:
+            w, b = self.qkv.weight, self.qkv.bias
+            q = linear(h[only.rows], w[:nq], None if b is None else b[:nq])  # (B, Hq * D)
+            kv = linear(h, w[nq:], None if b is None else b[nq:])  # (T, 2 Hkv * D)
+            k, v = kv[:, :nk], kv[:, nk:]
+            q_cos, q_sin, residual = cos[only.rows], sin[only.rows], residual[only.rows]
+        tq = q.shape[0]
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head's D features
-            q = k_ops.add_rms_norm(q.reshape(t * self.hq, self.d), None, self.q_norm, self.eps)[0]
+            q = k_ops.add_rms_norm(q.reshape(tq * self.hq, self.d), None, self.q_norm, self.eps)[0]
             k = k_ops.add_rms_norm(k.reshape(t * self.hkv, self.d), None, self.k_norm, self.eps)[0]
-        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        k_ops.apply_rotary(q, cos, sin)  # in place
+        q, k, v = q.view(tq, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        k_ops.apply_rotary(q, q_cos, q_sin)  # in place
         k_ops.apply_rotary(k, cos, sin)
-        a = attention(q, k, v, meta, self.index)  # (T, Hq, D)
-        h, residual = k_ops.add_rms_norm(self.o(a.reshape(t, nq)), residual, self.ln_mlp, self.eps)
+        if only is None:
+            a = attention(q, k, v, meta, self.index)  # (T, Hq, D)
+        else:
+            a = attention(q, k[only.rows], v[only.rows], only.step_meta(meta, self.index, k, v), self.index)
+        h, residual = k_ops.add_rms_norm(self.o(a.reshape(tq, nq)), residual, self.ln_mlp, self.eps)
         return self._mlp(h), residual
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
@@ -178,6 +195,7 @@ class DecoderModel(nn.Module):
     """
 
     is_decoder = True
+    computes_output_rows = True  # forward(..., output_rows=...) runs its last layer for those rows only
 
     def __init__(self, config: dict):
         super().__init__()
@@ -205,9 +223,13 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         meta: AttnMeta,
         token_type_ids: torch.Tensor | None = None,
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: ``(T,)`` -> final-normed hidden states ``(T, hidden)``; ``token_type_ids`` unused."""
+        """input_ids, positions: ``(T,)`` -> final-normed hidden states ``(T, hidden)``; ``token_type_ids`` unused.
+        ``output_rows``: return only those rows, ``(B, hidden)``; the last layer computes no others."""
         kv = meta.kv
+        if output_rows is not None and kv is not None:
+            raise ValueError("output_rows needs a plain prefill step (no cached keys/values in meta.kv)")
         longest = meta.max_seqlen
         if kv is not None and kv.has_prefix:
             longest = max(p + n for p, n in zip(kv.prefix_lens, meta.seqlens))
@@ -215,8 +237,9 @@ class DecoderModel(nn.Module):
         x = self.embed(input_ids)  # (T, hidden)
         cos, sin = rotary_cos_sin(positions, self._freqs(x.device), self.rope.attention_scaling, dtype=x.dtype)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, meta, output_rows if i == last else None)
         return ops(meta).add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     # ---------------------------------------------------- stages: the same forward, one layer at a time (lab.chunking)
