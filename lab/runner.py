@@ -85,14 +85,15 @@ class Runner:
         parts = split_for_workers([r.length for r in requests], n)
         if parts is None:
             return self._embed(requests, causal, backend, pooling)
-        pool_ = self._workers(n)
-        futures = [pool_.submit(self._embed, [requests[i] for i in part], causal, backend, pooling) for part in parts]
+        executor = self._workers(n)
+        futures = [executor.submit(self._embed, [requests[i] for i in part], causal, backend, pooling)
+                   for part in parts]
         out = None
         for part, fut in zip(parts, futures):
-            rows = fut.result()
+            pooled = fut.result()
             if out is None:
-                out = rows.new_empty(len(requests), rows.shape[1])
-            out[part] = rows
+                out = pooled.new_empty(len(requests), pooled.shape[1])
+            out[part] = pooled
         return out
 
     @torch.inference_mode()  # thread-local: entered again in each worker
