@@ -171,7 +171,7 @@ class Engine:
             max_length=self.max_length, causal=self.causal, dtype=str(self.runner.dtype).removeprefix("torch."),
             device=str(self.device), attention_backend=self._backend, chunked_prefill=self._knobs.chunked_prefill,
             instruction=self._knobs.instruction, append_eos=self.append_eos,
-            cpu_workers=self.runner.cpu_workers(self._knobs.cpu_workers),
+            cpu_workers=self.runner.cpu_workers(self._knobs.cpu_workers, self._backend),
         )
 
     def configure(self, **knobs) -> Engine:

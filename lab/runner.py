@@ -81,7 +81,7 @@ class Runner:
         ``workers``: on CPU, split the batch across this many worker threads (``None`` = one per intra-op thread;
         module doc); elsewhere, or when the split would be unbalanced, one forward over the whole batch.
         """
-        n = self.cpu_workers(workers) if backend == "torch" else 1  # Triton's CPU interpreter is not thread-safe
+        n = self.cpu_workers(workers, backend)
         parts = split_for_workers([r.length for r in requests], n)
         if parts is None:
             return self._embed(requests, causal, backend, pooling)
@@ -109,10 +109,11 @@ class Runner:
         hidden = self.forward(batch)
         return pool(hidden, batch.meta, pooling, pool_start=batch.pool_start)
 
-    def cpu_workers(self, workers: int | None) -> int:
-        """Workers a step may be split across: the knob's value (``None`` = ``torch.get_num_threads()``) on CPU,
-        1 elsewhere and for the padded transformers fallback."""
-        if self.device.type != "cpu" or hasattr(self.model, "hf"):
+    def cpu_workers(self, workers: int | None, backend: str) -> int:
+        """Workers a step may be split across: the knob's value (``None`` = ``torch.get_num_threads()``) on CPU
+        with the torch kernels; 1 elsewhere, for the padded transformers fallback, and for the Triton backend
+        (on CPU that is Triton's interpreter, which is not thread-safe)."""
+        if self.device.type != "cpu" or hasattr(self.model, "hf") or backend != "torch":
             return 1
         return torch.get_num_threads() if workers is None else workers
 

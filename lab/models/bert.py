@@ -29,6 +29,11 @@ from lab.models.fused import (
 FFN_ROWS = 1024
 
 
+def _narrow_gemms(x: torch.Tensor) -> bool:
+    """The CPU float32 path of ``BertLayer.forward`` (split q/k/v GEMMs, row-blocked FFN) applies to ``x``."""
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
 class BertLayer(nn.Module):
     def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, index: int):
         super().__init__()
@@ -52,7 +57,7 @@ class BertLayer(nn.Module):
         the oneDNN GELU epilogue at ~80; together 1.12x end to end on SciFact (1.08x with the workers).
         """
         t, k = x.shape[0], ops(meta)
-        if x.device.type == "cpu" and x.dtype == torch.float32:
+        if _narrow_gemms(x):
             n, w, b = self.heads * self.head_dim, self.qkv.weight, self.qkv.bias
             q, key, v = (linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n]).view(t, self.heads, -1)
                          for j in range(3))
@@ -63,7 +68,7 @@ class BertLayer(nn.Module):
         return k.add_layer_norm(self._ffn(x), x, self.out_norm.weight, self.out_norm.bias, self.eps)
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32:
+        if _narrow_gemms(x):
             return row_blocks(x, self.down.weight, self.down.bias, FFN_ROWS,
                               lambda rows: self.act_inplace(linear(rows, self.up.weight, self.up.bias)))
         return self.down(linear_act(x, self.up.weight, self.up.bias, self.act_name, self.act))
