@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -112,12 +112,16 @@ class Engine:
         prefix_cache: bool = True,
         attention_backend: str = "auto",
         cpu_workers: int | None = None,
+        adapters: list[str] | tuple[str, ...] = (),
+        layer: int | None = None,
     ):
-        knobs = {f.name: v for f, v in zip(fields(Knobs), (
-            pooling, normalize, truncate_dim, max_length, max_batch_tokens, max_num_seqs, dtype, device,
-            bidirectional, chunked_prefill, instruction, include_instruction, append_eos, prefix_cache,
-            attention_backend, cpu_workers,
-        ))}
+        knobs = dict(
+            pooling=pooling, normalize=normalize, truncate_dim=truncate_dim, max_length=max_length,
+            max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs, dtype=dtype, device=device,
+            bidirectional=bidirectional, chunked_prefill=chunked_prefill, instruction=instruction,
+            include_instruction=include_instruction, append_eos=append_eos, prefix_cache=prefix_cache,
+            attention_backend=attention_backend, cpu_workers=cpu_workers, adapters=adapters, layer=layer,
+        )
         self._knobs = Knobs().replace(**knobs)
         if not isinstance(model, (str,)) and not hasattr(model, "__fspath__"):
             raise TypeError(f"model must be a path to a local model folder, got {type(model).__name__}")

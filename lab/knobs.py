@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -40,6 +41,8 @@ class Knobs:
     prefix_cache: bool = True
     attention_backend: str = "auto"
     cpu_workers: int | None = None
+    adapters: tuple[str, ...] = ()  # PEFT LoRA folders merged in this order (lab.adapters)
+    layer: int | None = None  # pool the hidden states after this layer (None = last; negative from the end)
 
     def replace(self, **changes) -> Knobs:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
@@ -49,6 +52,8 @@ class Knobs:
             )
         if "dtype" in changes:
             changes["dtype"] = normalize_dtype(changes["dtype"])
+        if "adapters" in changes:
+            changes["adapters"] = normalize_adapters(changes["adapters"])
         new = dataclasses.replace(self, **changes)
         new.validate()
         return new
@@ -89,6 +94,20 @@ class Knobs:
                 "sequence at once (every token attends to later tokens). Use chunked_prefill=None, or "
                 "bidirectional=False for causal chunked prefill"
             )
+
+
+def normalize_adapters(adapters) -> tuple[str, ...]:
+    """A tuple of adapter folder paths (``None`` = none); a bare string is one folder."""
+    if adapters is None:
+        return ()
+    if isinstance(adapters, (str, os.PathLike)):
+        adapters = [adapters]
+    if not isinstance(adapters, (list, tuple)):
+        raise TypeError(f"adapters must be a list of PEFT LoRA folders, got {type(adapters).__name__}")
+    for a in adapters:
+        if not isinstance(a, (str, os.PathLike)):
+            raise TypeError(f"adapters must be folder paths (str or os.PathLike), got {type(a).__name__} ({a!r})")
+    return tuple(os.fspath(a) for a in adapters)
 
 
 def normalize_dtype(dtype) -> str:
