@@ -149,6 +149,29 @@ class SICKR(LocalTask, _official("SICK-R")):
         return DatasetDict({"test": _sts_rows(rows, self.limit)})
 
 
+class _SemEvalSTS(LocalTask):
+    """A SemEval STS year's English test pairs with the organizers' untokenized text (MTEB's copy is a tokenized
+    variant of the same pairs and scores, so scores here are close to, not exactly, the leaderboard's)."""
+
+    files = ("test.jsonl.gz",)
+    local_revision = True
+
+    def _load_local(self) -> DatasetDict:
+        return DatasetDict({"test": _sts_rows(read_jsonl(self.path("test.jsonl.gz")), self.limit)})
+
+
+class STS12(_SemEvalSTS, _official("STS12")):
+    folder = "sts12"
+
+
+class STS14(_SemEvalSTS, _official("STS14")):
+    folder = "sts14"
+
+
+class STS16(_SemEvalSTS, _official("STS16")):
+    folder = "sts16"
+
+
 class SciFact(LocalTask, _official("SciFact")):
     """BEIR layout. With ``limit``: that many queries, and a corpus of their relevant documents plus evenly spaced
     others, ``10 * limit`` documents in all (a smoke test, not a comparable score)."""
@@ -303,6 +326,9 @@ LOCAL_TASKS: dict[str, type[LocalTask]] = {
     for cls in (
         STSBenchmark,
         SICKR,
+        STS12,
+        STS14,
+        STS16,
         SciFact,
         Banking77Classification,
         TwentyNewsgroupsClustering,

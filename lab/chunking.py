@@ -7,7 +7,8 @@ states. Between steps a long input therefore holds its hidden states plus one la
 ``hidden + 2 * Hkv * D`` values per token: 3.8 KB for SmolLM2-135M in float32, against 46 KB for a vLLM-style
 cache of every layer's K/V and about 27 KB of activations in an unchunked forward. Everything else a step
 allocates scales with ``chunk``. The pooled row is computed after the last piece of the last layer, from the
-hidden states the unchunked forward gives, so every pooling equals the unchunked one under causal attention.
+hidden states the unchunked forward gives, so every pooling equals the unchunked one under causal attention. With
+the ``layer`` knob only the first k layers run, and the final norm only when k is the last layer.
 Several long inputs share the rounds of one layer (one packed step per round) while their tokens fit the budget.
 
 **The prefix cache** computes the longest token prefix that all requests of a wave share, capped at the tokens
@@ -73,18 +74,23 @@ class _Prefix:
 
 
 class CausalPrefill:
-    def __init__(self, runner, *, chunk: int | None, budget: int, max_seqs: int, backend: str, pooling: str):
+    def __init__(self, runner, *, chunk: int | None, budget: int, max_seqs: int, backend: str, pooling: str,
+                 num_layers: int | None = None):
+        """``num_layers``: pool after the first ``num_layers`` layers and run only those (``None`` = all; the
+        final norm only then); the Engine's ``layer`` knob, resolved."""
         self.runner, self.chunk, self.budget, self.max_seqs = runner, chunk, budget, max_seqs
         self.backend, self.pooling = backend, pooling
         self.model = runner.model
         self.num_layers = runner.model.num_layers
+        self.depth = self.num_layers if num_layers is None else num_layers  # layers that run
 
     # ------------------------------------------------------------------------------------------------ public
     @torch.inference_mode()
     def run(self, requests: list[Request], *, shared_prefix: bool) -> tuple[dict[int, torch.Tensor], PrefillStats]:
         """Pooled rows ``{request.index: (hidden,) float32}`` of ``requests`` under causal attention."""
         stats = PrefillStats()
-        p = _shared_prefix_length(requests) if shared_prefix and len(requests) > 1 else 0
+        # (at depth 0 no token attends to another: nothing to share)
+        p = _shared_prefix_length(requests) if shared_prefix and len(requests) > 1 and self.depth else 0
         prefix = None
         if p:
             pseudo = Request(index=-1, ids=requests[0].ids[:p], pool_start=p)
@@ -112,7 +118,7 @@ class CausalPrefill:
                         prefix_k=_PerLayer(lambda layer: prefix.k[layer].repeat(n, 1, 1)),
                         prefix_v=_PerLayer(lambda layer: prefix.v[layer].repeat(n, 1, 1)))
         packed = self._pack([o.req for o in batch], p, kv)
-        hidden = self.runner.forward(packed)
+        hidden = self.runner.forward(packed, self.depth)
         pooled = pool(hidden, packed.meta, self.pooling, pool_start=packed.pool_start)
         rows.update({o.req.index: row for o, row in zip(batch, pooled)})
         stats.steps += 1
@@ -148,7 +154,7 @@ class CausalPrefill:
         def store(layer: int, k: torch.Tensor, v: torch.Tensor, rows) -> None:
             nonlocal kv_k, kv_v
             if kv_k is None:  # K/V head shapes are known from the first capture
-                shape = (self.num_layers if keep else 1, total, *k.shape[1:])
+                shape = (self.depth if keep else 1, total, *k.shape[1:])
                 kv_k, kv_v = k.new_empty(shape), v.new_empty(shape)
             i = layer if keep else 0
             _put(kv_k[i], rows, k)
@@ -167,7 +173,7 @@ class CausalPrefill:
                     parts.append(buf[starts[j] : starts[j] + s])
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-        for layer in range(self.num_layers):
+        for layer in range(self.depth):
             for members, (rows, seq_lens, prefix_lens) in zip(rounds, steps):
                 kv = KVStep(num_layers=self.num_layers, capture=lambda i, k, v, rows=rows: store(i, k, v, rows))
                 if any(prefix_lens):
@@ -185,8 +191,9 @@ class CausalPrefill:
         stats.state_bytes = max(stats.state_bytes, held + (0 if prefix is None else prefix.nbytes))
         if keep:
             return None, _Prefix(kv_k, kv_v)
-        for rows, _, _ in steps:  # final norm piece by piece, in place
-            _put(h, rows, model.finish(_take(h, rows), self.backend))
+        if self.depth == self.num_layers:  # final norm piece by piece, in place (the last layer's output only)
+            for rows, _, _ in steps:
+                _put(h, rows, model.finish(_take(h, rows), self.backend))
         return pool(h, packed.meta, self.pooling, pool_start=packed.pool_start), None
 
     @staticmethod

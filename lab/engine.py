@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
 
+from lab.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
 from lab.attention import resolve_backend
 from lab.inputs import InputProcessor, Request, check_texts
 from lab.knobs import Knobs, resolve_device, resolve_dtype
@@ -54,6 +55,7 @@ class Stats:
     state_bytes: int = 0
     path: str = "packed"
     backend: str = "torch"
+    adapters: tuple[str, ...] = ()  # names of the LoRA adapters merged into the weights that ran
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,6 +65,7 @@ class Stats:
             f"{self.sequences} sequences, {self.tokens} tokens in {self.batches} batches, "
             f"{self.seconds:.3f} s ({self.tokens_per_s:,.0f} tokens/s); padded {self.padded_tokens}, "
             f"truncated {self.truncated}; {self.path} / {self.backend}"
+            + (f"; adapters {', '.join(self.adapters)}" if self.adapters else "")
         )
 
 
@@ -70,7 +73,9 @@ class Engine:
     """A prefill-only engine over one model folder. Every knob but ``model`` and ``device`` is live.
 
     Args:
-        model: a local model folder (transformers / sentence-transformers layout) or a ``.gguf`` file.
+        model: a local model folder (transformers / sentence-transformers layout) or a ``.gguf`` file; or a PEFT
+            adapter folder whose ``base_model_name_or_path`` is a local folder (that base loads, the adapter first
+            in ``adapters``).
         pooling: ``cls``, ``mean``, ``max``, ``lasttoken`` or ``weightedmean``; ``None`` = the model's own
             (sentence-transformers Pooling config; ``lasttoken`` for decoders; else ``mean``).
         normalize: L2-normalize embeddings; ``None`` = whether the model folder has a Normalize module.
@@ -90,6 +95,15 @@ class Engine:
         cpu_workers: on CPU, split each packed step across this many worker threads, each running its share of
             the sequences with ``torch.get_num_threads() // cpu_workers`` intra-op threads (``None`` = one worker
             per intra-op thread; ``1`` = the whole step on all threads). See ``lab.runner``.
+        layer: pool the hidden states after this layer, running only the layers up to it (a shorter forward, not a
+            slice of the full one): 1-based, ``0`` = the embedding output, negative counts from the end (``-1`` =
+            the last), ``None`` = the last. Equals transformers' ``output_hidden_states=True`` ->
+            ``hidden_states[layer]``. Decoders (pre-norm): the final RMSNorm is applied only at the last layer, as
+            in transformers (below it, the un-normed residual stream); encoders (post-norm): each layer's output.
+        adapters: PEFT LoRA folders (``adapter_config.json`` + ``adapter_model.safetensors``) merged into the
+            weights in this order, each on top of the last (``lab.adapters``); live: ``configure(adapters=[...])``
+            re-merges from the float32 master copy and ``[]`` restores the base weights exactly. Packed models
+            only; DoRA, trained biases and LoRA on embeddings / ``lm_head`` are refused.
     """
 
     def __init__(
@@ -115,16 +129,13 @@ class Engine:
         adapters: list[str] | tuple[str, ...] = (),
         layer: int | None = None,
     ):
-        knobs = dict(
-            pooling=pooling, normalize=normalize, truncate_dim=truncate_dim, max_length=max_length,
-            max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs, dtype=dtype, device=device,
-            bidirectional=bidirectional, chunked_prefill=chunked_prefill, instruction=instruction,
-            include_instruction=include_instruction, append_eos=append_eos, prefix_cache=prefix_cache,
-            attention_backend=attention_backend, cpu_workers=cpu_workers, adapters=adapters, layer=layer,
-        )
+        args = locals()  # every knob is a keyword argument of the same name (a KeyError here says which is not)
+        knobs = {f.name: args[f.name] for f in fields(Knobs)}
         self._knobs = Knobs().replace(**knobs)
         if not isinstance(model, (str,)) and not hasattr(model, "__fspath__"):
             raise TypeError(f"model must be a path to a local model folder, got {type(model).__name__}")
+        model, adapters = split_adapter_model(str(model), self._knobs.adapters)  # an adapter-only folder: its base
+        self._knobs = self._knobs.replace(adapters=adapters)
         self.model_path = str(model)
         self.spec: ModelSpec = read_folder(model)
         self.device = resolve_device(self._knobs.device)
@@ -133,7 +144,12 @@ class Engine:
         self.tokenizer = load_tokenizer(self.spec)
         self.model, self.head = self._build_model()
         self.runner = Runner(self.model, device=self.device, dtype=resolve_dtype(self._knobs.dtype, self.device))
+        self._adapters: list[LoraAdapter] = []  # merged into the live weights, in order
+        if self._knobs.adapters:
+            self._adapters, merged = self._merge_adapters(self._knobs.adapters)
+            self.runner.set_merged(merged)
         self._check_causal_support(self._knobs)
+        self._check_layer(self._knobs)
         self.stats = Stats()
         self._backend = resolve_backend(self._knobs.attention_backend, self.device)
 
@@ -176,10 +192,35 @@ class Engine:
             device=str(self.device), attention_backend=self._backend, chunked_prefill=self._knobs.chunked_prefill,
             instruction=self._knobs.instruction, append_eos=self.append_eos,
             cpu_workers=self.runner.cpu_workers(self._knobs.cpu_workers, self._backend),
+            layer=self.layer, adapters=self.adapter_names,
         )
 
+    @property
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters merged into the weights, in order (folder names; see ``adapter_ids``)."""
+        return [a.name for a in self._adapters]
+
+    @property
+    def adapter_ids(self) -> list[str]:
+        """``name-<content hash>`` of each merged adapter: two folders with one name (or one folder retrained)
+        differ. MTEB results are cached apart by these."""
+        return [a.id for a in self._adapters]
+
+    def _merge_adapters(self, paths: tuple[str, ...]):
+        """Read and check ``paths`` and merge them over the base weights: ``(adapters, {parameter: float32})``.
+        Changes nothing: the caller swaps the result in (``Runner.set_merged``)."""
+        if paths and hasattr(self.model, "hf"):
+            raise ValueError(
+                f"adapters need a packed model, but {self.spec.architecture or 'this architecture'} runs through the "
+                "transformers fallback (no packed implementation here). Merge the adapter with peft "
+                "(PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(out)) and load that folder"
+            )
+        adapters = [read_adapter(p) for p in paths]
+        return adapters, merged_weights(self.model, self.runner.base_weights, adapters)
+
     def configure(self, **knobs) -> Engine:
-        """Change knobs live (no weight reload; ``dtype`` re-casts from the master copy). Returns ``self``.
+        """Change knobs live (no weight reload; ``dtype`` re-casts from the master copy, ``adapters`` re-merge
+        onto it when the list changes). Returns ``self``.
 
         Raises ``ValueError``/``TypeError`` naming the knob and its valid values; on error nothing changes.
         """
@@ -187,8 +228,16 @@ class Engine:
             raise ValueError("device cannot change live (it moves every weight); create a new Engine instead")
         new = self._knobs.replace(**knobs)
         self._check_causal_support(new)
+        self._check_layer(new)
         backend = resolve_backend(new.attention_backend, self.device)
-        self.runner.set_dtype(resolve_dtype(new.dtype, self.device))
+        adapters = None
+        if new.adapters != self._knobs.adapters:  # computed before anything is swapped: an error changes nothing
+            adapters, merged = self._merge_adapters(new.adapters)
+        dtype = resolve_dtype(new.dtype, self.device)
+        if adapters is not None:
+            self.runner.set_merged(merged)
+            self._adapters = adapters
+        self.runner.set_dtype(dtype)
         self._knobs, self._backend = new, backend
         return self
 
@@ -199,6 +248,27 @@ class Engine:
                 "chunked_prefill needs causal attention, but this model runs bidirectionally: bidirectional "
                 "attention needs the whole sequence at once. Set bidirectional=False or chunked_prefill=None"
             )
+
+    def _check_layer(self, k: Knobs) -> None:
+        """``layer`` within the model's layers (its type is checked by ``Knobs``)."""
+        if k.layer is None:
+            return
+        n = getattr(self.model, "num_layers", None)
+        if n is None:
+            raise ValueError(f"layer={k.layer} but this model does not report its number of layers; use layer=None")
+        if not -n <= k.layer <= n:
+            raise ValueError(f"layer={k.layer} but this model has {n} layers; valid: 0..{n}, -{n}..-1, or None")
+
+    def _layer_for(self, k: Knobs) -> int | None:
+        n = getattr(self.model, "num_layers", None)
+        if k.layer is None:
+            return n
+        return n + 1 + k.layer if k.layer < 0 else k.layer  # -1 = layer n (the last), -n = layer 1
+
+    @property
+    def layer(self) -> int | None:
+        """The layer whose hidden states are pooled, as the number of layers that run (``0`` = the embeddings)."""
+        return self._layer_for(self._knobs)
 
     def _causal_for(self, k: Knobs) -> bool:
         return (not k.bidirectional) if k.bidirectional is not None else self.model.default_causal
@@ -254,9 +324,12 @@ class Engine:
 
     def __repr__(self) -> str:
         r = self.resolved
+        layer = "" if r["layer"] == getattr(self.model, "num_layers", None) else f"layer={r['layer']}, "
+        adapters = f"adapters={r['adapters']}, " if r["adapters"] else ""
         return (
             f"Engine({self.model_name!r}, {self.spec.architecture}, pooling={r['pooling']}, "
-            f"causal={r['causal']}, normalize={r['normalize']}, dtype={r['dtype']}, device={r['device']})"
+            f"causal={r['causal']}, normalize={r['normalize']}, {layer}{adapters}dtype={r['dtype']}, "
+            f"device={r['device']})"
         )
 
     # ------------------------------------------------------------------------------------------------- embed
@@ -296,7 +369,7 @@ class Engine:
 
     def _new_stats(self) -> Stats:
         return Stats(path="packed" if not hasattr(self.model, "hf") else "transformers-fallback (padded)",
-                     backend=self._backend)
+                     backend=self._backend, adapters=tuple(self.adapter_names))
 
     def _finish_call(self, stats: Stats, t0: float, bar) -> None:
         """Close the progress bar, time the call, publish ``stats`` and warn (once) about truncation."""
@@ -335,7 +408,7 @@ class Engine:
         k = self._knobs
         for batch in plan_batches(requests, k.max_batch_tokens, k.max_num_seqs):
             pooled = self.runner.embed_batch(batch, causal=self.causal, backend=self._backend, pooling=pooling,
-                                             workers=k.cpu_workers)
+                                             workers=k.cpu_workers, num_layers=self.layer)
             stats.batches += 1
             stats.padded_tokens += self.runner.padded_tokens
             stats.tokens_computed += sum(r.length for r in batch)
@@ -348,7 +421,8 @@ class Engine:
 
         k = self._knobs
         prefill = CausalPrefill(self.runner, chunk=k.chunked_prefill, budget=k.max_batch_tokens,
-                                max_seqs=k.max_num_seqs, backend=self._backend, pooling=pooling)
+                                max_seqs=k.max_num_seqs, backend=self._backend, pooling=pooling,
+                                num_layers=self.layer)
         rows, pst = prefill.run(requests, shared_prefix=k.prefix_cache)
         stats.batches += pst.steps
         stats.chunks += pst.pieces

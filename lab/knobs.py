@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass, fields
 
@@ -42,7 +43,7 @@ class Knobs:
     attention_backend: str = "auto"
     cpu_workers: int | None = None
     adapters: tuple[str, ...] = ()  # PEFT LoRA folders merged in this order (lab.adapters)
-    layer: int | None = None  # pool the hidden states after this layer (None = last; negative from the end)
+    layer: int | None = None  # pool the hidden states after this layer (None = last; 0 = embeddings; -1 = last)
 
     def replace(self, **changes) -> Knobs:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
@@ -54,6 +55,8 @@ class Knobs:
             changes["dtype"] = normalize_dtype(changes["dtype"])
         if "adapters" in changes:
             changes["adapters"] = normalize_adapters(changes["adapters"])
+        if isinstance(changes.get("layer"), numbers.Integral) and not isinstance(changes["layer"], bool):
+            changes["layer"] = int(changes["layer"])  # numpy ints from a sweep
         new = dataclasses.replace(self, **changes)
         new.validate()
         return new
@@ -80,6 +83,12 @@ class Knobs:
         v = self.cpu_workers
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"cpu_workers must be a positive int or None (one per intra-op thread), got {v!r}")
+        v = self.layer  # the range depends on the model: checked by the Engine
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise TypeError(
+                f"layer must be an int (1-based; 0 = the embedding output; negative counts from the end, -1 = last) "
+                f"or None (the last layer), got {v!r}"
+            )
         normalize_dtype(self.dtype)
         normalize_device(self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -187,7 +187,9 @@ def drain_texts(loader) -> list[str]:
 def result_knobs(engine) -> dict[str, Any]:
     """Knobs that can change scores, as they actually run: the engine's knobs minus scheduling ones, with
     ``None`` (model default) and ``auto`` replaced by ``engine.resolved`` values where the engine reports them
-    (``bidirectional`` from ``resolved["causal"]``); what stays ``None`` is left out."""
+    (``bidirectional`` from ``resolved["causal"]``; ``layer`` as resolved, a positive index, left out at the last
+    layer; ``adapters`` as ``engine.adapter_ids``, name plus a hash of each adapter's config and weights, left out
+    when empty); what stays ``None`` is left out."""
     knobs = dict(engine.knobs)
     resolved = getattr(engine, "resolved", None)
     resolved = dict(resolved) if isinstance(resolved, Mapping) else {}
@@ -196,6 +198,13 @@ def result_knobs(engine) -> dict[str, Any]:
     for key, value in knobs.items():
         if (value is None or value == "auto") and resolved.get(key) is not None:
             knobs[key] = resolved[key]
+    if resolved.get("layer") is not None:  # -1, None and the last layer's number: one variant, one folder, named
+        last = getattr(getattr(engine, "model", None), "num_layers", None)  # as before the knob existed
+        knobs["layer"] = None if resolved["layer"] == last else resolved["layer"]
+    if knobs.get("adapters"):  # each adapter as name-<content hash>: same-named folders are cached apart
+        knobs["adapters"] = list(getattr(engine, "adapter_ids", None) or knobs["adapters"])
+    else:
+        knobs.pop("adapters", None)  # no adapters: the base model's experiment name, as before the knob existed
     return {k: v for k, v in sorted(knobs.items()) if k not in SCHEDULING_KNOBS and v is not None}
 
 

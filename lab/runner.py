@@ -36,19 +36,45 @@ class Runner:
         self.device = device
         # master weights in their loaded precision; the live module holds casts of them
         self._master = {name: p.detach() for name, p in self.model.named_parameters()}
+        # float32 copies of the parameters LoRA adapters changed (``set_merged``); the live weights cast these
+        self._merged: dict[str, torch.Tensor] = {}
         self.dtype = None
         self.set_dtype(dtype)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_shape: tuple[int, int] = (0, 0)
 
     def set_dtype(self, dtype: torch.dtype) -> None:
-        """Re-cast the live weights from the master copy (no reload; float32 shares the master's storage)."""
+        """Re-cast the live weights from the master copy, or a parameter's merged copy when adapters changed it
+        (no reload; float32 shares the master's / merged copy's storage)."""
         if dtype == self.dtype:
             return
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                p.data = self._master[name].to(self.device, dtype)
+                p.data = self._merged.get(name, self._master[name]).to(self.device, dtype)
         self.dtype = dtype
+
+    @property
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """The master copy of every parameter as loaded (no adapters merged); read it, do not change it."""
+        return self._master
+
+    def set_merged(self, merged: dict[str, torch.Tensor]) -> None:
+        """Make ``merged`` (parameter name -> float32 weight: base + LoRA deltas, ``lab.adapters.merged_weights``)
+        the source of those parameters, and every other parameter its master again; ``{}`` restores the base
+        weights exactly. The live weights are cast before any is swapped, so an error leaves them as they were."""
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(merged) - set(params))
+        if unknown:
+            raise KeyError(f"merged weights for unknown parameters: {', '.join(unknown[:5])}")
+        for name, t in merged.items():
+            if t.shape != self._master[name].shape:
+                raise ValueError(f"merged {name}: shape {tuple(t.shape)} != {tuple(self._master[name].shape)}")
+        with torch.no_grad():
+            live = {name: merged.get(name, self._master[name]).to(self.device, self.dtype)
+                    for name in set(self._merged) | set(merged)}
+            for name, t in live.items():
+                params[name].data = t
+        self._merged = dict(merged)
 
     @property
     def padded_tokens(self) -> int:
@@ -56,9 +82,10 @@ class Runner:
         return getattr(self.model, "padded_tokens", 0)
 
     @torch.inference_mode()
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Hidden states ``(T, hidden)`` of one packed step."""
-        return self.model(batch.input_ids, batch.positions, batch.meta, batch.token_type_ids)
+    def forward(self, batch: PackedBatch, num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states ``(T, hidden)`` of one packed step, after its first ``num_layers`` layers (``None`` = all;
+        the Engine's ``layer`` knob, resolved)."""
+        return self.model(batch.input_ids, batch.positions, batch.meta, batch.token_type_ids, num_layers=num_layers)
 
     def pack(self, requests: list[Request], *, causal: bool, backend: str, kv: KVStep | None = None,
              position_offsets: list[int] | None = None, ids=None) -> PackedBatch:
@@ -75,8 +102,9 @@ class Runner:
 
     @torch.inference_mode()
     def embed_batch(self, requests: list[Request], *, causal: bool, backend: str, pooling: str,
-                    workers: int | None = 1) -> torch.Tensor:
-        """Forward and pool one batch: ``(B, hidden)`` float32 in the order of ``requests``.
+                    workers: int | None = 1, num_layers: int | None = None) -> torch.Tensor:
+        """Forward and pool one batch: ``(B, hidden)`` float32 in the order of ``requests``, pooled after the first
+        ``num_layers`` layers (``None`` = all; only those run).
 
         ``workers``: on CPU, split the batch across this many worker threads (``None`` = one per intra-op thread;
         module doc); elsewhere, or when the split would be unbalanced, one forward over the whole batch.
@@ -84,9 +112,9 @@ class Runner:
         n = self.cpu_workers(workers, backend)
         parts = split_for_workers([r.length for r in requests], n)
         if parts is None:
-            return self._embed(requests, causal, backend, pooling)
+            return self._embed(requests, causal, backend, pooling, num_layers)
         executor = self._workers(n)
-        futures = [executor.submit(self._embed, [requests[i] for i in part], causal, backend, pooling)
+        futures = [executor.submit(self._embed, [requests[i] for i in part], causal, backend, pooling, num_layers)
                    for part in parts]
         out = None
         for part, fut in zip(parts, futures):
@@ -97,16 +125,18 @@ class Runner:
         return out
 
     @torch.inference_mode()  # thread-local: entered again in each worker
-    def _embed(self, requests: list[Request], causal: bool, backend: str, pooling: str) -> torch.Tensor:
+    def _embed(self, requests: list[Request], causal: bool, backend: str, pooling: str,
+               num_layers: int | None = None) -> torch.Tensor:
         """One packed forward, pooled. Under ``cls`` / ``lasttoken`` pooling a model that can
-        (``computes_output_rows``) runs its last layer for the pooled rows only (``lab.batch.OutputRows``)."""
+        (``computes_output_rows``) runs its last computed layer for the pooled rows only (``lab.batch.OutputRows``)."""
         batch = self.pack(requests, causal=causal, backend=backend)
         if getattr(self.model, "computes_output_rows", False):
             rows = pooled_rows(batch.meta.seqlens, pooling, [r.pool_start for r in requests])
             if rows is not None:
                 sel = OutputRows.build(batch.meta, rows, self.device)
-                return self.model(batch.input_ids, batch.positions, batch.meta, output_rows=sel).float()
-        hidden = self.forward(batch)
+                return self.model(batch.input_ids, batch.positions, batch.meta, output_rows=sel,
+                                  num_layers=num_layers).float()
+        hidden = self.forward(batch, num_layers)
         return pool(hidden, batch.meta, pooling, pool_start=batch.pool_start)
 
     def cpu_workers(self, workers: int | None, backend: str) -> int:

@@ -36,3 +36,13 @@ def model_class(architecture: str):
         return None
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def layers_to_run(num_layers: int | None, total: int) -> int:
+    """How many of a model's ``total`` layers a forward runs: ``num_layers`` (0 = the embedding output only), or
+    all of them for ``None``. The Engine's ``layer`` knob resolves negative values before they get here."""
+    if num_layers is None:
+        return total
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 0 <= num_layers <= total:
+        raise ValueError(f"num_layers={num_layers!r} but this model has {total} layers; valid: 0..{total} or None")
+    return num_layers

@@ -15,6 +15,7 @@ from torch import nn
 
 from lab.attention import attention, ops
 from lab.batch import AttnMeta
+from lab.models import layers_to_run
 from lab.models.fused import (
     ACTIVATIONS,
     Linear,
@@ -110,11 +111,14 @@ class BertModel(nn.Module):
         return cls(config)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, token_type_ids: torch.Tensor | None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, token_type_ids: torch.Tensor | None,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions, token_type_ids: ``(T,)`` -> hidden ``(T, hidden)``."""
+        """input_ids, positions, token_type_ids: ``(T,)`` -> hidden ``(T, hidden)``. ``num_layers``: run only the
+        first ``num_layers`` layers (``None`` = all; 0 = the embedding output), transformers' ``hidden_states[k]``
+        (post-norm layers: each layer's output is final)."""
         x = self.embed_tokens(input_ids, positions, token_type_ids, meta.backend)
-        for layer in self.layers:
+        for layer in self.layers[: layers_to_run(num_layers, len(self.layers))]:
             x = layer(x, meta)
         return x
 
@@ -142,7 +146,7 @@ class BertModel(nn.Module):
     # ------------------------------------------------------------------------------------------------ loading
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load a transformers state dict (``bert.``/``roberta.`` prefixes and classification heads accepted)."""
-        sd = _strip_prefix(sd, ("bert.", "roberta.", "xlm-roberta.", "model.", "encoder_model."))
+        sd = _strip_prefix(sd, _HF_PREFIXES)
         own = {
             "word_embeddings.weight": "embeddings.word_embeddings.weight",
             "position_embeddings.weight": "embeddings.position_embeddings.weight",
@@ -169,7 +173,36 @@ class BertModel(nn.Module):
                 new[f"layers.{i}.out_norm.{kind}"] = _take(sd, f"{p}output.LayerNorm.{kind}")
         self.load_state_dict(new, strict=True)
 
+    def hf_linear_map(self) -> dict[str, tuple[str, slice] | None]:
+        """Each transformers Linear (named as ``load_hf_state_dict`` reads it, prefixes stripped) -> our parameter
+        and its rows: query/key/value are row blocks of the fused ``qkv``. LoRA adapters merge through this map
+        (``lab.adapters``). ``None``: a module our forward never runs (the pooler, unless a BERT classification
+        head uses it)."""
+        h = self.hidden_size
+        out: dict[str, tuple[str, slice] | None] = {}
+        for i in range(self.num_layers):
+            p, o = f"encoder.layer.{i}.", f"layers.{i}."
+            for j, n in enumerate(("query", "key", "value")):
+                out[f"{p}attention.self.{n}"] = (o + "qkv.weight", slice(j * h, (j + 1) * h))
+            out[f"{p}attention.output.dense"] = (o + "attn_out.weight", slice(None))
+            out[f"{p}intermediate.dense"] = (o + "up.weight", slice(None))
+            out[f"{p}output.dense"] = (o + "down.weight", slice(None))
+        head = getattr(self, "classification_head", None)
+        bert_head = head is not None and self.model_type not in ROBERTA_TYPES
+        out["pooler.dense"] = ("classification_head.dense.weight", slice(None)) if bert_head else None
+        if head is not None:
+            names = {"classifier.dense": "dense", "classifier.out_proj": "out"} if not bert_head else {
+                "classifier": "out"}
+            out.update({k: (f"classification_head.{v}.weight", slice(None)) for k, v in names.items()})
+        return out
 
+    @staticmethod
+    def hf_module_name(name: str) -> str:
+        """A transformers module name with the checkpoint / PEFT prefixes ``load_hf_state_dict`` accepts removed."""
+        return next(iter(_strip_prefix({name: None}, _HF_PREFIXES)))
+
+
+_HF_PREFIXES = ("bert.", "roberta.", "xlm-roberta.", "model.", "encoder_model.")
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from lab.attention import attention, ops
 from lab.batch import AttnMeta, OutputRows
 from lab.kernels.reference import rotary_cos_sin
+from lab.models import layers_to_run
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.rope import RopeSpec, rope_from_config
 
@@ -224,9 +225,14 @@ class DecoderModel(nn.Module):
         meta: AttnMeta,
         token_type_ids: torch.Tensor | None = None,
         output_rows: OutputRows | None = None,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: ``(T,)`` -> final-normed hidden states ``(T, hidden)``; ``token_type_ids`` unused.
-        ``output_rows``: return only those rows, ``(B, hidden)``; the last layer computes no others."""
+        ``output_rows``: return only those rows, ``(B, hidden)``; the last computed layer computes no others.
+        ``num_layers``: run only the first ``num_layers`` layers (``None`` = all; 0 = the embedding output) and
+        return transformers' ``hidden_states[num_layers]``: the residual stream, without the final RMSNorm, which
+        only the last layer's output gets."""
+        depth = layers_to_run(num_layers, len(self.layers))
         kv = meta.kv
         if output_rows is not None and kv is not None:
             raise ValueError("output_rows needs a plain prefill step (no cached keys/values in meta.kv)")
@@ -234,12 +240,15 @@ class DecoderModel(nn.Module):
         if kv is not None and kv.has_prefix:
             longest = max(p + n for p, n in zip(kv.prefix_lens, meta.seqlens))
         self.check_context(longest)
+        if depth == 0:  # the embedding output (of the kept rows only)
+            return self.embed(input_ids if output_rows is None else input_ids[output_rows.rows])
         x = self.embed(input_ids)  # (T, hidden)
         cos, sin = rotary_cos_sin(positions, self._freqs(x.device), self.rope.attention_scaling, dtype=x.dtype)
         residual = None
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, meta, output_rows if i == last else None)
+        for i, layer in enumerate(self.layers[:depth]):
+            x, residual = layer(x, residual, cos, sin, meta, output_rows if i == depth - 1 else None)
+        if depth < len(self.layers):
+            return x + residual  # the add the next layer's norm would do, in ``run_layer``'s order; no final norm
         return ops(meta).add_rms_norm(x, residual, self.norm, self.eps)[0]
 
     # ---------------------------------------------------- stages: the same forward, one layer at a time (lab.chunking)
@@ -339,6 +348,29 @@ class DecoderModel(nn.Module):
                 raise ValueError(f"weight {name!r}: checkpoint shape {tuple(t.shape)} != {tuple(own[name].shape)}")
         # assign: the meta-device parameters become these tensors, cast to the module's current dtype
         self.load_state_dict({n: t.to(own[n].dtype) for n, t in new.items()}, strict=True, assign=True)
+
+    def hf_linear_map(self) -> dict[str, tuple[str, slice]]:
+        """Each transformers Linear (named as ``load_hf_state_dict`` reads it, prefixes stripped) -> our parameter
+        and its rows: q/k/v are row blocks of the fused ``qkv`` (Hq*D, Hkv*D, Hkv*D), gate/up of ``gate_up``. LoRA
+        adapters merge through this map (``lab.adapters``); the embedding and ``lm_head`` are not in it."""
+        a = self.args
+        nq, nk, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        out: dict[str, tuple[str, slice]] = {}
+        for i in range(a.num_layers):
+            att, mlp, o = f"layers.{i}.self_attn.", f"layers.{i}.mlp.", f"layers.{i}."
+            out[att + "q_proj"] = (o + "qkv.weight", slice(0, nq))
+            out[att + "k_proj"] = (o + "qkv.weight", slice(nq, nq + nk))
+            out[att + "v_proj"] = (o + "qkv.weight", slice(nq + nk, nq + 2 * nk))
+            out[att + "o_proj"] = (o + "o.weight", slice(None))
+            out[mlp + "gate_proj"] = (o + "gate_up.weight", slice(0, inter))
+            out[mlp + "up_proj"] = (o + "gate_up.weight", slice(inter, 2 * inter))
+            out[mlp + "down_proj"] = (o + "down.weight", slice(None))
+        return out
+
+    @staticmethod
+    def hf_module_name(name: str) -> str:
+        """A transformers module name with the checkpoint / PEFT prefixes ``load_hf_state_dict`` accepts removed."""
+        return _strip(name)
 
 
 _PREFIXES = ("model.", "base_model.model.model.", "base_model.model.", "transformer.")

@@ -27,8 +27,13 @@ class HFFallbackModel(nn.Module):
         self.default_causal = self.is_decoder
         self.pad_id = config.get("pad_token_id") or 0
         self.padded_tokens = 0  # of the last forward
+        # for the ``layer`` knob (``None`` where the config does not say: then only the last layer can be pooled)
+        self.num_layers = getattr(self.hf.config, "num_hidden_layers", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, token_type_ids=None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, token_type_ids=None,
+                num_layers: int | None = None):
+        """Packed hidden states ``(T, hidden)``: ``last_hidden_state``, or with ``num_layers`` below the model's
+        layer count transformers' ``hidden_states[num_layers]`` (0 = the embedding output; the whole model runs)."""
         if meta.causal != self.default_causal:
             raise ValueError(
                 "this architecture runs through the transformers fallback, which cannot change its attention "
@@ -46,6 +51,10 @@ class HFFallbackModel(nn.Module):
             if types is not None:
                 types[i, :n] = token_type_ids[s : s + n]
         kw = {} if types is None else {"token_type_ids": types}
-        hidden = self.hf(input_ids=ids, attention_mask=mask, **kw).last_hidden_state  # (B, L, H)
+        if num_layers is None or num_layers == self.num_layers:
+            hidden = self.hf(input_ids=ids, attention_mask=mask, **kw).last_hidden_state  # (B, L, H)
+        else:
+            hidden = self.hf(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kw).hidden_states
+            hidden = hidden[num_layers]
         self.padded_tokens = b * longest - meta.num_tokens
         return hidden[mask.bool()]  # (T, H) in packed order

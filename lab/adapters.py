@@ -1,0 +1,316 @@
+"""PEFT LoRA adapters merged into our packed models, live: ``Engine(path, adapters=[...])``, ``configure(adapters=...)``.
+
+An adapter folder is what peft's ``save_pretrained`` writes: ``adapter_config.json`` and ``adapter_model.safetensors``
+(or ``adapter_model.bin``). Each LoRA module adds ``scale * B @ A`` to one transformers ``nn.Linear`` weight, with
+``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` under ``use_rslora``; ``r`` and ``lora_alpha`` per module from
+``rank_pattern`` / ``alpha_pattern``, matched as peft matches them). Our models fuse some of those Linears (q/k/v,
+gate/up), so each model class says where every transformers Linear lives in its parameters
+(``hf_linear_map()``: module name -> our parameter and its row slice) and how to strip checkpoint prefixes from a
+name (``hf_module_name``). Several adapters merge in order, each on top of the last (as llm2vec stacks its MNTP and
+SimCSE adapters): ``W = ((W0 + d1) + d2) ...``, all in float32 from the runner's float32 master copy.
+
+Everything is read and checked before any weight changes, so a bad adapter raises and leaves the model as it was.
+Supported: plain LoRA on the Linear layers of the packed models (``bias="none"``). Refused with a clear error: other
+peft types (IA3, prompt tuning, ...), DoRA, trained biases, ``lora_bias``, LoRA on embeddings or ``lm_head``, full
+weights (``modules_to_save``), and modules or shapes that do not fit the base.
+
+    >>> ads = [read_adapter("runs/mntp"), read_adapter("runs/simcse")]
+    >>> merged = merged_weights(model, base_weights, ads)   # {our parameter name: float32 merged weight}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the wrapped model's module names
+
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+_GENERIC_NAMES = {"adapter", "adapters", "lora", "peft", "model", "final", "output", "outputs", "checkpoint"}
+_UNSUPPORTED_FLAGS = (  # adapter_config.json keys whose non-default values change what a merge would be
+    ("use_dora", "DoRA (use_dora=true): its magnitude vector rescales every merged column"),
+    ("lora_bias", "a trained bias on lora_B (lora_bias=true)"),
+    ("use_qalora", "QA-LoRA (use_qalora=true): its A sees pooled inputs"),
+    ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens): it applies only after the invocation"),
+    ("layer_replication", "layer_replication: it changes the model's layer stack"),
+    ("target_parameters", "LoRA on nn.Parameters (target_parameters)"),
+    ("trainable_token_indices", "trainable token embeddings (trainable_token_indices)"),
+    ("arrow_config", "Arrow routing among LoRA experts (arrow_config)"),
+    ("kasa_config", "KaSA (kasa_config): it also truncates the base weight's singular values"),
+    ("use_bdlora", "block-diagonal LoRA (use_bdlora)"),
+    ("monteclora_config", "MonteCLoRA (monteclora_config)"),
+)
+_MERGE_HINT = ("merge it with peft instead (PeftModel.from_pretrained(base, folder).merge_and_unload()."
+               "save_pretrained(out)) and load the merged folder as the model")
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One LoRA pair: ``delta = scale * B @ A`` added to the transformers Linear named ``module``."""
+
+    module: str  # peft's name of the module in the model it wrapped (rank_pattern matches this)
+    A: torch.Tensor  # (r, in_features) float32
+    B: torch.Tensor  # (out_features, r) float32
+    scale: float
+
+
+@dataclass
+class LoraAdapter:
+    """A LoRA adapter folder, read and checked (but not yet matched against a base model)."""
+
+    path: Path
+    config: dict
+    digest: str  # sha256 of adapter_config.json and the weights file
+    modules: list[LoraModule] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """The folder's name (with its parent's for generic names such as ``adapter`` or ``checkpoint-500``)."""
+        return adapter_name(self.path)
+
+    @property
+    def id(self) -> str:
+        """``name-<first 10 hex digits of the content hash>``: two folders with one name still differ."""
+        return f"{self.name}-{self.digest[:10]}"
+
+
+def adapter_name(path: str | os.PathLike) -> str:
+    p = Path(path).expanduser()
+    p = p.resolve() if p.exists() else p
+    generic = p.name.lower() in _GENERIC_NAMES or p.name.lower().startswith("checkpoint-")
+    return f"{p.parent.name}/{p.name}" if generic and p.parent.name else p.name
+
+
+def is_adapter_folder(path: str | os.PathLike) -> bool:
+    """A folder holding a PEFT adapter and no model of its own (``adapter_config.json``, no ``config.json``)."""
+    p = Path(path).expanduser()
+    return p.is_dir() and (p / ADAPTER_CONFIG).is_file() and not (p / "config.json").exists()
+
+
+def split_adapter_model(model: str, adapters: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """``Engine(model=<adapter-only folder>)``: the base folder its config names, with the adapter put first in
+    ``adapters``. Other paths come back unchanged. Raises ``ValueError`` when the base is not a local folder."""
+    if not is_adapter_folder(model):
+        return model, adapters
+    config = _read_config(Path(model).expanduser())
+    base = config.get("base_model_name_or_path")
+    fix = f"Engine(base_folder, adapters=[{str(model)!r}])"
+    if not base:
+        raise ValueError(f"{str(model)!r} holds only a LoRA adapter and its adapter_config.json names no base model "
+                         f"(base_model_name_or_path); pass the base model folder with the adapter: {fix}")
+    if not Path(base).expanduser().is_dir():
+        hub = " (it looks like a Hugging Face hub id)" if _looks_like_hub_id(base) else ""
+        raise ValueError(
+            f"{str(model)!r} holds only a LoRA adapter; its base {base!r} is not a local folder{hub}, and the engine "
+            f"loads local folders only (offline). Download the base model and pass its folder with the adapter: {fix}"
+        )
+    return base, (str(model), *adapters)
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """``name`` or ``org/name``: no leading ``/`` ``.`` ``~``, at most one slash."""
+    return not name.startswith(("/", ".", "~")) and name.count("/") <= 1 and "\\" not in name
+
+
+def read_adapter(path: str | os.PathLike) -> LoraAdapter:
+    """Read and check one PEFT LoRA folder (weights in float32, on CPU). Raises ``FileNotFoundError`` /
+    ``ValueError`` naming what is wrong and how to fix it."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FileNotFoundError(f"adapter folder {str(p)!r} does not exist; adapters are PEFT LoRA folders "
+                                "(peft's save_pretrained writes adapter_config.json + adapter_model.safetensors)")
+    config = _read_config(p)
+    where = f"adapter {str(p)!r}"
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise ValueError(f"{where} is a {peft_type} adapter (peft_type); only LORA adapters are supported "
+                         "(merged as W += scale * B @ A)")
+    for key, what in _UNSUPPORTED_FLAGS:
+        if config.get(key):
+            raise ValueError(f"{where} uses {what}, which is not supported (plain LoRA only); {_MERGE_HINT}")
+    bias = config.get("bias", "none")
+    if bias not in ("none", None):
+        raise ValueError(f"{where} trains biases (bias={bias!r}), which is not supported: only LoRA A/B weights are "
+                         f"merged (bias='none'); {_MERGE_HINT}")
+    if config.get("fan_in_fan_out"):
+        # peft resets it to False for torch.nn.Linear targets (all of ours) and warns; do the same
+        warnings.warn(f"{where}: fan_in_fan_out is set to True but the target modules are torch.nn.Linear; "
+                      "setting fan_in_fan_out to False (as peft does)", stacklevel=3)
+    sd, digest = _read_weights(p)
+    return LoraAdapter(path=p, config=config, digest=digest, modules=_lora_modules(sd, config, where))
+
+
+def _read_config(p: Path) -> dict:
+    cfg = p / ADAPTER_CONFIG
+    if not cfg.is_file():
+        if (p / "config.json").exists():
+            raise FileNotFoundError(
+                f"{str(p)!r} is a model folder, not an adapter (no {ADAPTER_CONFIG}): pass it as the model, and as "
+                "adapters the folders PEFT LoRA adapters were saved to (adapter_config.json + adapter_model.safetensors)"
+            )
+        raise FileNotFoundError(f"no {ADAPTER_CONFIG} in {str(p)!r}: adapters are PEFT LoRA folders (peft's "
+                                "save_pretrained writes adapter_config.json + adapter_model.safetensors)")
+    try:
+        return json.loads(cfg.read_text())
+    except ValueError as e:
+        raise ValueError(f"{cfg} is not valid JSON: {e}") from e
+
+
+def _read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
+    h = hashlib.sha256((p / ADAPTER_CONFIG).read_bytes())
+    for name in WEIGHT_FILES:
+        f = p / name
+        if f.is_file():
+            data = f.read_bytes()
+            h.update(data)
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load
+
+                sd = load(data)
+            else:
+                sd = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return sd, h.hexdigest()
+    raise FileNotFoundError(f"no adapter weights in {str(p)!r}: expected {' or '.join(WEIGHT_FILES)} next to "
+                            f"{ADAPTER_CONFIG}")
+
+
+def _lora_modules(sd: dict[str, torch.Tensor], config: dict, where: str) -> list[LoraModule]:
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    extras = []
+    for key, t in sd.items():
+        m = _LORA_KEY.match(key)
+        if m is None:
+            extras.append(key)
+            continue
+        module = m["module"].removeprefix(PEFT_PREFIX)
+        pairs.setdefault(module, {})[m["ab"]] = t
+    if extras:  # name the most telling one (a LoRA-on-embedding key rather than the embedding peft saved with it)
+        ranked = [_describe_extra(k) for k in sorted(extras, key=_natural)]
+        described = min(ranked, key=lambda d: d[0])[1]
+        raise ValueError(f"{where} holds {described}, which is not supported: only LoRA A/B weights of Linear "
+                         f"layers are merged; {_MERGE_HINT}")
+    if not pairs:
+        raise ValueError(f"{where} holds no LoRA weights (no *.lora_A.weight / *.lora_B.weight keys)")
+    r0, alpha0 = config.get("r", 8), config.get("lora_alpha", 8)
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    rslora = bool(config.get("use_rslora", False))
+    out = []
+    for module, ab in sorted(pairs.items(), key=lambda kv: _natural(kv[0])):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{where}: module {module!r} has lora_{'A' if 'A' in ab else 'B'} but no "
+                             f"lora_{'B' if 'A' in ab else 'A'} weights; the adapter file is incomplete")
+        a, b = ab["A"].float(), ab["B"].float()
+        r = rank_pattern.get(pattern_key(rank_pattern, module), r0)
+        alpha = alpha_pattern.get(pattern_key(alpha_pattern, module), alpha0)
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
+            raise ValueError(f"{where}: module {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                             f"which do not fit rank r={r} from adapter_config.json (expected lora_A (r, in) and "
+                             "lora_B (out, r))")
+        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        out.append(LoraModule(module=module, A=a, B=b, scale=scale))
+    return out
+
+
+def pattern_key(pattern_keys, module: str) -> str:
+    """peft's ``get_pattern_key``: the first pattern that matches the end of ``module`` at a dot boundary."""
+    for key in pattern_keys:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return module
+
+
+def _describe_extra(key: str) -> tuple[int, str]:
+    """What a non-LoRA key in an adapter file means, most telling first (rank 0): LoRA on an embedding rather than
+    the embedding weight peft saved along with it."""
+    if "lora_embedding" in key:
+        return 0, f"LoRA on an embedding layer ({key})"
+    if "lora_magnitude_vector" in key:
+        return 0, f"a DoRA magnitude vector ({key})"
+    if ".lora_B" in key and key.endswith(".bias"):
+        return 0, f"a lora_B bias ({key}, lora_bias=true)"
+    if "trainable_tokens" in key:
+        return 0, f"trainable token embeddings ({key})"
+    if any(n in key for n in ("lm_head", "embed_tokens", "word_embeddings", "wte")):
+        return 1, (f"weights of the embeddings / lm_head ({key}: peft saves them with LoRA on embeddings / lm_head "
+                   "or a resized vocabulary)")
+    if key.endswith(".bias"):
+        return 2, f"a trained bias ({key})"
+    return 3, f"full weights of a module ({key}: modules_to_save, or a saved embedding / lm_head)"
+
+
+def _natural(name: str) -> list:
+    """Sort key: ``layers.2`` before ``layers.10``."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def merged_weights(model, base: Mapping[str, torch.Tensor], adapters: list[LoraAdapter]) -> dict[str, torch.Tensor]:
+    """``{parameter name: float32 merged weight}`` for the parameters the adapters touch, merged in order on top
+    of ``base`` (the runner's master copy; untouched parameters are left out). Checks every module's name and
+    shapes against ``model.hf_linear_map()`` before computing anything."""
+    if not adapters:
+        return {}
+    table_fn = getattr(model, "hf_linear_map", None)
+    if table_fn is None:
+        raise ValueError(f"adapters need a packed model that maps transformers Linear layers to its weights; "
+                         f"{type(model).__name__} has none")
+    table = table_fn()
+    plan = []
+    for ad in adapters:
+        where = f"adapter {str(ad.path)!r}"
+        for m in ad.modules:
+            name = model.hf_module_name(m.module)
+            if name not in table:
+                valid = [k for k, v in table.items() if v is not None][:4]
+                raise ValueError(
+                    f"{where}: module {m.module!r} does not fit this {_arch(model)} base: it has no Linear layer "
+                    f"{name!r}{_why_missing(name)}. Was the adapter trained on another model? This base's LoRA "
+                    f"targets are named like {', '.join(valid)}"
+                )
+            target = table[name]
+            if target is None:  # a module our forward never runs (BERT's pooler without a classification head)
+                warnings.warn(f"{where}: LoRA on {m.module!r} is ignored: this model never runs that module "
+                              "(embeddings do not use it)", stacklevel=3)
+                continue
+            param, rows = target
+            w = base[param][rows]
+            if m.A.shape[1] != w.shape[1] or m.B.shape[0] != w.shape[0]:
+                raise ValueError(
+                    f"{where}: module {m.module!r} does not fit this base's shapes: the adapter has lora_A "
+                    f"{tuple(m.A.shape)} and lora_B {tuple(m.B.shape)}, this base's weight is {tuple(w.shape)} "
+                    f"(out, in), so lora_A must be (r, {w.shape[1]}) and lora_B ({w.shape[0]}, r). Was the "
+                    "adapter trained on another model size?"
+                )
+            plan.append((param, rows, m))
+    merged: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for param, rows, m in plan:  # adapter order: each adapter on top of the ones before it
+            if param not in merged:
+                merged[param] = base[param].to(torch.float32, copy=True)
+            dev = merged[param].device
+            delta = (m.B.to(dev) @ m.A.to(dev)) * m.scale  # peft's get_delta_weight
+            merged[param][rows] += delta
+    return merged
+
+
+def _arch(model) -> str:
+    config = getattr(model, "config", None) or {}
+    archs = config.get("architectures") or [config.get("model_type") or type(model).__name__]
+    return str(archs[0])
+
+
+def _why_missing(name: str) -> str:
+    if "embed" in name or "lm_head" in name or name.endswith(("wte", "word_embeddings")):
+        return " (LoRA on embeddings / lm_head is not supported: only the transformer blocks' Linear layers)"
+    return ""
