@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -129,11 +130,12 @@ def evaluate_variants(eng, out: Path, tasks: list[str], names: list[str], limit:
         df = evaluate(eng, get_tasks(tasks, limit=limit), sweep={k: [v] for k, v in knobs.items()}, cache=None,
                       show_progress=False)
         for _, r in df[df.main].iterrows():
-            rows.append({"variant": name, "task": r["task"], "spearman_x100": 100 * r["score"],
+            task = re.sub(r"\.n\d+$", "", r["task"])  # a --limit run names the task "<name>.n<limit>"
+            rows.append({"variant": name, "task": task, "spearman_x100": 100 * r["score"],
                          "bidirectional": knobs["bidirectional"],
                          "adapters": "+".join(Path(a).name for a in knobs["adapters"]) or "none",
                          "seconds": time.perf_counter() - t0})
-            print(f"  {name:32s} {r['task']:13s} {100 * r['score']:6.2f}", flush=True)
+            print(f"  {name:32s} {task:13s} {100 * r['score']:6.2f}", flush=True)
     return pd.DataFrame(rows)
 
 
@@ -248,8 +250,8 @@ def write_readme(results, layers, out: Path, counts: dict, seconds: dict, comman
     lines = ["# LLM2Vec study: SmolLM2-135M-Instruct, mean pooling", "",
              f"Reproduce: `{command}`", "", f"Machine: {machine}", "",
              f"Training text: {counts}", "", f"Recipe: `{RECIPE}`", "",
-             "Spearman x100 (cosine vs gold): STSBenchmark through `lab.evaluate`; the held-out sets (`--heldout`) "
-             "with each distinct sentence embedded once (the same cosine Spearman):", "",
+             ("Spearman x100 (cosine vs gold): STSBenchmark through `lab.evaluate`; the held-out sets (`--heldout`) "
+             "with each distinct sentence embedded once (the same cosine Spearman):"), "",
              "| variant | " + " | ".join(table.columns) + " |", "|---|" + "---:|" * len(table.columns)]
     for name, vals in table.iterrows():
         lines.append(f"| {name} | " + " | ".join("" if pd.isna(v) else f"{v:.2f}" for v in vals) + " |")

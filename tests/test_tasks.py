@@ -106,9 +106,9 @@ def test_limit_renames_the_task_and_keeps_evenly_spaced_rows():
 
 
 def test_names_without_local_data_fall_back_to_mteb():
-    local, remote = T.get_tasks(["STSBenchmark", "STS12"])
+    local, remote = T.get_tasks(["STSBenchmark", "STS13"])
     assert isinstance(local, T.LocalTask)
-    assert not isinstance(remote, T.LocalTask) and remote.metadata.name == "STS12"
+    assert not isinstance(remote, T.LocalTask) and remote.metadata.name == "STS13"
 
 
 def test_missing_data_file_is_named(tmp_path):
