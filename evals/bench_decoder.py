@@ -13,7 +13,7 @@
    ``VmHWM`` is read (falling back to ``ru_maxrss``, which includes loading, where the reset is not allowed; on
    CUDA ``torch.cuda.max_memory_allocated``). A second, profiled run gives the peak of torch tensor memory
    (``lab.bench.peak_memory``; exact, unlike RSS, which the allocator's retained heap blurs). Also the time and
-   the state chunked prefill holds across steps (hidden states + one layer's K/V, ``lab.chunking``).
+   the state chunked prefill holds across steps (hidden states + one layer's K/V, ``lab.kv_path``).
 3. ``prefix``: queries that share a long instruction (>= 3/4 of every input's tokens; ~130-token instruction +
    SciFact claims) with ``prefix_cache=True`` vs ``False`` on one Engine: speed-up and cosine agreement. Target
    >= 2.5x.
@@ -303,7 +303,7 @@ def bench_throughput(args, path: str, table: Table) -> None:
             base.configure(dtype=dtype, pooling=pooling, append_eos=eng.append_eos)
             common = dict(dtype=dtype, pooling=pooling, texts=len(texts))
             # identical tokens: the Engine's own processor vs the baseline's tokenization
-            reqs = eng._processor().process(texts)
+            reqs = eng.tokenize(texts)
             same = [list(r.ids) for r in reqs] == base.tokenize(texts)
             n_tokens = sum(r.length for r in reqs)
             table.add("throughput", "check", "identical_tokens", bool(same), tokens=n_tokens,
@@ -489,7 +489,7 @@ def bench_prefix(args, path: str, table: Table) -> None:
     kept = [kept[i] for i in spread(len(kept), args.queries)]
     for pooling in args.prefix_poolings:
         eng.configure(pooling=pooling)
-        reqs = eng._processor().process(kept, instruction=INSTRUCTION)
+        reqs = eng.tokenize(kept, instruction=INSTRUCTION)
         fractions = [r.pool_start / r.length for r in reqs]
         common = dict(dtype=args.prefix_dtype, pooling=pooling, texts=len(kept))
         stats = {}

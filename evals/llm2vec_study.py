@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     import torch
 
     from lab import Engine
-    from lab.adapt import _machine
+    from lab.adapt import machine_info
 
     t0 = time.perf_counter()
     if args.model is None:
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     layers.to_csv(args.out / "layers.csv", index=False)
     plots(results, layers, args.out)
     counts = training_texts()[1]
-    m = _machine()
+    m = machine_info()
     machine = f"{m['cpu']}, {m['cores']} cores, torch {torch.__version__}"
     command = ("python evals/llm2vec_study.py" + (" --heldout" if args.heldout else "")
                + ("" if args.out == DEFAULT_OUT else f" --out {args.out}"))

@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None, *, engine=None):
     """Run the CLI; ``engine`` lets notebooks and tests pass an already-loaded Engine. Returns the DataFrame."""
     args = build_parser().parse_args(argv)
     from evals.tasks import get_tasks
-    from lab.evaluate import _DEFAULT, evaluate
     from lab.mteb_adapter import model_name
+    from lab.sweeps import DEFAULT_CACHE, evaluate
 
     if engine is None:
         from lab.engine import Engine
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None, *, engine=None):
     elif args.fixed:
         engine.configure(**dict(args.fixed))
     tasks = get_tasks(args.tasks, limit=args.limit)
-    cache = None if args.no_cache else (args.cache or _DEFAULT)
+    cache = None if args.no_cache else (args.cache or DEFAULT_CACHE)
     df = evaluate(
         engine,
         tasks,

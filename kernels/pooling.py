@@ -2,11 +2,11 @@
 
 One program per sequence holds the whole hidden row (``BLOCK_H`` = next power of two of ``H``) and walks its
 tokens ``BLOCK_T`` at a time, accumulating in float32 (vLLM: mean pooling "otherwise precision will be lost
-significantly"); the optional L2 normalize happens in registers before the single store. ``cls`` and
-``lasttoken`` load one row. Index rules (``pool_start`` clamped to the sequence end, ``cls`` clamped to the last
-row, the 1-based weighted-mean positions plus ``weight_offset``) follow the reference line for line.
+significantly"), then stores the row once. ``cls`` and ``lasttoken`` load one row. Index rules (``pool_start``
+clamped to the sequence end, ``cls`` clamped to the last row, the 1-based weighted-mean positions within the pooled
+span) follow the reference line for line. No normalization: ``lab.heads.EmbeddingHead`` does that afterwards.
 
-    >>> emb = segment_pool(hidden, cu_seqlens, "mean", normalize=True)    # hidden (T, H) -> (B, H) float32
+    >>> emb = segment_pool(hidden, cu_seqlens, "mean")    # hidden (T, H) -> (B, H) float32
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ MAX_HIDDEN = 32768
 
 @triton.jit(do_not_specialize=["total"])  # the token count changes every step: no recompiles for it
 def _segment_pool_kernel(
-    H, CU, POOL_START, W_OFFSET, OUT, stride_t, hidden, total,
-    METHOD: tl.constexpr, HAS_START: tl.constexpr, HAS_OFFSET: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    H, CU, POOL_START, OUT, stride_t, hidden, total,
+    METHOD: tl.constexpr, HAS_START: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     seq = tl.program_id(0)
     start = tl.load(CU + seq).to(tl.int32)
@@ -56,9 +55,6 @@ def _segment_pool_kernel(
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
         denom = tl.zeros((BLOCK_T,), dtype=tl.float32)
         offs_t = tl.arange(0, BLOCK_T)
-        offset = 0
-        if HAS_OFFSET:
-            offset = tl.load(W_OFFSET + seq).to(tl.int32)
         for t0 in range(start, end, BLOCK_T):
             rows = t0 + offs_t
             row_mask = rows < end
@@ -66,18 +62,14 @@ def _segment_pool_kernel(
                 H + rows[:, None].to(tl.int64) * stride_t + offs_h[None, :],
                 mask=row_mask[:, None] & h_mask[None, :], other=0.0,
             ).to(tl.float32)
-            if METHOD == 3:  # 1-based position within the pooled span, plus earlier chunks
-                w = (rows - start + 1 + offset).to(tl.float32)
+            if METHOD == 3:  # 1-based position within the pooled span
+                w = (rows - start + 1).to(tl.float32)
             else:
                 w = tl.full((BLOCK_T,), 1.0, dtype=tl.float32)
             w = tl.where(row_mask, w, 0.0)
             acc += tl.sum(x * w[:, None], 0)
             denom += w
         acc = acc / tl.maximum(tl.sum(denom, 0), 1e-9)
-
-    if NORMALIZE:  # F.normalize: x / max(||x||, 1e-12)
-        norm = tl.sqrt(tl.sum(acc * acc, 0))
-        acc = acc / tl.maximum(norm, 1e-12)
     tl.store(OUT + seq.to(tl.int64) * hidden + offs_h, acc, mask=h_mask)
 
 
@@ -86,9 +78,7 @@ def segment_pool(
     cu_seqlens: torch.Tensor,
     method: str,
     *,
-    normalize: bool = False,
     pool_start: torch.Tensor | None = None,
-    weight_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pool packed ``hidden`` ``(total, H)`` per sequence into ``(B, H)`` float32; see ``reference.segment_pool``."""
     if method not in POOLING_METHODS:
@@ -101,13 +91,11 @@ def segment_pool(
         raise ValueError(f"cu_seqlens must be a (B + 1,) int tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     total, h = hidden.shape
     b = cu_seqlens.numel() - 1
-    for name, t in (("pool_start", pool_start), ("weight_offset", weight_offset)):
-        if t is not None and (t.shape != (b,) or t.is_floating_point()):
-            raise ValueError(f"{name} must be a ({b},) int tensor, got {t.dtype} {tuple(t.shape)}")
+    if pool_start is not None and (pool_start.shape != (b,) or pool_start.is_floating_point()):
+        raise ValueError(f"pool_start must be a ({b},) int tensor, got {pool_start.dtype} {tuple(pool_start.shape)}")
     if h > MAX_HIDDEN:
         raise ValueError(f"hidden size {h} > {MAX_HIDDEN} is not supported by the fused kernel")
-    for name, t in (("hidden", hidden), ("cu_seqlens", cu_seqlens), ("pool_start", pool_start),
-                    ("weight_offset", weight_offset)):
+    for name, t in (("hidden", hidden), ("cu_seqlens", cu_seqlens), ("pool_start", pool_start)):
         if t is not None:
             check_device(name, t)
     out = torch.zeros((b, h), dtype=torch.float32, device=hidden.device)
@@ -119,10 +107,9 @@ def segment_pool(
     block_t = max(2, min(32, 8192 // block_h))
     _segment_pool_kernel[(b,)](
         hidden, cu_seqlens,
-        pool_start if pool_start is not None else cu_seqlens,  # placeholders are never read
-        weight_offset if weight_offset is not None else cu_seqlens,
+        pool_start if pool_start is not None else cu_seqlens,  # a placeholder, never read without HAS_START
         out, hidden.stride(0), h, total,
-        METHOD=_METHOD_CODE[method], HAS_START=pool_start is not None, HAS_OFFSET=weight_offset is not None,
-        NORMALIZE=bool(normalize), BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4 if block_h <= 1024 else 8,
+        METHOD=_METHOD_CODE[method], HAS_START=pool_start is not None, BLOCK_T=block_t, BLOCK_H=block_h,
+        num_warps=4 if block_h <= 1024 else 8,
     )
     return out

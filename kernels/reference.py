@@ -10,7 +10,7 @@ Each function here has the same signature and semantics as its Triton twin (``at
   mean / weighted mean.
 
     >>> out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=True)   # q (T, Hq, D), k/v (T, Hkv, D)
-    >>> emb = segment_pool(hidden, cu_seqlens, "mean", normalize=True)          # (B, H)
+    >>> emb = segment_pool(hidden, cu_seqlens, "mean")                          # (B, H) float32
 """
 
 from __future__ import annotations
@@ -190,20 +190,16 @@ def segment_pool(
     cu_seqlens: torch.Tensor,
     method: str,
     *,
-    normalize: bool = False,
     pool_start: torch.Tensor | None = None,
-    weight_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pool packed hidden states ``(total, H)`` per sequence into ``(B, H)`` float32.
+    """Pool packed hidden states ``(total, H)`` per sequence into ``(B, H)`` float32 (not normalized: the
+    embedding head, ``lab.heads.EmbeddingHead``, truncates and L2-normalizes afterwards).
 
     Args:
         method: one of ``cls``, ``mean``, ``max``, ``lasttoken``, ``weightedmean`` (sentence-transformers names;
-            weighted mean weighs token ``t`` by its 1-based position, as SGPT).
+            weighted mean weighs token ``t`` by its 1-based position within the pooled span, as SGPT).
         pool_start: ``(B,)`` int, tokens before this offset within a sequence are attended but not pooled
             (an instruction); ``cls`` then pools the first pooled token. Default 0.
-        weight_offset: ``(B,)`` int added to the 1-based position weights (a chunk that continues earlier
-            chunks); default 0.
-        normalize: L2-normalize each pooled row.
     """
     if method not in POOLING_METHODS:
         raise ValueError(f"unknown pooling {method!r}; valid: {', '.join(POOLING_METHODS)}")
@@ -214,31 +210,24 @@ def segment_pool(
     if pool_start is not None:
         starts = torch.minimum(starts + pool_start.long(), ends)
     if method == "cls":
-        pooled = hidden[starts.clamp(max=max(total - 1, 0))].float()
-    elif method == "lasttoken":
-        pooled = hidden[(ends - 1).clamp(min=0)].float()
-    else:
-        seg = segment_ids(cu_seqlens, total)
-        keep = torch.arange(total, device=hidden.device) >= starts[seg]
-        if method == "max":
-            pooled = torch.full((b, hidden.shape[1]), float("-inf"), device=hidden.device)
-            h = hidden.float().masked_fill(~keep[:, None], float("-inf"))
-            pooled = pooled.scatter_reduce(0, seg[:, None].expand_as(h), h, reduce="amax")
-        else:
-            if method == "mean":
-                w = keep.float()
-            else:  # weightedmean: 1-based position within the pooled span (+ offset from earlier chunks)
-                pos = torch.arange(total, device=hidden.device) - starts[seg] + 1
-                if weight_offset is not None:
-                    pos = pos + weight_offset.long()[seg]
-                w = (pos * keep).float()
-            pooled = torch.zeros(b, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-            pooled.index_add_(0, seg, hidden.float() * w[:, None])
-            denom = torch.zeros(b, dtype=torch.float32, device=hidden.device).index_add_(0, seg, w)
-            pooled = pooled / denom.clamp(min=1e-9)[:, None]
-    if normalize:
-        pooled = F.normalize(pooled, p=2, dim=-1)
-    return pooled
+        return hidden[starts.clamp(max=max(total - 1, 0))].float()
+    if method == "lasttoken":
+        return hidden[(ends - 1).clamp(min=0)].float()
+    seg = segment_ids(cu_seqlens, total)
+    keep = torch.arange(total, device=hidden.device) >= starts[seg]
+    if method == "max":
+        pooled = torch.full((b, hidden.shape[1]), float("-inf"), device=hidden.device)
+        h = hidden.float().masked_fill(~keep[:, None], float("-inf"))
+        return pooled.scatter_reduce(0, seg[:, None].expand_as(h), h, reduce="amax")
+    if method == "mean":
+        w = keep.float()
+    else:  # weightedmean: 1-based position within the pooled span
+        pos = torch.arange(total, device=hidden.device) - starts[seg] + 1
+        w = (pos * keep).float()
+    pooled = torch.zeros(b, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    pooled.index_add_(0, seg, hidden.float() * w[:, None])
+    denom = torch.zeros(b, dtype=torch.float32, device=hidden.device).index_add_(0, seg, w)
+    return pooled / denom.clamp(min=1e-9)[:, None]
 
 
 # ------------------------------------------------------------------------------------------------------- norms

@@ -5,7 +5,8 @@
     >>> E = eng.embed(["a text", "another"])  # (2, dim) float32, input order
     >>> eng.configure(pooling="cls")          # live knob, no reload
 
-Nothing heavy is imported at import time: ``Engine`` and ``evaluate`` load on first use.
+Nothing heavy is imported at import time: ``Engine`` and ``evaluate`` (``lab.sweeps.evaluate``) load on first
+use.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def __getattr__(name: str):
     if name == "Engine":
         from lab.engine import Engine as obj
     elif name == "evaluate":
-        from lab.evaluate import evaluate as obj
+        from lab.sweeps import evaluate as obj
     else:
         raise AttributeError(f"module 'lab' has no attribute {name!r}")
     globals()[name] = obj  # later lookups (and `from lab import ...`) find it directly

@@ -167,7 +167,7 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
         start, rows = _load_checkpoint(ckpt, model, opt, sched)
     else:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps({**config, "machine": _machine()}, indent=2))
+        (out / "train_config.json").write_text(json.dumps({**config, "machine": machine_info()}, indent=2))
     bar = None
     if show_progress:
         from tqdm.auto import tqdm
@@ -469,7 +469,7 @@ def _texts_hash(texts: Sequence[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def _machine() -> dict:
+def machine_info() -> dict:
     cpu = platform.processor() or ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

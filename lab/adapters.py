@@ -261,11 +261,7 @@ def merged_weights(model, base: Mapping[str, torch.Tensor], adapters: list[LoraA
     shapes against ``model.hf_linear_map()`` before computing anything."""
     if not adapters:
         return {}
-    table_fn = getattr(model, "hf_linear_map", None)
-    if table_fn is None:
-        raise ValueError(f"adapters need a packed model that maps transformers Linear layers to its weights; "
-                         f"{type(model).__name__} has none")
-    table = table_fn()
+    table = model.hf_linear_map()  # a model that cannot map transformers' Linear layers raises a clear error
     plan = []
     for ad in adapters:
         where = f"adapter {str(ad.path)!r}"
@@ -305,7 +301,7 @@ def merged_weights(model, base: Mapping[str, torch.Tensor], adapters: list[LoraA
 
 
 def _arch(model) -> str:
-    config = getattr(model, "config", None) or {}
+    config = model.config or {}
     archs = config.get("architectures") or [config.get("model_type") or type(model).__name__]
     return str(archs[0])
 

@@ -88,10 +88,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
         if kv.capture is not None:
             kv.capture(layer, k, v)
         if kv.has_prefix:
-            kw = dict(
-                k_prefix=kv.prefix_k[layer], v_prefix=kv.prefix_v[layer], cu_prefix=kv.cu_prefix,
-                prefix_lens=kv.prefix_lens,
-            )
+            kw = {
+                "k_prefix": kv.prefix_k[layer], "v_prefix": kv.prefix_v[layer], "cu_prefix": kv.cu_prefix,
+                "prefix_lens": kv.prefix_lens,
+            }
     return ops(meta).varlen_attention(
         q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=meta.causal, seqlens=meta.seqlens, **kw
     )

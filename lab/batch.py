@@ -22,7 +22,7 @@ class KVStep:
 
     ``prefix_k[layer]`` / ``prefix_v[layer]``: ``(total_prefix, Hkv, D)`` keys/values of tokens that precede each
     sequence of this step, laid out by ``cu_prefix`` (``prefix_lens[i]`` tokens for sequence ``i``, possibly 0);
-    any object indexable by layer (built lazily by ``lab.chunking``, one layer at a time).
+    any object indexable by layer (built lazily by ``lab.kv_path``, one layer at a time).
     ``capture(layer, k, v)``, when set, receives this step's ``(T, Hkv, D)`` keys/values of every layer as the
     attention call sees them (after RoPE); it must copy what it keeps, since they are views of the layer's buffers.
     """

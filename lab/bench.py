@@ -103,7 +103,7 @@ def throughput(
             try:
                 for _ in range(warmup):
                     system.embed(texts)
-                secs = _time(lambda: system.embed(texts), repeats)
+                secs = _time(lambda s=system: s.embed(texts), repeats)
                 st = system.stats
                 row.update(tokens=st.tokens, padded_tokens=st.padded_tokens, tokens_computed=st.tokens_computed)
                 engine_tokens = st.tokens
@@ -112,7 +112,7 @@ def throughput(
         else:
             for _ in range(warmup):
                 system(texts)
-            secs = _time(lambda: system(texts), repeats)
+            secs = _time(lambda s=system: s(texts), repeats)
             if isinstance(system, SentenceTransformerBaseline):
                 real, pad = system.token_counts(texts)
                 row.update(tokens=real, padded_tokens=pad, tokens_computed=real + pad)

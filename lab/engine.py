@@ -1,8 +1,11 @@
 """``Engine``: load a model once, flip knobs live, embed / score / rerank with packed, prefill-only batches.
 
-Data flows one way: texts -> ``InputProcessor`` (tokenize, instruction, truncation records) -> ``plan_batches``
-(token budget, longest first) -> ``Runner`` (flat tokens + ``AttnMeta``, pooled by index) -> rows placed back in
-input order. Tokenization of the next wave overlaps the model's work on the current one.
+Every call runs one pipeline (``Engine._run``), data flowing one way: ``Pass`` (texts, how to tokenize them, a
+pooler) -> ``InputProcessor`` (tokenize, instruction, truncation records; the next wave tokenized while this one
+runs) -> ``Executor`` (packed path or KV path, CPU workers on both; ``lab.executor``) -> ``Pooler`` (method x head:
+``lab.pooling``, ``lab.heads``) -> ``OutputBuffer`` (input order), all inside one ``Call`` (one ``Stats``, timer,
+progress bar, truncation warning; ``lab.call``). ``embed`` is one pass; ``score`` builds its passes in
+``lab.rerank``.
 
     >>> eng = Engine(path)                                  # a local HF / sentence-transformers folder
     >>> E = eng.embed(["A man plays a guitar.", "Someone plays guitar."])    # (2, 384) float32
@@ -12,61 +15,32 @@ input order. Tokenization of the next wave overlaps the model's work on the curr
 
 from __future__ import annotations
 
-import time
+import os
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 
 import numpy as np
 import torch
 
+from lab import rerank as scoring
 from lab.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
 from lab.attention import resolve_backend
+from lab.call import Call, ExecSettings, OutputBuffer, Pass, Stats
+from lab.executor import Executor
+from lab.heads import EmbeddingHead, Pooler
 from lab.inputs import InputProcessor, Request, check_texts
 from lab.knobs import Knobs, resolve_device, resolve_dtype
 from lab.models import model_class
+from lab.models.hf_fallback import HFFallbackModel
 from lab.models.loading import ModelSpec, load_tokenizer, read_folder, read_state_dict
-from lab.pooling import finish
+from lab.pooling import pooling_method
 from lab.runner import Runner
 from lab.runtime import tune_cpu_allocator
-from lab.scheduler import plan_batches, prefetch_waves
+from lab.scheduler import WAVE_SIZE, prefetch_waves
+
+__all__ = ["Engine", "Stats"]
 
 _UNSET = object()
-WAVE_SIZE = 4096  # texts tokenized per wave; the next wave is tokenized while this one runs
-
-
-@dataclass
-class Stats:
-    """What the last call did. ``padded_tokens`` is 0 on the packed path; ``truncated`` counts inputs cut at
-    ``max_length``; ``tokens`` are the tokens served, ``tokens_computed`` those run through the model (fewer when
-    the prefix cache computed a shared instruction prefix, ``shared_prefix`` tokens long, once); ``chunks`` counts
-    the pieces of the KV-cache path (chunked prefill / prefix cache) and ``state_bytes`` the most it held across
-    steps (hidden states + one layer's K/V of the inputs in flight, plus the shared prefix's K/V; 0 elsewhere)."""
-
-    sequences: int = 0
-    tokens: int = 0
-    batches: int = 0
-    padded_tokens: int = 0
-    truncated: int = 0
-    seconds: float = 0.0
-    tokens_per_s: float = 0.0
-    tokens_computed: int = 0
-    chunks: int = 0
-    shared_prefix: int = 0
-    state_bytes: int = 0
-    path: str = "packed"
-    backend: str = "torch"
-    adapters: tuple[str, ...] = ()  # names of the LoRA adapters merged into the weights that ran
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def __str__(self) -> str:
-        return (
-            f"{self.sequences} sequences, {self.tokens} tokens in {self.batches} batches, "
-            f"{self.seconds:.3f} s ({self.tokens_per_s:,.0f} tokens/s); padded {self.padded_tokens}, "
-            f"truncated {self.truncated}; {self.path} / {self.backend}"
-            + (f"; adapters {', '.join(self.adapters)}" if self.adapters else "")
-        )
 
 
 class Engine:
@@ -87,8 +61,10 @@ class Engine:
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` (fixed at load).
         bidirectional: ``None`` = the model's own attention; ``True``/``False`` override (LLM2Vec-style).
         chunked_prefill: tokens per chunk for long inputs under causal attention (``None`` = off); runs layer by
-            layer, holding hidden states + one layer's K/V per long input (``lab.chunking``).
-        instruction: text prepended to every input, attended to but not pooled unless ``include_instruction``.
+            layer, holding hidden states + one layer's K/V per long input (``lab.kv_path``).
+        instruction: text prepended to every input, attended to; pooled or not as ``include_instruction`` says.
+        include_instruction: pool the instruction's tokens too; ``None`` = the model's Pooling config
+            (sentence-transformers' ``include_prompt``, which pools them unless it says false), else ``False``.
         append_eos: append EOS when the tokenizer does not (``None`` = on for decoders with lasttoken pooling).
         prefix_cache: reuse the shared instruction prefix's K/V under causal attention.
         attention_backend: ``auto`` (triton on CUDA, torch on CPU), ``torch`` or ``triton``.
@@ -121,7 +97,7 @@ class Engine:
         bidirectional: bool | None = None,
         chunked_prefill: int | None = None,
         instruction: str | None = None,
-        include_instruction: bool = False,
+        include_instruction: bool | None = None,
         append_eos: bool | None = None,
         prefix_cache: bool = True,
         attention_backend: str = "auto",
@@ -132,7 +108,7 @@ class Engine:
         args = locals()  # every knob is a keyword argument of the same name (a KeyError here says which is not)
         knobs = {f.name: args[f.name] for f in fields(Knobs)}
         self._knobs = Knobs().replace(**knobs)
-        if not isinstance(model, (str,)) and not hasattr(model, "__fspath__"):
+        if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a path to a local model folder, got {type(model).__name__}")
         model, adapters = split_adapter_model(str(model), self._knobs.adapters)  # an adapter-only folder: its base
         self._knobs = self._knobs.replace(adapters=adapters)
@@ -142,8 +118,10 @@ class Engine:
         if self.device.type == "cpu":
             tune_cpu_allocator()
         self.tokenizer = load_tokenizer(self.spec)
-        self.model, self.head = self._build_model()
+        self.model = self._build_model()
         self.runner = Runner(self.model, device=self.device, dtype=resolve_dtype(self._knobs.dtype, self.device))
+        self.executor = Executor(self.runner)
+        self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
         self._adapters: list[LoraAdapter] = []  # merged into the live weights, in order
         if self._knobs.adapters:
             self._adapters, merged = self._merge_adapters(self._knobs.adapters)
@@ -156,26 +134,16 @@ class Engine:
     # ----------------------------------------------------------------------------------------------- loading
     def _build_model(self):
         cls = model_class(self.spec.architecture)
-        head = None
         if cls is None:
-            from lab.models.hf_fallback import HFFallbackModel
-
             warnings.warn(
                 f"{self.spec.architecture or 'this architecture'} has no packed implementation here; using "
                 "transformers AutoModel with padded batches (see stats.path / stats.padded_tokens)",
                 stacklevel=3,
             )
-            return HFFallbackModel(str(self.spec.path), self.spec.config), None
+            return HFFallbackModel(str(self.spec.path), self.spec.config)
         model = cls.from_hf_config(self.spec.config)
-        sd = read_state_dict(self.spec)
-        model.load_hf_state_dict(sd)
-        from lab.models.bert import SequenceClassificationHead, has_classification_head
-
-        if not model.is_decoder and has_classification_head(sd):
-            head = SequenceClassificationHead(self.spec.config)
-            head.load_hf_state_dict(sd)
-        model.classification_head = head  # registered as a submodule: cast and moved with the model
-        return model, head
+        model.load_hf_state_dict(read_state_dict(self.spec))
+        return model
 
     # ------------------------------------------------------------------------------------------------- knobs
     @property
@@ -186,14 +154,16 @@ class Engine:
     @property
     def resolved(self) -> dict:
         """The knob values that actually run, with model defaults filled in."""
-        return dict(
-            pooling=self.pooling, normalize=self.normalize, truncate_dim=self._knobs.truncate_dim,
-            max_length=self.max_length, causal=self.causal, dtype=str(self.runner.dtype).removeprefix("torch."),
-            device=str(self.device), attention_backend=self._backend, chunked_prefill=self._knobs.chunked_prefill,
-            instruction=self._knobs.instruction, append_eos=self.append_eos,
-            cpu_workers=self.runner.cpu_workers(self._knobs.cpu_workers, self._backend),
-            layer=self.layer, adapters=self.adapter_names,
-        )
+        k = self._knobs
+        return {
+            "pooling": self.pooling, "normalize": self.normalize, "truncate_dim": k.truncate_dim,
+            "max_length": self.max_length, "causal": self.causal,
+            "dtype": str(self.runner.dtype).removeprefix("torch."), "device": str(self.device),
+            "attention_backend": self._backend, "chunked_prefill": k.chunked_prefill, "instruction": k.instruction,
+            "include_instruction": self.include_instruction, "append_eos": self.append_eos,
+            "cpu_workers": self.runner.cpu_workers(k.cpu_workers, self._backend), "layer": self.layer,
+            "adapters": self.adapter_names,
+        }
 
     @property
     def adapter_names(self) -> list[str]:
@@ -209,7 +179,7 @@ class Engine:
     def _merge_adapters(self, paths: tuple[str, ...]):
         """Read and check ``paths`` and merge them over the base weights: ``(adapters, {parameter: float32})``.
         Changes nothing: the caller swaps the result in (``Runner.set_merged``)."""
-        if paths and hasattr(self.model, "hf"):
+        if paths and not self.model.packed:
             raise ValueError(
                 f"adapters need a packed model, but {self.spec.architecture or 'this architecture'} runs through the "
                 "transformers fallback (no packed implementation here). Merge the adapter with peft "
@@ -253,17 +223,22 @@ class Engine:
         """``layer`` within the model's layers (its type is checked by ``Knobs``)."""
         if k.layer is None:
             return
-        n = getattr(self.model, "num_layers", None)
+        n = self.model.num_layers
         if n is None:
             raise ValueError(f"layer={k.layer} but this model does not report its number of layers; use layer=None")
         if not -n <= k.layer <= n:
             raise ValueError(f"layer={k.layer} but this model has {n} layers; valid: 0..{n}, -{n}..-1, or None")
 
     def _layer_for(self, k: Knobs) -> int | None:
-        n = getattr(self.model, "num_layers", None)
+        n = self.model.num_layers
         if k.layer is None:
             return n
         return n + 1 + k.layer if k.layer < 0 else k.layer  # -1 = layer n (the last), -n = layer 1
+
+    @property
+    def num_layers(self) -> int | None:
+        """The model's number of layers (``None`` when a transformers-fallback config does not say)."""
+        return self.model.num_layers
 
     @property
     def layer(self) -> int | None:
@@ -279,7 +254,7 @@ class Engine:
 
     @property
     def is_cross_encoder(self) -> bool:
-        return self.head is not None
+        return self.model.classifier is not None
 
     @property
     def causal(self) -> bool:
@@ -311,7 +286,7 @@ class Engine:
         tok_max = getattr(self.tokenizer, "model_max_length", None)
         if tok_max and tok_max < 1_000_000:
             limits.append(tok_max)
-        limits.append(getattr(self.model, "max_positions", None) or self.spec.config.get("max_position_embeddings"))
+        limits.append(self.model.max_positions or self.spec.config.get("max_position_embeddings"))
         return min(x for x in limits if x) if any(limits) else 512
 
     @property
@@ -324,7 +299,7 @@ class Engine:
 
     def __repr__(self) -> str:
         r = self.resolved
-        layer = "" if r["layer"] == getattr(self.model, "num_layers", None) else f"layer={r['layer']}, "
+        layer = "" if r["layer"] == self.model.num_layers else f"layer={r['layer']}, "
         adapters = f"adapters={r['adapters']}, " if r["adapters"] else ""
         return (
             f"Engine({self.model_name!r}, {self.spec.architecture}, pooling={r['pooling']}, "
@@ -336,6 +311,37 @@ class Engine:
     def _processor(self) -> InputProcessor:
         return InputProcessor(self.tokenizer, self.max_length, append_eos=self.append_eos)
 
+    def _instruction(self, instruction) -> str | None:
+        instr = self._knobs.instruction if instruction is _UNSET else instruction
+        if instr is not None and not isinstance(instr, str):
+            raise TypeError(f"instruction must be a string or None, got {type(instr).__name__}")
+        return instr
+
+    @property
+    def include_instruction(self) -> bool:
+        """Whether instruction tokens are pooled: the knob, else the model's Pooling config (``include_prompt``,
+        as ``SentenceTransformer.encode(prompt=...)`` pools them), else ``False`` (llm2vec's embed mask)."""
+        if self._knobs.include_instruction is not None:
+            return self._knobs.include_instruction
+        return bool(self.spec.include_prompt)
+
+    def tokenize(self, texts: list[str], *, instruction=_UNSET) -> list[Request]:
+        """The requests ``embed(texts, instruction=...)`` runs: token ids after truncation, ``pool_start`` (the
+        instruction's tokens, attended to but not pooled) and whether each input was cut."""
+        texts = check_texts(texts)
+        return self._embed_pass(texts, self._instruction(instruction)).tokenize(texts, 0)
+
+    def _embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None) -> Pass:
+        """The pass ``embed`` runs over ``texts`` (``pooling``: a method name, default the engine's)."""
+        proc, include = self._processor(), self.include_instruction
+        method = pooling_method(pooling or self.pooling)
+        head = EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
+
+        def tokenize(chunk: list[str], first: int) -> list[Request]:
+            return proc.process(chunk, first_index=first, instruction=instruction, include_instruction=include)
+
+        return Pass(texts, tokenize, Pooler(method, head), shared_prefix=bool(instruction and not include))
+
     def embed(self, texts: list[str], *, instruction=_UNSET, show_progress: bool | None = None) -> np.ndarray:
         """Embed ``texts`` -> ``(len(texts), dim)`` float32, in input order.
 
@@ -343,42 +349,34 @@ class Engine:
         ``show_progress``: a tqdm bar; ``None`` shows one for more than 4096 texts.
         """
         texts = check_texts(texts)
+        return self._run([self._embed_pass(texts, self._instruction(instruction))], "embed", show_progress)[0]
+
+    # ------------------------------------------------------------------------------------------- the pipeline
+    def _settings(self) -> ExecSettings:
         k = self._knobs
-        instr = k.instruction if instruction is _UNSET else instruction
-        if instr is not None and not isinstance(instr, str):
-            raise TypeError(f"instruction must be a string or None, got {type(instr).__name__}")
-        proc = self._processor()
+        return ExecSettings(causal=self.causal, backend=self._backend, workers=k.cpu_workers, num_layers=self.layer,
+                            max_batch_tokens=k.max_batch_tokens, max_num_seqs=k.max_num_seqs,
+                            chunked_prefill=k.chunked_prefill, prefix_cache=k.prefix_cache)
 
-        def tokenize(chunk: list[str], first: int) -> list[Request]:
-            return proc.process(chunk, first_index=first, instruction=instr,
-                                include_instruction=k.include_instruction)
-
-        out = np.empty((len(texts), self.embedding_dim), dtype=np.float32)
-        stats = self._new_stats()
-        t0 = time.perf_counter()
-        bar = _progress(len(texts), show_progress, "embed")
-        kv_path = self._uses_kv_cache(shared_prefix=bool(instr and not k.include_instruction))
-        for requests in prefetch_waves(texts, tokenize, WAVE_SIZE):
-            if kv_path:
-                self._place(out, requests, self._cached_prefill(requests, self.pooling, stats), stats, bar)
-                continue
-            for batch, pooled in self._packed_batches(requests, self.pooling, stats):
-                self._place(out, batch, pooled, stats, bar)
-        self._finish_call(stats, t0, bar)
-        return out
-
-    def _new_stats(self) -> Stats:
-        return Stats(path="packed" if not hasattr(self.model, "hf") else "transformers-fallback (padded)",
-                     backend=self._backend, adapters=tuple(self.adapter_names))
-
-    def _finish_call(self, stats: Stats, t0: float, bar) -> None:
-        """Close the progress bar, time the call, publish ``stats`` and warn (once) about truncation."""
-        if bar is not None:
-            bar.close()
-        stats.seconds = time.perf_counter() - t0
-        stats.tokens_per_s = stats.tokens / stats.seconds if stats.seconds > 0 else 0.0
+    def _run(self, passes: list[Pass], desc: str, show_progress: bool | None) -> list:
+        """Run ``passes`` in one call: each pass's outputs in its input order. ``stats`` are published only when
+        every pass finished (a failed or interrupted call leaves the engine, its stats included, as it was)."""
+        settings = self._settings()
+        stats = Stats(path="packed" if self.model.packed else "transformers-fallback (padded)",
+                      backend=self._backend, adapters=tuple(self.adapter_names))
+        results = []
+        with Call(stats, total=sum(len(p.items) for p in passes), desc=desc, show_progress=show_progress,
+                  warned=self._warned_lengths, max_length=self.max_length) as call, torch.inference_mode():
+            for p in passes:
+                out = OutputBuffer(len(p.items), p.pooler.head.shape)
+                for requests in prefetch_waves(p.items, p.tokenize, WAVE_SIZE):
+                    for reqs, rows in self.executor.run(requests, p.pooler, settings, stats,
+                                                        shared_prefix=p.shared_prefix):
+                        out.place(reqs, rows)
+                        call.served(reqs)
+                results.append(out.result())
         self.stats = stats
-        _warn_truncation(stats.truncated, self.max_length)
+        return results
 
     # ------------------------------------------------------------------------------------------------ studies
     def as_mteb_model(self, **kwargs):
@@ -394,56 +392,11 @@ class Engine:
 
         return build_panel(self)
 
-    def _uses_kv_cache(self, *, shared_prefix: bool) -> bool:
-        """Causal attention with chunked prefill, or with a prefix the inputs share (``shared_prefix``: an
-        unpooled instruction, a prompt template) that the prefix cache computes once."""
-        k = self._knobs
-        if not self.causal or hasattr(self.model, "hf"):
-            return False
-        return k.chunked_prefill is not None or (k.prefix_cache and shared_prefix)
-
-    def _packed_batches(self, requests: list[Request], pooling: str, stats: Stats):
-        """Token-budget batches through the runner: yields ``(batch, pooled (B, hidden) float32)``, counting the
-        batches, padding and computed tokens in ``stats``."""
-        k = self._knobs
-        for batch in plan_batches(requests, k.max_batch_tokens, k.max_num_seqs):
-            pooled = self.runner.embed_batch(batch, causal=self.causal, backend=self._backend, pooling=pooling,
-                                             workers=k.cpu_workers, num_layers=self.layer)
-            stats.batches += 1
-            stats.padded_tokens += self.runner.padded_tokens
-            stats.tokens_computed += sum(r.length for r in batch)
-            yield batch, pooled
-
-    def _cached_prefill(self, requests: list[Request], pooling: str, stats: Stats) -> torch.Tensor:
-        """Chunked prefill / prefix cache (``lab.chunking``): pooled ``(B, hidden)`` float32 in request order,
-        with its steps, pieces, computed tokens and shared prefix counted in ``stats``."""
-        from lab.chunking import CausalPrefill
-
-        k = self._knobs
-        prefill = CausalPrefill(self.runner, chunk=k.chunked_prefill, budget=k.max_batch_tokens,
-                                max_seqs=k.max_num_seqs, backend=self._backend, pooling=pooling,
-                                num_layers=self.layer)
-        rows, pst = prefill.run(requests, shared_prefix=k.prefix_cache)
-        stats.batches += pst.steps
-        stats.chunks += pst.pieces
-        stats.tokens_computed += pst.tokens_computed
-        stats.shared_prefix = max(stats.shared_prefix, pst.shared_prefix)
-        stats.state_bytes = max(stats.state_bytes, pst.state_bytes)
-        return torch.stack([rows[r.index] for r in requests])
-
-    def _place(self, out: np.ndarray, requests: list[Request], pooled, stats: Stats, bar) -> None:
-        """Finish (matryoshka, normalize) and write rows back at their input positions; count what ran."""
-        pooled = finish(pooled, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
-        out[[r.index for r in requests]] = pooled.cpu().numpy()
-        count_served(stats, requests, bar)
-
     # ----------------------------------------------------------------------------------- score / rerank (lab.rerank)
     @property
     def score_mode(self) -> str:
         """How ``score`` / ``rerank`` score by default: ``cross-encoder``, ``llm`` or ``bi-encoder``."""
-        from lab.rerank import default_mode
-
-        return default_mode(self)
+        return scoring.default_mode(self)
 
     def score(self, pairs, *, mode: str | None = None, activation: str | None = "default", instruction=_UNSET,
               prompt=None, similarity: str = "cosine", show_progress: bool | None = None) -> np.ndarray:
@@ -452,17 +405,14 @@ class Engine:
         ``score_mode``); ``activation``: ``default`` (CrossEncoder.predict's; P(yes); raw similarity), ``None``
         (raw), ``sigmoid``, ``softmax``, ``tanh``; ``prompt``: a ``lab.rerank.YesNoPrompt`` for ``llm``;
         ``similarity``: ``cosine`` or ``dot`` for ``bi-encoder``. See ``lab.rerank``."""
-        from lab.rerank import score_pairs
-
-        return score_pairs(self, pairs, mode=mode, activation=activation, instruction=instruction, prompt=prompt,
-                           similarity=similarity, show_progress=show_progress)
+        job = scoring.score_job(self, pairs, mode=mode, activation=activation, instruction=self._instruction(
+            instruction), prompt=prompt, similarity=similarity, embed_pass=self._embed_pass)
+        return job.combine(self._run(job.passes, "score", show_progress))
 
     def rerank(self, query: str, documents: list[str], *, top_k: int | None = None, **score_kwargs):
         """``documents`` sorted best first for ``query``: a pandas DataFrame with ``rank``, ``index`` (into
         ``documents``), ``score``, ``document``; ``top_k`` keeps the best k. ``score_kwargs`` as in ``score``."""
-        from lab.rerank import rerank
-
-        return rerank(self, query, documents, top_k=top_k, **score_kwargs)
+        return scoring.rerank(self, query, documents, top_k=top_k, **score_kwargs)
 
     def similarity(self, a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         """Cosine similarity matrix between two sets of embeddings (``b=None``: ``a`` with itself)."""
@@ -472,35 +422,3 @@ class Engine:
         bn = b / np.clip(np.linalg.norm(b, axis=1, keepdims=True), 1e-12, None)
         return an @ bn.T
 
-
-_warned_truncation: set[int] = set()
-
-
-def _warn_truncation(n: int, max_length: int) -> None:
-    """Say once per max_length that inputs were cut (the count is always in ``stats.truncated``)."""
-    if n and max_length not in _warned_truncation:
-        _warned_truncation.add(max_length)
-        warnings.warn(
-            f"{n} input(s) were longer than max_length={max_length} tokens and were truncated (counted in "
-            "stats.truncated; this warning is shown once per max_length)",
-            stacklevel=3,
-        )
-
-
-def _progress(total: int, show: bool | None, desc: str):
-    if show is None:
-        show = total > WAVE_SIZE
-    if not show:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="text")
-
-
-def count_served(stats: Stats, requests: list[Request], bar) -> None:
-    """Count served sequences, tokens and truncated inputs in ``stats``; advance the progress bar."""
-    stats.sequences += len(requests)
-    stats.tokens += sum(r.length for r in requests)
-    stats.truncated += sum(r.truncated for r in requests)
-    if bar is not None:
-        bar.update(len(requests))

@@ -57,9 +57,10 @@ class InputProcessor:
         self.max_length = max_length
         self.append_eos = append_eos and tokenizer.eos_token_id is not None
         self._layout: tuple[int, int] | None | bool = False  # _special_layout, probed on first need
+        self._n_prefix: int | None = None  # _prefix_specials, probed on first need
 
     def _encode(self, texts: list[str], pairs: list[str] | None, max_length: int) -> dict:
-        kw = dict(truncation=True, max_length=max_length, return_attention_mask=False, verbose=False)
+        kw = {"truncation": True, "max_length": max_length, "return_attention_mask": False, "verbose": False}
         if pairs is not None:
             return self.tokenizer(texts, pairs, return_token_type_ids=True, **kw)
         return self.tokenizer(texts, return_token_type_ids=False, **kw)
@@ -115,13 +116,25 @@ class InputProcessor:
         """Tokens the instruction contributes at the front of ``instruction + text`` (no trailing specials)."""
         with_special = self.tokenizer(instruction, add_special_tokens=True)["input_ids"]
         bare_text = self.tokenizer("", add_special_tokens=True)["input_ids"]
-        # specials the tokenizer appends after any text (e.g. [SEP], </s>) are not part of the instruction
+        # specials the tokenizer appends after any text (e.g. [SEP], </s>) are not part of the instruction; the ones
+        # it puts before (e.g. [CLS], <s>) are, even when the instruction tokenizes to nothing (whitespace), as
+        # sentence-transformers' prompt_length counts them
         n_suffix = 0
-        while n_suffix < min(len(bare_text), len(with_special)) and (
+        while n_suffix < min(len(bare_text) - self._prefix_specials(), len(with_special)) and (
             bare_text[len(bare_text) - 1 - n_suffix] == with_special[len(with_special) - 1 - n_suffix]
         ):
             n_suffix += 1
         return len(with_special) - n_suffix
+
+    def _prefix_specials(self) -> int:
+        """Special tokens the tokenizer puts before a single text (probed once; 0 if the probe is inconclusive)."""
+        if self._n_prefix is None:
+            tok, probe = self.tokenizer, "hello world"
+            body = tok(probe, add_special_tokens=False)["input_ids"]
+            full = tok(probe, add_special_tokens=True)["input_ids"]
+            starts = [p for p in range(len(full) - len(body) + 1) if body and full[p : p + len(body)] == body]
+            self._n_prefix = starts[0] if len(starts) == 1 else 0
+        return self._n_prefix
 
     def process(
         self, texts: list[str], *, first_index: int = 0, instruction: str | None = None,

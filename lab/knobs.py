@@ -37,7 +37,7 @@ class Knobs:
     bidirectional: bool | None = None
     chunked_prefill: int | None = None
     instruction: str | None = None
-    include_instruction: bool = False
+    include_instruction: bool | None = None  # None: the model's Pooling config (include_prompt), else False
     append_eos: bool | None = None
     prefix_cache: bool = True
     attention_backend: str = "auto"
@@ -65,13 +65,12 @@ class Knobs:
         """Raise ``ValueError`` / ``TypeError`` naming the bad knob, the valid values and the fix."""
         if self.pooling is not None and self.pooling not in POOLING_METHODS:
             raise ValueError(f"unknown pooling {self.pooling!r}; valid: {', '.join(POOLING_METHODS)} (or None)")
-        for name in ("normalize", "bidirectional", "append_eos"):
+        for name in ("normalize", "bidirectional", "append_eos", "include_instruction"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise TypeError(f"{name} must be True, False or None (model default), got {v!r}")
-        for name in ("include_instruction", "prefix_cache"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise TypeError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
         for name, lo in (("truncate_dim", 1), ("max_length", 1), ("chunked_prefill", 1)):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):

@@ -199,7 +199,7 @@ def result_knobs(engine) -> dict[str, Any]:
         if (value is None or value == "auto") and resolved.get(key) is not None:
             knobs[key] = resolved[key]
     if resolved.get("layer") is not None:  # -1, None and the last layer's number: one variant, one folder, named
-        last = getattr(getattr(engine, "model", None), "num_layers", None)  # as before the knob existed
+        last = getattr(engine, "num_layers", None)  # as before the knob existed
         knobs["layer"] = None if resolved["layer"] == last else resolved["layer"]
     if knobs.get("adapters"):  # each adapter as name-<content hash>: same-named folders are cached apart
         knobs["adapters"] = list(getattr(engine, "adapter_ids", None) or knobs["adapters"])

@@ -43,7 +43,7 @@ class KnobPanel(widgets.VBox):
         self.similarity: np.ndarray | None = None
         self.figure = None
         k = engine.knobs
-        self._default_causal = bool(getattr(engine.model, "default_causal", engine.causal))
+        self._default_causal = bool(engine.model.default_causal)
 
         self.pooling = widgets.Dropdown(
             options=[(f"model default ({engine.pooling})" if k["pooling"] is None else "model default", None)]

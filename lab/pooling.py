@@ -1,58 +1,108 @@
-"""Pooling over packed hidden states: method (sentence-transformers names), then matryoshka slice, then normalize.
+"""Pooling methods: pick and reduce each sequence's rows of packed hidden states (the "method" half of a pooler).
 
-A pure function of hidden states and metadata (vLLM's pooler shape): ``cls`` = first pooled token, ``lasttoken`` =
-``h[cu[1:] - 1]``, ``mean`` / ``weightedmean`` accumulated in float32, ``max`` per feature. Tokens before
-``pool_start`` (an instruction) are attended to but not pooled.
+vLLM's split: a pooler is a **method** (which rows, reduced how: here) times a **head** (what the reduced rows
+become: ``lab.heads``). A method is a pure function of the hidden states ``(T, H)``, the step's ``AttnMeta`` and
+``pool_start`` (tokens before it, an instruction, are attended to but not pooled):
 
-    >>> emb = pool(hidden, meta, "mean", pool_start=None, backend="torch")       # (B, H) float32
-    >>> emb = finish(emb, truncate_dim=128, normalize=True)
+- ``cls`` (first pooled token), ``lasttoken`` (``h[cu[1:] - 1]``), ``mean`` / ``weightedmean`` (float32 sums;
+  weighted by 1-based position, as SGPT), ``max`` per feature: ``(B, H)`` float32 through the kernel set of the
+  step's backend (``lab.attention.ops``);
+- ``tokens``: every pooled row of each sequence, a list of ``(L_i - pool_start_i, H)`` float32 tensors (the rows
+  ``mean`` averages).
+
+``rows()`` names the single packed row per sequence a method reads (``cls``, ``lasttoken``): the executor then asks
+a model that ``computes_output_rows`` to run its last layer for those rows only, and ``from_rows`` turns them into
+the method's output. Adding a method: subclass ``PoolingMethod``, add it to ``METHODS``.
+
+    >>> method = pooling_method("mean")
+    >>> pooled = method(hidden, meta, pool_start)          # (B, H) float32
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from lab.attention import ops
 from lab.batch import AttnMeta
 from lab.kernels.reference import POOLING_METHODS
 
-__all__ = ["POOLING_METHODS", "finish", "pool", "pooled_rows"]
+__all__ = ["METHODS", "POOLING_METHODS", "PoolingMethod", "pooling_method"]
 
 
-def pool(hidden: torch.Tensor, meta: AttnMeta, method: str, *, pool_start: torch.Tensor | None = None,
-         weight_offset: torch.Tensor | None = None) -> torch.Tensor:
-    """Pool ``(T, H)`` packed hidden states into ``(B, H)`` float32, one row per sequence of ``meta``."""
-    if method not in POOLING_METHODS:
-        raise ValueError(f"unknown pooling {method!r}; valid: {', '.join(POOLING_METHODS)}")
-    k = ops(meta)
-    if method == "max" and meta.backend == "triton":  # the fused kernel covers the others; max is rare
-        k = ops("torch")
-    return k.segment_pool(hidden, meta.cu_seqlens, method, pool_start=pool_start, weight_offset=weight_offset)
+class PoolingMethod:
+    """Reduces each sequence of a packed step to its output: ``(B, H)`` float32, or a list of B tensors."""
 
+    name: str = ""
 
-def pooled_rows(lengths: list[int], method: str, pool_start: list[int] | None = None) -> np.ndarray | None:
-    """The one packed row per sequence that ``cls`` / ``lasttoken`` pooling reads (the rows ``pool`` gathers), or
-    ``None`` for poolings over many rows (and for an empty sequence or a ``cls`` past its sequence's end)."""
-    if method not in ("cls", "lasttoken") or not lengths or min(lengths) < 1:
+    def __call__(self, hidden: torch.Tensor, meta: AttnMeta, pool_start: torch.Tensor | None):
+        raise NotImplementedError
+
+    def rows(self, lengths: list[int], pool_start: list[int]) -> np.ndarray | None:
+        """The one packed row per sequence this method reads, or ``None`` when it reads many (or when a sequence
+        is empty / its instruction covers it)."""
         return None
-    n = np.asarray(lengths, dtype=np.int64)
-    ends = np.cumsum(n)
-    if method == "lasttoken":
-        return ends - 1
-    ps = np.zeros_like(n) if pool_start is None else np.asarray(pool_start, dtype=np.int64)
-    if (ps >= n).any():
-        return None
-    return ends - n + ps
+
+    def from_rows(self, selected: torch.Tensor) -> torch.Tensor:
+        """The output from the hidden states of ``rows()`` alone, ``(B, H)``."""
+        return selected.float()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
 
 
-def finish(pooled: torch.Tensor, *, truncate_dim: int | None, normalize: bool) -> torch.Tensor:
-    """Matryoshka truncation (before normalization, so truncated vectors are unit length), then L2 normalize."""
-    if truncate_dim is not None:
-        if truncate_dim > pooled.shape[-1]:
-            raise ValueError(f"truncate_dim={truncate_dim} exceeds the embedding size {pooled.shape[-1]}")
-        pooled = pooled[:, :truncate_dim]
-    if normalize:
-        pooled = F.normalize(pooled, p=2, dim=-1)
-    return pooled
+class SegmentPool(PoolingMethod):
+    """``cls``, ``mean``, ``max``, ``lasttoken`` and ``weightedmean``: one fused segment reduction per step."""
+
+    def __init__(self, name: str):
+        if name not in POOLING_METHODS:
+            raise ValueError(f"unknown pooling {name!r}; valid: {', '.join(POOLING_METHODS)}")
+        self.name = name
+
+    def __call__(self, hidden: torch.Tensor, meta: AttnMeta, pool_start: torch.Tensor | None) -> torch.Tensor:
+        k = ops(meta)
+        if self.name == "max" and meta.backend == "triton":  # the fused kernel covers the others; max is rare
+            k = ops("torch")
+        return k.segment_pool(hidden, meta.cu_seqlens, self.name, pool_start=pool_start)
+
+    def rows(self, lengths: list[int], pool_start: list[int]) -> np.ndarray | None:
+        if self.name not in ("cls", "lasttoken") or not lengths or min(lengths) < 1:
+            return None
+        n = np.asarray(lengths, dtype=np.int64)
+        ends = np.cumsum(n)
+        if self.name == "lasttoken":
+            return ends - 1
+        ps = np.asarray(pool_start, dtype=np.int64)
+        if (ps >= n).any():
+            return None
+        return ends - n + ps
+
+
+class AllTokens(PoolingMethod):
+    """Every pooled row: ``[h[start + pool_start_i : end]]`` per sequence, float32 (``tokens[i].mean(0)`` is the
+    ``mean`` pooling of sequence i)."""
+
+    name = "tokens"
+
+    def __call__(self, hidden: torch.Tensor, meta: AttnMeta, pool_start: torch.Tensor | None) -> list[torch.Tensor]:
+        ps = [0] * meta.num_seqs if pool_start is None else pool_start.tolist()
+        out, start = [], 0
+        for n, p in zip(meta.seqlens, ps):
+            out.append(hidden[start + min(p, n) : start + n].float())
+            start += n
+        return out
+
+
+METHODS: dict[str, PoolingMethod] = {
+    **{name: SegmentPool(name) for name in POOLING_METHODS},
+    "tokens": AllTokens(),
+}
+
+
+def pooling_method(name: str) -> PoolingMethod:
+    """The method of a name in ``METHODS`` (``cls``, ``mean``, ``max``, ``lasttoken``, ``weightedmean``,
+    ``tokens``)."""
+    method = METHODS.get(name)
+    if method is None:
+        raise ValueError(f"unknown pooling {name!r}; valid: {', '.join(METHODS)}")
+    return method

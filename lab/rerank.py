@@ -29,17 +29,17 @@ Which mode runs (``default_mode``; ``mode=`` overrides it):
 from __future__ import annotations
 
 import re
-import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from lab.engine import _UNSET, WAVE_SIZE, Stats, _progress, count_served
+from lab.call import Pass
+from lab.heads import ClassifierHead, Pooler, YesNoHead, activate
 from lab.inputs import InputProcessor, Request, check_texts
-from lab.scheduler import prefetch_waves
+from lab.pooling import pooling_method
 
 MODES = ("cross-encoder", "llm", "bi-encoder")
 ACTIVATIONS = ("default", "sigmoid", "softmax", "tanh", None)
@@ -86,9 +86,7 @@ def check_top_k(top_k) -> int | None:
 
 # ------------------------------------------------------------------------------------------------------ modes
 def has_lm_head(engine) -> bool:
-    model = engine.model
-    return bool(engine.is_decoder and hasattr(model, "lm_logits") and (
-        getattr(model, "lm_head", None) is not None or model.args.tie_word_embeddings))
+    return bool(engine.is_decoder and engine.model.has_lm_head)
 
 
 def default_mode(engine) -> str:
@@ -132,21 +130,6 @@ def cross_encoder_activation(config: dict, num_labels: int) -> str | None:
         warnings.warn(f"the checkpoint's activation_fn {saved!r} is not one of {sorted(_ST_ACTIVATIONS)}; using "
                       "sentence-transformers' default instead (pass activation= to choose)", stacklevel=4)
     return "sigmoid" if num_labels == 1 else None
-
-
-def activate(raw: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """``raw`` float32 ``(N,)`` or ``(N, L)``; softmax runs over the last (label) axis."""
-    if activation is None:
-        return raw
-    if activation == "sigmoid":
-        return torch.sigmoid(raw)
-    if activation == "tanh":
-        return torch.tanh(raw)
-    if activation == "softmax":
-        if raw.ndim < 2 or raw.shape[-1] < 2:
-            raise ValueError("activation='softmax' needs several scores per pair (a model with several labels)")
-        return torch.softmax(raw, dim=-1)
-    raise ValueError(f"unknown activation {activation!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
 
 
 # ----------------------------------------------------------------------------------------------------- prompts
@@ -294,12 +277,20 @@ class YesNoLayout:
 
 
 # ------------------------------------------------------------------------------------------------- scoring
-def score_pairs(engine, pairs, *, mode: str | None = None, activation="default", instruction=_UNSET,
-                prompt: YesNoPrompt | None = None, similarity: str = "cosine",
-                show_progress: bool | None = None) -> np.ndarray:
-    """Scores of ``pairs`` in input order: ``(N,)`` float32, or ``(N, num_labels)`` for a multi-label
-    cross-encoder. See the module docstring for modes and activations; ``instruction`` (unset: the engine's
-    ``instruction`` knob) is prepended to cross-/bi-encoder queries and fills an LLM prompt's ``{instruction}``."""
+@dataclass(frozen=True)
+class ScoreJob:
+    """What ``Engine.score`` runs: ``passes`` (one for cross-encoder / LLM scoring; queries and documents for a
+    bi-encoder) and ``combine``, which turns their outputs into scores in pair order."""
+
+    passes: list[Pass]
+    combine: Callable[[list], np.ndarray]
+
+
+def score_job(engine, pairs, *, mode: str | None = None, activation="default", instruction: str | None = None,
+              prompt: YesNoPrompt | None = None, similarity: str = "cosine",
+              embed_pass: Callable[[list[str], str | None], Pass]) -> ScoreJob:
+    """The passes and the combination that score ``pairs`` (``Engine.score``): everything is checked here, before
+    any model work. ``embed_pass(texts, instruction)`` is the engine's embedding pass (bi-encoder mode)."""
     queries, documents = check_pairs(pairs)
     mode = resolve_mode(engine, mode)
     if activation not in ACTIVATIONS:
@@ -308,24 +299,61 @@ def score_pairs(engine, pairs, *, mode: str | None = None, activation="default",
         raise ValueError(f"prompt= is for mode='llm'; this call scores in mode={mode!r}")
     if similarity not in SIMILARITIES:
         raise ValueError(f"unknown similarity {similarity!r}; valid: {', '.join(SIMILARITIES)}")
-    instr = engine.knobs["instruction"] if instruction is _UNSET else instruction
-    if instr is not None and not isinstance(instr, str):
-        raise TypeError(f"instruction must be a string or None, got {type(instr).__name__}")
+    index = list(range(len(queries)))
     if mode == "cross-encoder":
-        default = cross_encoder_activation(engine.spec.config, engine.head.num_labels)
-        if instr:
-            queries = [instr + q for q in queries]
-        raw = _cross_encoder_logits(engine, queries, documents, show_progress)
-        if engine.head.num_labels == 1:
-            raw = raw[:, 0]
-    elif mode == "llm":
-        default = "sigmoid"  # sigmoid(logit_yes - logit_no) == softmax over (yes, no), the yes probability
-        raw = _llm_log_odds(engine, queries, documents, prompt or YesNoPrompt(), instr, show_progress)
-    else:
-        default = None
-        raw = _bi_encoder_similarity(engine, queries, documents, instr, similarity, show_progress)
-    scores = activate(raw.float(), default if activation == "default" else activation)
-    return scores.cpu().numpy().astype(np.float32, copy=False)
+        return _cross_encoder_job(engine, queries, documents, index, activation, instruction)
+    if mode == "llm":
+        prompt = prompt or YesNoPrompt()
+        layout = YesNoLayout(engine.tokenizer, prompt, instruction or prompt.instruction, engine.max_length)
+        # the default is sigmoid(logit_yes - logit_no) == softmax over (yes, no): the yes probability
+        head = YesNoHead(engine.model.lm_logits, layout.yes_id, layout.no_id,
+                         "sigmoid" if activation == "default" else activation)
+
+        def tokenize(chunk: list[int], first: int) -> list[Request]:
+            return layout.requests([queries[i] for i in chunk], [documents[i] for i in chunk], first_index=first)
+
+        # every prompt starts with the same template: the prefix cache computes it once under causal attention
+        return ScoreJob([Pass(index, tokenize, Pooler(pooling_method("lasttoken"), head), shared_prefix=True)],
+                        lambda outs: outs[0])
+    if activation == "softmax":
+        raise ValueError("activation='softmax' needs several scores per pair; a bi-encoder gives one")
+    return _bi_encoder_job(queries, documents, instruction, similarity, None if activation == "default" else
+                           activation, embed_pass)
+
+
+def _cross_encoder_job(engine, queries, documents, index, activation, instruction) -> ScoreJob:
+    """``[CLS] query [SEP] document [SEP]`` sequences, first token through the classification head."""
+    classifier = engine.model.classifier
+    labels = classifier.num_labels
+    default = cross_encoder_activation(engine.spec.config, labels)
+    head = ClassifierHead(classifier, labels, default if activation == "default" else activation)
+    if instruction:
+        queries = [instruction + q for q in queries]
+    proc = InputProcessor(engine.tokenizer, engine.max_length)  # the tokenizer adds [CLS] / [SEP] itself
+
+    def tokenize(chunk: list[int], first: int) -> list[Request]:
+        return proc.process([queries[i] for i in chunk], pairs=[documents[i] for i in chunk], first_index=first)
+
+    def combine(outs: list) -> np.ndarray:
+        return outs[0][:, 0] if labels == 1 else outs[0]
+
+    return ScoreJob([Pass(index, tokenize, Pooler(pooling_method("cls"), head))], combine)
+
+
+def _bi_encoder_job(queries, documents, instruction, similarity, activation, embed_pass) -> ScoreJob:
+    """Cosine (or dot) similarity of each query's and document's embeddings; distinct texts embed once, queries
+    with ``instruction`` (attended, pooled per the ``include_instruction`` knob), documents without."""
+    uq, ud = list(dict.fromkeys(queries)), list(dict.fromkeys(documents))
+    qi, di = {t: i for i, t in enumerate(uq)}, {t: i for i, t in enumerate(ud)}
+
+    def combine(outs: list) -> np.ndarray:
+        a = torch.from_numpy(outs[0][[qi[q] for q in queries]])  # (N, dim)
+        b = torch.from_numpy(outs[1][[di[d] for d in documents]])
+        if similarity == "cosine":
+            a, b = torch.nn.functional.normalize(a, dim=-1), torch.nn.functional.normalize(b, dim=-1)
+        return activate((a * b).sum(-1), activation).numpy()
+
+    return ScoreJob([embed_pass(uq, instruction), embed_pass(ud, None)], combine)
 
 
 def rerank(engine, query: str, documents, *, top_k: int | None = None, **score_kwargs):
@@ -340,7 +368,7 @@ def rerank(engine, query: str, documents, *, top_k: int | None = None, **score_k
         raise ValueError("documents is empty; rerank needs at least one document")
     top_k = check_top_k(top_k)
     mode = resolve_mode(engine, score_kwargs.pop("mode", None))
-    scores = score_pairs(engine, [(query, d) for d in documents], mode=mode, **score_kwargs)
+    scores = engine.score([(query, d) for d in documents], mode=mode, **score_kwargs)
     if scores.ndim != 1:
         raise ValueError(f"rerank needs one score per document, but this model has {scores.shape[1]} labels; use "
                          "score(...) and choose a label column (or activation='softmax' and a column)")
@@ -349,89 +377,3 @@ def rerank(engine, query: str, documents, *, top_k: int | None = None, **score_k
                        "document": [documents[i] for i in order]})
     df.attrs["mode"] = mode
     return df
-
-
-# ----------------------------------------------------------------------------------------------------- modes
-def _new_stats(engine) -> Stats:
-    return engine._new_stats()
-
-
-def _finish(engine, stats: Stats, t0: float, bar) -> None:
-    engine._finish_call(stats, t0, bar)
-
-
-def _run_packed(engine, requests: list[Request], pooling: str, stats: Stats, bar):
-    """Token-budget batches through the engine's runner: yields ``(batch, pooled (B, hidden) float32)``."""
-    for batch, pooled in engine._packed_batches(requests, pooling, stats):
-        count_served(stats, batch, bar)
-        yield batch, pooled
-
-
-@torch.inference_mode()
-def _cross_encoder_logits(engine, queries: list[str], documents: list[str], show_progress) -> torch.Tensor:
-    """Head logits ``(N, num_labels)`` float32 of ``[CLS] query [SEP] document [SEP]`` sequences."""
-    proc = InputProcessor(engine.tokenizer, engine.max_length)  # the tokenizer adds [CLS] / [SEP] itself
-    head = engine.head
-    dtype = head.dense.weight.dtype
-    logits = torch.empty(len(queries), head.num_labels, dtype=torch.float32)
-    stats, t0, bar = _new_stats(engine), time.perf_counter(), _progress(len(queries), show_progress, "score")
-
-    def tokenize(chunk: list[int], first: int) -> list[Request]:
-        return proc.process([queries[i] for i in chunk], pairs=[documents[i] for i in chunk], first_index=first)
-
-    for requests in prefetch_waves(list(range(len(queries))), tokenize, WAVE_SIZE):
-        for batch, pooled in _run_packed(engine, requests, "cls", stats, bar):
-            logits[[r.index for r in batch]] = head(pooled.to(dtype)).float().cpu()
-    _finish(engine, stats, t0, bar)
-    return logits
-
-
-@torch.inference_mode()
-def _llm_log_odds(engine, queries: list[str], documents: list[str], prompt: YesNoPrompt, instruction: str | None,
-                  show_progress) -> torch.Tensor:
-    """``logit_yes - logit_no`` ``(N,)`` float32 at the last prompt position of each pair."""
-    layout = YesNoLayout(engine.tokenizer, prompt, instruction or prompt.instruction, engine.max_length)
-    ids = [layout.yes_id, layout.no_id]
-    out = torch.empty(len(queries), dtype=torch.float32)
-    stats, t0, bar = _new_stats(engine), time.perf_counter(), _progress(len(queries), show_progress, "score")
-    kv_path = engine._uses_kv_cache(shared_prefix=True)  # every prompt starts with the same template
-
-    def tokenize(chunk: list[int], first: int) -> list[Request]:
-        return layout.requests([queries[i] for i in chunk], [documents[i] for i in chunk], first_index=first)
-
-    def place(batch: list[Request], last_hidden: torch.Tensor) -> None:
-        yes_no = engine.model.lm_logits(last_hidden, ids).float()  # (B, 2)
-        out[[r.index for r in batch]] = (yes_no[:, 0] - yes_no[:, 1]).cpu()
-
-    for requests in prefetch_waves(list(range(len(queries))), tokenize, WAVE_SIZE):
-        if not kv_path:
-            for batch, pooled in _run_packed(engine, requests, "lasttoken", stats, bar):
-                place(batch, pooled)
-            continue
-        place(requests, engine._cached_prefill(requests, "lasttoken", stats))
-        count_served(stats, requests, bar)
-    _finish(engine, stats, t0, bar)
-    return out
-
-
-def _bi_encoder_similarity(engine, queries: list[str], documents: list[str], instruction: str | None,
-                           similarity: str, show_progress) -> torch.Tensor:
-    """Cosine (or dot) similarity ``(N,)`` of each query's and document's embeddings; distinct texts embed once,
-    queries with ``instruction`` (attended, pooled per the ``include_instruction`` knob), documents without."""
-    uq, ud = list(dict.fromkeys(queries)), list(dict.fromkeys(documents))
-    t0 = time.perf_counter()
-    eq = engine.embed(uq, instruction=instruction, show_progress=show_progress)
-    sq = engine.stats
-    ed = engine.embed(ud, instruction=None, show_progress=show_progress)
-    qi, di = {t: i for i, t in enumerate(uq)}, {t: i for i, t in enumerate(ud)}
-    a = torch.from_numpy(eq[[qi[q] for q in queries]])  # (N, dim)
-    b = torch.from_numpy(ed[[di[d] for d in documents]])
-    if similarity == "cosine":
-        a, b = torch.nn.functional.normalize(a, dim=-1), torch.nn.functional.normalize(b, dim=-1)
-    stats = engine.stats  # both embed calls, as one
-    for f in ("sequences", "tokens", "batches", "padded_tokens", "truncated", "tokens_computed", "chunks"):
-        setattr(stats, f, getattr(stats, f) + getattr(sq, f))
-    stats.shared_prefix = max(stats.shared_prefix, sq.shared_prefix)
-    stats.seconds = time.perf_counter() - t0
-    stats.tokens_per_s = stats.tokens / stats.seconds if stats.seconds > 0 else 0.0
-    return (a * b).sum(-1)

@@ -1,37 +1,40 @@
-"""The prefill-only runner: one packed batch in, one pooled row per request out. No decoding, no sampler.
+"""The prefill-only runner: the model on its device, its weights, one packed forward, and the CPU worker threads.
 
-It owns the model on its device, casts weights between dtypes from a master copy (so ``configure(dtype=...)``
-is reversible without a reload), builds the flat inputs (``PackedBatch``) and pools by index. The KV cache exists
-only for chunked prefill and the prefix cache (``lab.chunking``); a plain prefill keeps none.
+It casts weights between dtypes from a master copy (so ``configure(dtype=...)`` is reversible without a reload),
+swaps in LoRA-merged copies (``set_merged``), builds the flat inputs (``PackedBatch``) and runs one forward. Which
+steps run, on which path, and how outputs are pooled is the executor's business (``lab.executor``).
 
-**Data parallel on CPU.** A packed step's sequences are independent, so on CPU the runner splits a step across
-worker threads, each running its share as its own packed forward with ``1/workers`` of the intra-op threads
-(PyTorch's thread count is per thread; weights are shared). Every op then runs without the fork/join barriers of
+**Data parallel on CPU.** A packed step's sequences are independent, so on CPU a step can be split across worker
+threads, each running its share as its own packed forward with ``1/workers`` of the intra-op threads (PyTorch's
+thread count is per thread; weights are shared). Every op then runs without the fork/join barriers of
 multi-threaded kernels, and each GEMM stays on one core's cache; on the 2-core development machine this measured
 1.09-1.13x (MiniLM, SciFact) and 1.08-1.09x (SmolLM2) end to end over one multi-threaded forward (paired,
-interleaved runs), same embeddings. How the
-sequences are shared is ``lab.scheduler.split_for_workers``; a step that cannot be shared evenly (say, one long
-input with a few short ones) runs undivided on all threads.
+interleaved runs), same embeddings. ``run_shared`` runs the shares; ``lab.scheduler.split_for_workers`` decides
+them (a step that cannot be shared evenly, say one long input with a few short ones, runs undivided).
 
     >>> runner = Runner(model, device=torch.device("cpu"), dtype=torch.float32)
-    >>> pooled = runner.embed_batch(requests, causal=False, backend="torch", pooling="mean")   # (B, H) float32
+    >>> hidden = runner.forward(runner.pack(requests, causal=False, backend="torch"))     # (T, hidden)
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
 
 import torch
-from torch import nn
 
-from lab.batch import KVStep, OutputRows, PackedBatch
+from lab.batch import OutputRows, PackedBatch
+from lab.call import Stats
 from lab.inputs import Request
-from lab.pooling import pool, pooled_rows
+from lab.models.base import PackedModel
 from lab.scheduler import split_for_workers
+
+T = TypeVar("T")
 
 
 class Runner:
-    def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: PackedModel, *, device: torch.device, dtype: torch.dtype):
         self.model = model.eval().to(device)
         self.device = device
         # master weights in their loaded precision; the live module holds casts of them
@@ -76,74 +79,54 @@ class Runner:
                 params[name].data = t
         self._merged = dict(merged)
 
-    @property
-    def padded_tokens(self) -> int:
-        """Padding the last forward used (non-zero only for the transformers fallback)."""
-        return getattr(self.model, "padded_tokens", 0)
-
     @torch.inference_mode()
-    def forward(self, batch: PackedBatch, num_layers: int | None = None) -> torch.Tensor:
-        """Hidden states ``(T, hidden)`` of one packed step, after its first ``num_layers`` layers (``None`` = all;
-        the Engine's ``layer`` knob, resolved)."""
-        return self.model(batch.input_ids, batch.positions, batch.meta, batch.token_type_ids, num_layers=num_layers)
+    def forward(self, batch: PackedBatch, num_layers: int | None = None,
+                output_rows: OutputRows | None = None) -> torch.Tensor:
+        """Hidden states ``(T, hidden)`` of one packed step after its first ``num_layers`` layers (``None`` = all;
+        the Engine's ``layer`` knob, resolved), or with ``output_rows`` only those rows ``(B, hidden)``."""
+        return self.model(batch.input_ids, batch.positions, batch.meta, batch.token_type_ids,
+                          output_rows=output_rows, num_layers=num_layers)
 
-    def pack(self, requests: list[Request], *, causal: bool, backend: str, kv: KVStep | None = None,
-             position_offsets: list[int] | None = None, ids=None) -> PackedBatch:
-        return PackedBatch.build(
-            [r.ids for r in requests] if ids is None else ids,
-            causal=causal,
-            device=self.device,
-            backend=backend,
-            token_type_ids=[r.token_type_ids for r in requests] if ids is None else None,
-            pool_start=[r.pool_start for r in requests] if ids is None else None,
-            position_offsets=position_offsets,
-            kv=kv,
-        )
+    def pack(self, requests: list[Request], *, causal: bool, backend: str) -> PackedBatch:
+        """The flat inputs of ``requests`` on this runner's device."""
+        return PackedBatch.build([r.ids for r in requests], causal=causal, device=self.device, backend=backend,
+                                 token_type_ids=[r.token_type_ids for r in requests],
+                                 pool_start=[r.pool_start for r in requests])
 
-    @torch.inference_mode()
-    def embed_batch(self, requests: list[Request], *, causal: bool, backend: str, pooling: str,
-                    workers: int | None = 1, num_layers: int | None = None) -> torch.Tensor:
-        """Forward and pool one batch: ``(B, hidden)`` float32 in the order of ``requests``, pooled after the first
-        ``num_layers`` layers (``None`` = all; only those run).
-
-        ``workers``: on CPU, split the batch across this many worker threads (``None`` = one per intra-op thread;
-        module doc); elsewhere, or when the split would be unbalanced, one forward over the whole batch.
-        """
-        n = self.cpu_workers(workers, backend)
-        parts = split_for_workers([r.length for r in requests], n)
+    def run_shared(self, fn: Callable[[list], tuple[object, Stats]], items: list, workers: int):
+        """``fn(items)`` -> ``(outputs aligned with items, Stats)``, with the items shared among ``workers`` CPU
+        worker threads when ``lab.scheduler.split_for_workers`` can share them evenly by their ``length`` (module
+        doc): each worker runs ``fn`` on its share under inference mode, and the shares' outputs are put back in
+        item order (tensors scattered into one, lists into one list) and their stats added up. Every share
+        finishes before this returns or raises, so no worker is still running when the caller moves on."""
+        parts = split_for_workers([x.length for x in items], workers)
         if parts is None:
-            return self._embed(requests, causal, backend, pooling, num_layers)
-        executor = self._workers(n)
-        futures = [executor.submit(self._embed, [requests[i] for i in part], causal, backend, pooling, num_layers)
-                   for part in parts]
-        out = None
-        for part, fut in zip(parts, futures):
-            pooled = fut.result()
-            if out is None:
-                out = pooled.new_empty(len(requests), pooled.shape[1])
-            out[part] = pooled
-        return out
-
-    @torch.inference_mode()  # thread-local: entered again in each worker
-    def _embed(self, requests: list[Request], causal: bool, backend: str, pooling: str,
-               num_layers: int | None = None) -> torch.Tensor:
-        """One packed forward, pooled. Under ``cls`` / ``lasttoken`` pooling a model that can
-        (``computes_output_rows``) runs its last computed layer for the pooled rows only (``lab.batch.OutputRows``)."""
-        batch = self.pack(requests, causal=causal, backend=backend)
-        if getattr(self.model, "computes_output_rows", False):
-            rows = pooled_rows(batch.meta.seqlens, pooling, [r.pool_start for r in requests])
-            if rows is not None:
-                sel = OutputRows.build(batch.meta, rows, self.device)
-                return self.model(batch.input_ids, batch.positions, batch.meta, output_rows=sel,
-                                  num_layers=num_layers).float()
-        hidden = self.forward(batch, num_layers)
-        return pool(hidden, batch.meta, pooling, pool_start=batch.pool_start)
+            with torch.inference_mode():
+                return fn(items)
+        pool = self._workers(workers)
+        futures = [pool.submit(_inference, fn, [items[i] for i in part]) for part in parts]
+        wait(futures)
+        results = [f.result() for f in futures]
+        total = Stats()
+        for _, delta in results:
+            total.add(delta, concurrent=True)
+        first = results[0][0]
+        if isinstance(first, torch.Tensor):
+            out = first.new_empty((len(items), *first.shape[1:]))
+            for part, (rows, _) in zip(parts, results):
+                out[part] = rows
+            return out, total
+        out = [None] * len(items)
+        for part, (rows, _) in zip(parts, results):
+            for i, row in zip(part, rows):
+                out[i] = row
+        return out, total
 
     def cpu_workers(self, workers: int | None, backend: str) -> int:
         """Workers a step may be split across: the knob's value (``None`` = ``torch.get_num_threads()``) on CPU
         with the torch kernels; 1 elsewhere, for the padded transformers fallback, and for the Triton backend
         (on CPU that is Triton's interpreter, which is not thread-safe)."""
-        if self.device.type != "cpu" or hasattr(self.model, "hf") or backend != "torch":
+        if self.device.type != "cpu" or not self.model.packed or backend != "torch":
             return 1
         return torch.get_num_threads() if workers is None else workers
 
@@ -158,3 +141,8 @@ class Runner:
                                             initializer=torch.set_num_threads, initargs=(shape[1],))
             self._pool_shape = shape
         return self._pool
+
+
+def _inference(fn: Callable[[list], T], items: list) -> T:
+    with torch.inference_mode():  # thread-local: entered in each worker
+        return fn(items)

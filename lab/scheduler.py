@@ -75,6 +75,8 @@ def split_for_workers(lengths: list[int], workers: int) -> list[list[int]] | Non
 
 T = TypeVar("T")
 
+WAVE_SIZE = 4096  # texts tokenized per wave; the next wave is tokenized while this one runs
+
 
 def prefetch_waves(items: list, process: Callable[[list, int], T], wave_size: int) -> Iterator[T]:
     """Yield ``process(items[i:i+wave_size], i)`` for each wave, computing wave ``k+1`` in a thread while the

@@ -89,7 +89,7 @@ def shuffled(texts=TEXTS, seed: int = 0) -> list[str]:
 
 def ours_per_token(eng: Engine, texts: list[str]) -> tuple[list[list[int]], list[torch.Tensor]]:
     """The Engine's live packed forward over all ``texts`` in one step: (token ids, hidden states) per text."""
-    reqs = eng._processor().process(texts)
+    reqs = eng.tokenize(texts)
     batch = eng.runner.pack(reqs, causal=eng.causal, backend="torch")
     hidden = eng.runner.forward(batch)
     return [list(r.ids) for r in reqs], list(hidden.split([r.length for r in reqs]))

@@ -3,6 +3,7 @@ EOS, instructions excluded from pooling, chunked prefill == unchunked, prefix ca
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -12,6 +13,7 @@ from conftest import cosine_rows
 from tiny_models import tiny_llama
 
 from lab import Engine
+from lab.inputs import InputProcessor
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 6,
@@ -60,7 +62,7 @@ def test_engine_matches_transformers_and_toggles_live(any_folder, causal, worker
     texts = TEXTS[:]
     random.shuffle(texts)
     got = eng.embed(texts)
-    ids = [list(r.ids) for r in eng._processor().process(texts)]
+    ids = [list(r.ids) for r in eng.tokenize(texts)]
     want = np.stack([h.mean(0).numpy() for h in hf_hidden(folder, ids, causal)])
     assert cosine_rows(got, want).min() >= 0.9999
     assert eng.model.layers[0].qkv.weight is weight  # no reload
@@ -74,33 +76,37 @@ def test_bidirectional_changes_embeddings(folder):
     eng.configure(bidirectional=True)
     bidir = eng.embed(TEXTS)
     assert cosine_rows(causal, bidir).min() < 0.999
-    one_token = TEXTS.index("a")  # a single token sees only itself either way (+ EOS? not with mean)
-    assert eng.embed(["a"]).shape == (1, 64)
+    # a one-token input attends only to itself under either mask, so its embedding cannot change (no EOS: one token)
+    eng.configure(append_eos=False)
+    assert len(eng.tokenize(["a"])[0].ids) == 1
+    one_bidir = eng.embed(["a"])
     eng.configure(bidirectional=None)
+    one_causal = eng.embed(["a"])
+    assert one_causal.shape == (1, 64) and np.abs(one_causal).max() > 0
+    np.testing.assert_allclose(one_bidir, one_causal, atol=1e-6)
+    eng.configure(append_eos=None)
     np.testing.assert_allclose(eng.embed(TEXTS), causal, atol=1e-6)
-    assert one_token >= 0
 
 
 def test_lasttoken_default_appends_eos(folder):
     eng = Engine(folder)
     assert eng.pooling == "lasttoken" and eng.append_eos
     eos = eng.tokenizer.eos_token_id
-    req = eng._processor().process(["hello there"])[0]
+    req = eng.tokenize(["hello there"])[0]
     assert req.ids[-1] == eos and (req.ids[:-1] != eos).all()
     got = eng.embed(["hello there"])
     want = hf_hidden(folder, [list(req.ids)], True)[0][-1].numpy()
     assert cosine_rows(got, want[None]).min() >= 0.9999
     eng.configure(append_eos=False)
-    assert eng._processor().process(["hello there"])[0].ids[-1] != eos
+    assert eng.tokenize(["hello there"])[0].ids[-1] != eos
 
 
 def test_instruction_attended_not_pooled(folder):
     instr = "Given a question, retrieve passages that answer it: "
     eng = Engine(folder, pooling="mean", instruction=instr, prefix_cache=False)
     got = eng.embed(["What is the capital of France?"])
-    proc = eng._processor()
-    req = proc.process(["What is the capital of France?"], instruction=instr)[0]
-    n_instr = proc.instruction_length(instr)
+    req = eng.tokenize(["What is the capital of France?"])[0]
+    n_instr = InputProcessor(eng.tokenizer, eng.max_length).instruction_length(instr)
     assert 0 < req.pool_start == n_instr < req.length
     h = hf_hidden(folder, [list(req.ids)], True)[0]
     assert cosine_rows(got, h[n_instr:].mean(0, keepdim=True).numpy()).min() >= 0.9999
@@ -169,9 +175,29 @@ def test_chunked_prefill_on_encoder_needs_causal(minilm_path):
 
 
 def test_chunked_peak_cache_is_bounded_by_budget(folder):
-    eng = Engine(folder, pooling="mean", chunked_prefill=4, max_batch_tokens=8, max_num_seqs=2)
-    eng.embed([TEXTS[0]] * 3)
-    assert eng.stats.batches >= 3 * (eng.stats.tokens // 3) // 8
+    """Chunked prefill runs a group of long inputs layer by layer, holding across steps the group's hidden states +
+    one layer's K/V (``stats.state_bytes``); a group's tokens stay within ``max_batch_tokens`` unless one input
+    alone is longer (``lab.kv_path``). Raising the budget so that all three inputs share a group raises it."""
+    texts = [TEXTS[0]] * 3
+    eng = Engine(folder, pooling="mean", dtype="float32", chunked_prefill=4, max_batch_tokens=8, max_num_seqs=2)
+    n = len(eng.tokenize(texts[:1])[0].ids)
+    assert n > 8  # each input alone is longer than the budget: one group per input
+    a = eng.model.args
+    per_token = 4 * (a.hidden_size + 2 * a.num_kv_heads * a.head_dim)  # float32 hidden states + one layer's K/V
+    rounds = math.ceil(n / 4)  # chunks of 4 tokens; a group counts its rounds once, not once per layer
+
+    def bound(budget: int) -> int:
+        return per_token * max(budget, n)
+
+    eng.embed(texts)
+    small = eng.stats.state_bytes
+    assert 0 < small <= bound(8)
+    assert eng.stats.batches == 3 * rounds  # one group per input
+
+    eng.configure(max_batch_tokens=3 * n, max_num_seqs=3)  # all three inputs fit one group
+    eng.embed(texts)
+    assert small < eng.stats.state_bytes <= bound(3 * n)
+    assert eng.stats.batches == rounds
 
 
 def test_chunked_prefill_memory_grows_with_chunk_not_length(tmp_path):

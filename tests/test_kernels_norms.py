@@ -1,8 +1,9 @@
 """Triton ``add_layer_norm`` / ``add_rms_norm`` against ``reference``.
 
 Runs on CPU in Triton's interpreter or on CUDA when present (see ``tests/kernel_utils.py``). Odd widths
-(48, 123), strided rows, with/without residual and bias. fp32 within 1e-5 of the reference; fp16 error against
-the float32 reference at most 2x the reference's own fp16 error, plus a small floor.
+(48, 123), strided rows, with/without residual and bias. fp32 within tolerance of the reference; fp16 error against
+the float32 reference at most 2x the reference's own fp16 error, plus a small floor (both from
+``lab.kernels.tolerances``).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import pytest
 import torch
 from kernel_utils import SUBPROCESS_REASON, kernel_module, max_abs_err, run_module_in_subprocess
 from lab.kernels import reference as ref
+from lab.kernels.tolerances import error_bound, tolerance
 
 kn, DEVICE = kernel_module("norms", __file__)
 pytestmark = pytest.mark.interpreter
 cases = pytest.mark.skipif(kn is None, reason=SUBPROCESS_REASON)
 EPS = 1e-6
+LN32, RMS32 = tolerance("add_layer_norm", torch.float32), tolerance("add_rms_norm", torch.float32)
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +53,7 @@ def test_layer_norm_fp32(n, residual, bias, strided):
     x, r, w, b = _inputs(5, n, torch.float32, residual, strided)
     b = b if bias else None
     got = kn.add_layer_norm(x, r, w, b, 1e-12)
-    torch.testing.assert_close(got, ref.add_layer_norm(x, r, w, b, 1e-12), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref.add_layer_norm(x, r, w, b, 1e-12), **LN32)
 
 
 @cases
@@ -60,8 +63,8 @@ def test_rms_norm_fp32(n, residual, strided):
     x, r, w, _ = _inputs(5, n, torch.float32, residual, strided)
     got, summed = kn.add_rms_norm(x, r, w, EPS)
     want, want_sum = ref.add_rms_norm(x, r, w, EPS)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(summed, want_sum, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, **RMS32)
+    torch.testing.assert_close(summed, want_sum, atol=0, rtol=0)  # exact, not a tolerance
     if not residual:
         assert summed is x
 
@@ -74,13 +77,13 @@ def test_fp16_error_within_twice_torch(n):
     torch_err = max_abs_err(ref.add_layer_norm(x, r, w, b, EPS), exact)
     got = kn.add_layer_norm(x, r, w, b, EPS)
     assert got.dtype == torch.float16
-    assert max_abs_err(got, exact) <= 2 * torch_err + 1e-3
+    assert max_abs_err(got, exact) <= error_bound("add_layer_norm", torch.float16, torch_err)
 
     exact, _ = ref.add_rms_norm(*_f32(x, r, w), EPS)
     want, want_sum = ref.add_rms_norm(x, r, w, EPS)
     got, summed = kn.add_rms_norm(x, r, w, EPS)
     assert got.dtype == torch.float16 and summed.dtype == torch.float16
-    assert max_abs_err(got, exact) <= 2 * max_abs_err(want, exact) + 1e-3
+    assert max_abs_err(got, exact) <= error_bound("add_rms_norm", torch.float16, max_abs_err(want, exact))
     torch.testing.assert_close(summed, want_sum, atol=0, rtol=0)  # the add rounds exactly like torch's
 
 
@@ -92,7 +95,7 @@ def test_rms_norm_fp32_weight_on_fp16_input():
     got, _ = kn.add_rms_norm(x, r, w, EPS)
     want, _ = ref.add_rms_norm(x, r, w, EPS)
     assert got.dtype == want.dtype == torch.float32
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, **RMS32)  # a float32 result
 
 
 @cases
@@ -101,7 +104,7 @@ def test_leading_dims_and_errors():
     w, b = torch.ones(40, device=DEVICE), torch.zeros(40, device=DEVICE)
     got = kn.add_layer_norm(x, x, w, b, 1e-5)
     assert got.shape == x.shape
-    torch.testing.assert_close(got, ref.add_layer_norm(x, x, w, b, 1e-5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref.add_layer_norm(x, x, w, b, 1e-5), **LN32)
     with pytest.raises(ValueError, match="must match x"):
         kn.add_layer_norm(x, x[0], w, b, 1e-5)
     with pytest.raises(ValueError, match=r"weight must be \(40,\)"):

@@ -123,7 +123,7 @@ def test_decoder_every_layer_matches_transformers(dec_folder, dec_ref, causal):
     texts = shuffled(TEXTS)
     ids = token_ids(eng, texts)
     assert min(map(len, ids)) == 1 and len({len(x) for x in ids}) > 3
-    assert [list(r.ids) for r in eng._processor().process(texts)] == ids  # the engine runs these tokens
+    assert [list(r.ids) for r in eng.tokenize(texts)] == ids  # the engine runs these tokens
     for k in LAYERS:
         for pooling in POOLINGS:
             eng.configure(layer=k, pooling=pooling)
@@ -184,7 +184,7 @@ def test_prefix_cache_at_each_layer(dec_folder, dec_ref, chunk):
     texts = shuffled(TEXTS)
     eng = Engine(dec_folder, normalize=False, append_eos=False, pooling="mean", instruction=INSTRUCTION,
                  chunked_prefill=chunk)
-    reqs = eng._processor().process(texts, instruction=INSTRUCTION)
+    reqs = eng.tokenize(texts, instruction=INSTRUCTION)
     ids, starts = [list(r.ids) for r in reqs], [r.pool_start for r in reqs]
     assert min(starts) > 3
     for k in LAYERS:
@@ -234,8 +234,13 @@ def test_only_the_first_k_layers_run(which, dec_folder, enc_folder):
                 assert calls.take() == [1] * n + [0] * (L - n), (k, pooling)
         if which == "decoder":  # the KV path: each layer runs once per round of chunks, none past k
             finish = eng.model.finish
-            finished = []
-            eng.model.finish = lambda x, backend="torch": finished.append(1) or finish(x, backend)
+            finished = []  # one entry per final-norm call (``finish(..., last=True)``)
+
+            def counting_finish(x, residual, meta, *, last):
+                finished.extend([1] if last else [])
+                return finish(x, residual, meta, last=last)
+
+            eng.model.finish = counting_finish
             eng.configure(chunked_prefill=4, pooling="mean")
             for k in LAYERS:
                 eng.configure(layer=k)

@@ -294,27 +294,31 @@ def test_output_rows_equal_the_full_forward_at_those_rows(folders, kind, causal,
     """The last layer run for the pooled rows only (``output_rows``) gives the full forward's rows there: with and
     without an instruction prefix (``pool_start``), length-1 sequences, GQA, q/k-norm and qkv bias variants."""
     from lab.batch import OutputRows
-    from lab.pooling import pool, pooled_rows
+    from lab.pooling import pooling_method
 
     model = ours(folders[kind])
     ids, pos = packed(LENGTHS, model.args.vocab_size)
     meta = AttnMeta.from_lengths(LENGTHS, causal=causal)
-    for pool_start in (None, [2, 0, 3, 6, 1, 0]):
-        rows = pooled_rows(LENGTHS, method, pool_start)
-        ps = None if pool_start is None else torch.tensor(pool_start)
+    pool = pooling_method(method)
+    for pool_start in ([0] * len(LENGTHS), [2, 0, 3, 6, 1, 0]):
+        rows = pool.rows(LENGTHS, pool_start)
         with torch.no_grad():
-            want = pool(model(ids, pos, meta), meta, method, pool_start=ps)
-            got = model(ids, pos, meta, output_rows=OutputRows.build(meta, rows))
+            want = pool(model(ids, pos, meta), meta, torch.tensor(pool_start))
+            got = pool.from_rows(model(ids, pos, meta, output_rows=OutputRows.build(meta, rows)))
         assert got.shape == want.shape == (len(LENGTHS), model.hidden_size)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 def test_pooled_rows_are_the_rows_pool_reads():
-    from lab.pooling import pooled_rows
+    from lab.pooling import pooling_method
 
-    assert pooled_rows([3, 1, 2], "lasttoken").tolist() == [2, 3, 5]
-    assert pooled_rows([3, 1, 2], "cls").tolist() == [0, 3, 4]
-    assert pooled_rows([3, 1, 2], "cls", [2, 0, 1]).tolist() == [2, 3, 5]
-    assert pooled_rows([3, 1, 2], "cls", [3, 0, 0]) is None  # an instruction covering a whole input
-    assert pooled_rows([3, 0, 2], "lasttoken") is None  # an empty sequence
-    assert pooled_rows([3, 1, 2], "mean") is None
+    def rows(method, lengths, pool_start=None):
+        return pooling_method(method).rows(lengths, pool_start or [0] * len(lengths))
+
+    assert rows("lasttoken", [3, 1, 2]).tolist() == [2, 3, 5]
+    assert rows("cls", [3, 1, 2]).tolist() == [0, 3, 4]
+    assert rows("cls", [3, 1, 2], [2, 0, 1]).tolist() == [2, 3, 5]
+    assert rows("cls", [3, 1, 2], [3, 0, 0]) is None  # an instruction covering a whole input
+    assert rows("lasttoken", [3, 0, 2]) is None  # an empty sequence
+    for method in ("mean", "max", "weightedmean", "tokens"):
+        assert rows(method, [3, 1, 2]) is None

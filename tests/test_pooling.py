@@ -8,7 +8,12 @@ import torch
 
 from lab import Engine
 from lab.batch import AttnMeta
-from lab.pooling import finish, pool
+from lab.heads import EmbeddingHead
+from lab.pooling import pooling_method
+
+
+def pool(hidden, meta, method, pool_start=None):
+    return pooling_method(method)(hidden, meta, pool_start)
 
 
 def padded_pool(hidden: torch.Tensor, mask: torch.Tensor, method: str) -> torch.Tensor:
@@ -72,9 +77,20 @@ def test_mean_accumulates_in_float32():
     torch.testing.assert_close(got[0], hidden.float().mean(0), atol=1e-4, rtol=0)
 
 
-def test_finish_truncates_before_normalizing():
+def test_embedding_head_truncates_before_normalizing():
     x = torch.randn(3, 16)
-    out = finish(x, truncate_dim=4, normalize=True)
+    out = EmbeddingHead(16, truncate_dim=4, normalize=True)(x)
     torch.testing.assert_close(out, torch.nn.functional.normalize(x[:, :4], dim=-1))
     with pytest.raises(ValueError, match="exceeds"):
-        finish(x, truncate_dim=32, normalize=False)
+        EmbeddingHead(16, truncate_dim=32, normalize=False)
+
+
+def test_all_tokens_are_the_rows_mean_averages():
+    """``tokens``: each sequence's pooled rows (after its instruction), whose mean is the ``mean`` pooling."""
+    lengths = [5, 1, 3, 1, 7]
+    meta = AttnMeta.from_lengths(lengths, causal=False)
+    hidden = torch.randn(sum(lengths), 6).bfloat16()
+    start = torch.tensor([2, 0, 1, 0, 6])
+    rows = pool(hidden, meta, "tokens", pool_start=start)
+    assert [len(r) for r in rows] == [3, 1, 2, 1, 1] and all(r.dtype == torch.float32 for r in rows)
+    torch.testing.assert_close(torch.stack([r.mean(0) for r in rows]), pool(hidden, meta, "mean", start))

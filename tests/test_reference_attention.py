@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-
 from lab.kernels.reference import _runs, varlen_attention, varlen_attention_naive
 
 

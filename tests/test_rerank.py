@@ -57,7 +57,7 @@ def test_cross_encoder_matches_cross_encoder_predict_and_transformers(ce_folder)
     from sentence_transformers import CrossEncoder
 
     eng = Engine(str(ce_folder), max_length=MAX_LEN, max_batch_tokens=100)  # several packed batches
-    labels = eng.head.num_labels
+    labels = eng.model.classifier.num_labels
     assert eng.score_mode == "cross-encoder"
     order = list(range(len(PAIRS)))
     random.shuffle(order)  # scheduling sorts by length: the output must come back in input order anyway

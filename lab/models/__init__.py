@@ -1,7 +1,8 @@
 """Architecture name -> our packed implementation; anything else falls back to transformers ``AutoModel``.
 
 One module per family: ``bert.py`` (BERT / RoBERTa / XLM-R encoders), ``decoder.py`` (Llama / Mistral / Qwen2 /
-Qwen3, differences as config fields). Model code never imports the engine, scheduler or batch builder.
+Qwen3, differences as config fields); each subclasses ``base.PackedModel`` (the contract the engine relies on). Model
+code never imports the engine, scheduler or executor: it sees flat tokens and an ``AttnMeta`` (``lab.batch``).
 """
 
 from __future__ import annotations
@@ -37,12 +38,3 @@ def model_class(architecture: str):
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
 
-
-def layers_to_run(num_layers: int | None, total: int) -> int:
-    """How many of a model's ``total`` layers a forward runs: ``num_layers`` (0 = the embedding output only), or
-    all of them for ``None``. The Engine's ``layer`` knob resolves negative values before they get here."""
-    if num_layers is None:
-        return total
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 0 <= num_layers <= total:
-        raise ValueError(f"num_layers={num_layers!r} but this model has {total} layers; valid: 0..{total} or None")
-    return num_layers

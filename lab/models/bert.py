@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from lab.attention import attention, ops
-from lab.batch import AttnMeta
-from lab.models import layers_to_run
+from lab.batch import AttnMeta, OutputRows
+from lab.models.base import PackedModel
 from lab.models.fused import (
     ACTIVATIONS,
     Linear,
@@ -75,8 +75,10 @@ class BertLayer(nn.Module):
         return self.down(linear_act(x, self.up.weight, self.up.bias, self.act_name, self.act))
 
 
-class BertModel(nn.Module):
-    """Encoder stack; ``position_offset`` is 0 for BERT and ``pad_token_id + 1`` for RoBERTa / XLM-R."""
+class BertModel(PackedModel):
+    """Encoder stack; ``position_offset`` is 0 for BERT and ``pad_token_id + 1`` for RoBERTa / XLM-R. A
+    ``*ForSequenceClassification`` checkpoint also loads its head as ``classifier`` (``SequenceClassificationHead``).
+    """
 
     is_decoder = False
     default_causal = False
@@ -110,43 +112,33 @@ class BertModel(nn.Module):
     def from_hf_config(cls, config: dict) -> BertModel:
         return cls(config)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, token_type_ids: torch.Tensor | None,
-        num_layers: int | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions, token_type_ids: ``(T,)`` -> hidden ``(T, hidden)``. ``num_layers``: run only the
-        first ``num_layers`` layers (``None`` = all; 0 = the embedding output), transformers' ``hidden_states[k]``
-        (post-norm layers: each layer's output is final)."""
-        x = self.embed_tokens(input_ids, positions, token_type_ids, meta.backend)
-        for layer in self.layers[: layers_to_run(num_layers, len(self.layers))]:
-            x = layer(x, meta)
-        return x
-
-    # ---------------------------------------------------- stages: the same forward, one layer at a time (lab.chunking)
-    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None,
-                     backend: str = "torch") -> torch.Tensor:
+    # ------------------------------------------------ stages (``PackedModel.forward`` runs them in order)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None,
+              meta: AttnMeta) -> torch.Tensor:
         """Input of layer 0: word + position + token-type embeddings, LayerNorm-ed. ``(T, hidden)``."""
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
         if token_type_ids is None:  # type 0 everywhere: one row broadcast instead of a gather
             x = x + self.token_type_embeddings.weight[0]
         else:
             x = x + self.token_type_embeddings(token_type_ids)
-        return ops(backend).add_layer_norm(x, None, self.emb_norm.weight, self.emb_norm.bias, self.eps)
+        return ops(meta).add_layer_norm(x, None, self.emb_norm.weight, self.emb_norm.bias, self.eps)
 
-    def run_layer(self, index: int, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        return self.layers[index](x, meta)
-
-    def finish(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-        return x  # post-norm layers: the last layer's output is final
-
-    def check_context(self, longest: int) -> None:
-        if longest > self.max_positions:
-            raise ValueError(f"a sequence spans {longest} tokens but this model has {self.max_positions} positions")
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, layers: range,
+                   residual: torch.Tensor | None = None, output_rows: OutputRows | None = None,
+                   ) -> tuple[torch.Tensor, None]:
+        """Post-norm layers: each layer's output is final (no residual carried apart; transformers'
+        ``hidden_states[k]`` is the output of layer k)."""
+        if output_rows is not None:
+            raise ValueError("BertModel computes every row (computes_output_rows is False)")
+        for i in layers:
+            x = self.layers[i](x, meta)
+        return x, None
 
     # ------------------------------------------------------------------------------------------------ loading
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load a transformers state dict (``bert.``/``roberta.`` prefixes and classification heads accepted)."""
-        sd = _strip_prefix(sd, _HF_PREFIXES)
+        """Load a transformers state dict (``bert.``/``roberta.`` prefixes accepted). ``classifier.*`` weights (a
+        ``*ForSequenceClassification`` checkpoint) load the sequence-classification head as ``classifier``."""
+        raw, sd = sd, _strip_prefix(sd, _HF_PREFIXES)
         own = {
             "word_embeddings.weight": "embeddings.word_embeddings.weight",
             "position_embeddings.weight": "embeddings.position_embeddings.weight",
@@ -171,7 +163,12 @@ class BertModel(nn.Module):
                 new[f"layers.{i}.up.{kind}"] = _take(sd, f"{p}intermediate.dense.{kind}")
                 new[f"layers.{i}.down.{kind}"] = _take(sd, f"{p}output.dense.{kind}")
                 new[f"layers.{i}.out_norm.{kind}"] = _take(sd, f"{p}output.LayerNorm.{kind}")
+        self.classifier = None
         self.load_state_dict(new, strict=True)
+        if has_classification_head(raw):
+            head = SequenceClassificationHead(self.config)
+            head.load_hf_state_dict(raw)
+            self.classifier = head.to(self.word_embeddings.weight.dtype)
 
     def hf_linear_map(self) -> dict[str, tuple[str, slice] | None]:
         """Each transformers Linear (named as ``load_hf_state_dict`` reads it, prefixes stripped) -> our parameter
@@ -187,13 +184,13 @@ class BertModel(nn.Module):
             out[f"{p}attention.output.dense"] = (o + "attn_out.weight", slice(None))
             out[f"{p}intermediate.dense"] = (o + "up.weight", slice(None))
             out[f"{p}output.dense"] = (o + "down.weight", slice(None))
-        head = getattr(self, "classification_head", None)
+        head = self.classifier
         bert_head = head is not None and self.model_type not in ROBERTA_TYPES
-        out["pooler.dense"] = ("classification_head.dense.weight", slice(None)) if bert_head else None
+        out["pooler.dense"] = ("classifier.dense.weight", slice(None)) if bert_head else None
         if head is not None:
             names = {"classifier.dense": "dense", "classifier.out_proj": "out"} if not bert_head else {
                 "classifier": "out"}
-            out.update({k: (f"classification_head.{v}.weight", slice(None)) for k, v in names.items()})
+            out.update({k: (f"classifier.{v}.weight", slice(None)) for k, v in names.items()})
         return out
 
     @staticmethod

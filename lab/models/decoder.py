@@ -22,7 +22,7 @@ from torch import nn
 from lab.attention import attention, ops
 from lab.batch import AttnMeta, OutputRows
 from lab.kernels.reference import rotary_cos_sin
-from lab.models import layers_to_run
+from lab.models.base import PackedModel
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.rope import RopeSpec, rope_from_config
 
@@ -188,7 +188,7 @@ class DecoderLayer(nn.Module):
                           lambda rows: self.act_inplace(linear(rows, gate_w, gate_b)).mul_(linear(rows, up_w, up_b)))
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(PackedModel):
     """Llama / Mistral / Qwen2 / Qwen3 decoder stack over packed tokens; returns final-normed hidden states.
 
     Parameters are created on the ``meta`` device (no random init of weights that are about to be overwritten)
@@ -203,12 +203,13 @@ class DecoderModel(nn.Module):
         self.config = config
         a = self.args = DecoderArgs.from_config(config)
         self.hidden_size, self.num_layers = a.hidden_size, a.num_layers
+        self.max_positions = a.max_position_embeddings
         self.default_causal = a.causal
         self.eps = a.rms_norm_eps
         self.rope: RopeSpec = rope_from_config(config, a.head_dim)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # float32 per device; kept out of .to(dtype)
         with torch.device("meta"):
-            self.embed = nn.Embedding(a.vocab_size, a.hidden_size)
+            self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
             self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
             self.norm = nn.Parameter(torch.empty(a.hidden_size))
             self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
@@ -217,62 +218,41 @@ class DecoderModel(nn.Module):
     def from_hf_config(cls, config: dict) -> DecoderModel:
         return cls(config)
 
-    # ------------------------------------------------------------------------------------------------ forward
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttnMeta,
-        token_type_ids: torch.Tensor | None = None,
-        output_rows: OutputRows | None = None,
-        num_layers: int | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions: ``(T,)`` -> final-normed hidden states ``(T, hidden)``; ``token_type_ids`` unused.
-        ``output_rows``: return only those rows, ``(B, hidden)``; the last computed layer computes no others.
-        ``num_layers``: run only the first ``num_layers`` layers (``None`` = all; 0 = the embedding output) and
-        return transformers' ``hidden_states[num_layers]``: the residual stream, without the final RMSNorm, which
-        only the last layer's output gets."""
-        depth = layers_to_run(num_layers, len(self.layers))
-        kv = meta.kv
-        if output_rows is not None and kv is not None:
-            raise ValueError("output_rows needs a plain prefill step (no cached keys/values in meta.kv)")
-        longest = meta.max_seqlen
-        if kv is not None and kv.has_prefix:
-            longest = max(p + n for p, n in zip(kv.prefix_lens, meta.seqlens))
-        self.check_context(longest)
-        if depth == 0:  # the embedding output (of the kept rows only)
-            return self.embed(input_ids if output_rows is None else input_ids[output_rows.rows])
-        x = self.embed(input_ids)  # (T, hidden)
+    # ------------------------------------------------ stages (``PackedModel.forward`` runs them in order)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None,
+              meta: AttnMeta) -> torch.Tensor:
+        """Input of layer 0: ``(T, hidden)`` (``token_type_ids`` unused)."""
+        return self.embed_tokens(input_ids)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, layers: range,
+                   residual: torch.Tensor | None = None, output_rows: OutputRows | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm blocks ``layers`` from ``x`` (a block's output delta, or the hidden states with ``residual``
+        ``None``) -> ``(delta, residual)``: the hidden states are their sum, which the next block's norm (or
+        ``finish``) adds. ``output_rows``: the last block of ``layers`` computes those rows only."""
         cos, sin = rotary_cos_sin(positions, self._freqs(x.device), self.rope.attention_scaling, dtype=x.dtype)
-        residual = None
-        for i, layer in enumerate(self.layers[:depth]):
-            x, residual = layer(x, residual, cos, sin, meta, output_rows if i == depth - 1 else None)
-        if depth < len(self.layers):
-            return x + residual  # the add the next layer's norm would do, in ``run_layer``'s order; no final norm
+        last = layers[-1]
+        for i in layers:
+            x, residual = self.layers[i](x, residual, cos, sin, meta, output_rows if i == last else None)
+        return x, residual
+
+    def finish(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMeta, *, last: bool) -> torch.Tensor:
+        """The final RMSNorm after the last block (transformers' ``last_hidden_state``); below it, the residual
+        stream ``x + residual`` without a norm (transformers' ``hidden_states[k]``)."""
+        if not last:
+            return x if residual is None else x + residual
         return ops(meta).add_rms_norm(x, residual, self.norm, self.eps)[0]
 
-    # ---------------------------------------------------- stages: the same forward, one layer at a time (lab.chunking)
-    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids=None,
-                     backend: str = "torch") -> torch.Tensor:
-        """Input of layer 0: ``(T, hidden)``."""
-        return self.embed(input_ids)
-
-    def run_layer(self, index: int, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        """Hidden states after layer ``index`` from those before it (the residual sum ``forward`` carries apart)."""
-        cos, sin = rotary_cos_sin(positions, self._freqs(x.device), self.rope.attention_scaling, dtype=x.dtype)
-        out, residual = self.layers[index](x, None, cos, sin, meta)
-        return out + residual  # the add ``forward`` leaves to the next norm, in the same order
-
-    def finish(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-        """Final RMSNorm of the last layer's hidden states."""
-        return ops(backend).add_rms_norm(x, None, self.norm, self.eps)[0]
+    @property
+    def has_lm_head(self) -> bool:
+        return self.lm_head is not None or self.args.tie_word_embeddings
 
     def lm_logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
         """Language-model logits ``(N, V)`` of hidden states ``(N, hidden)``, or only the columns ``token_ids``."""
         if self.lm_head is not None:
             w = self.lm_head.weight
         elif self.args.tie_word_embeddings:
-            w = self.embed.weight
+            w = self.embed_tokens.weight
         else:
             raise ValueError("this checkpoint has no lm_head weights (an embedding-only export); no LM logits")
         if token_ids is not None:
@@ -311,7 +291,7 @@ class DecoderModel(nn.Module):
             return sd.get(key)
 
         new: dict[str, torch.Tensor | None] = {
-            "embed.weight": take("embed_tokens.weight"),
+            "embed_tokens.weight": take("embed_tokens.weight"),
             "norm": take("norm.weight"),
         }
         for i in range(a.num_layers):

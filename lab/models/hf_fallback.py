@@ -1,18 +1,24 @@
 """Fallback for architectures without a packed implementation: transformers ``AutoModel`` on padded batches.
 
 It keeps the packed interface (flat tokens + ``AttnMeta`` in, packed hidden states out) by padding inside, so the
-runner and poolers are unchanged; ``padded_tokens`` counts the waste, which the engine reports in ``stats``.
+executor and poolers are unchanged; ``padding(meta)`` counts the waste, which the engine reports in
+``stats.padded_tokens``. It does not run in stages (``staged = False``), so the KV path never drives it.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from lab.batch import AttnMeta
+from lab.batch import AttnMeta, OutputRows
+from lab.models.base import PackedModel
 
 
-class HFFallbackModel(nn.Module):
+class HFFallbackModel(PackedModel):
+    """transformers ``AutoModel`` behind the ``PackedModel`` contract (padded batches inside)."""
+
+    packed = False
+    staged = False
+
     def __init__(self, path: str, config: dict):
         super().__init__()
         from transformers import AutoModel
@@ -26,12 +32,14 @@ class HFFallbackModel(nn.Module):
         )
         self.default_causal = self.is_decoder
         self.pad_id = config.get("pad_token_id") or 0
-        self.padded_tokens = 0  # of the last forward
         # for the ``layer`` knob (``None`` where the config does not say: then only the last layer can be pooled)
         self.num_layers = getattr(self.hf.config, "num_hidden_layers", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, token_type_ids=None,
-                num_layers: int | None = None):
+    def padding(self, meta: AttnMeta) -> int:
+        return meta.num_seqs * meta.max_seqlen - meta.num_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, token_type_ids=None, *,
+                output_rows: OutputRows | None = None, num_layers: int | None = None):
         """Packed hidden states ``(T, hidden)``: ``last_hidden_state``, or with ``num_layers`` below the model's
         layer count transformers' ``hidden_states[num_layers]`` (0 = the embedding output; the whole model runs)."""
         if meta.causal != self.default_causal:
@@ -39,7 +47,7 @@ class HFFallbackModel(nn.Module):
                 "this architecture runs through the transformers fallback, which cannot change its attention "
                 "direction; leave bidirectional=None for it"
             )
-        if meta.kv is not None:
+        if meta.kv is not None or output_rows is not None:
             raise ValueError("chunked prefill / prefix cache need a packed implementation; this model has none")
         b, longest = meta.num_seqs, meta.max_seqlen
         ids = input_ids.new_full((b, longest), self.pad_id)
@@ -56,5 +64,4 @@ class HFFallbackModel(nn.Module):
         else:
             hidden = self.hf(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kw).hidden_states
             hidden = hidden[num_layers]
-        self.padded_tokens = b * longest - meta.num_tokens
         return hidden[mask.bool()]  # (T, H) in packed order

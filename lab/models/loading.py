@@ -38,7 +38,7 @@ class ModelSpec:
     weights: list[Path]
     weight_format: str  # "safetensors" | "bin" | "gguf"
     pooling: str | None = None
-    include_prompt: bool = True
+    include_prompt: bool | None = None  # the Pooling config's (True when it does not say); None: no Pooling config
     normalize: bool = False
     max_seq_length: int | None = None
     prompts: dict[str, str] = field(default_factory=dict)
@@ -117,7 +117,7 @@ def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
                     if pcfg.get("pooling_mode_mean_sqrt_len_tokens"):
                         raise ValueError(f"{cfg_path}: pooling 'mean_sqrt_len_tokens' is not supported")
                     spec.pooling = {"mean_tokens": "mean", "max_tokens": "max", "cls_token": "cls"}.get(mode, mode)
-                    spec.include_prompt = pcfg.get("include_prompt", True)
+                    spec.include_prompt = bool(pcfg.get("include_prompt", True))
             elif kind.endswith("Normalize"):
                 spec.normalize = True
     sbert = p / "sentence_bert_config.json"

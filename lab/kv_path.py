@@ -1,4 +1,6 @@
-"""Causal prefill over cached keys/values: chunked prefill for long inputs, and a shared-prefix (instruction) cache.
+"""The KV path: causal prefill over cached keys/values -- chunked prefill for long inputs, and a shared-prefix
+(instruction) cache. ``lab.executor`` chooses it; it drives the model through the same stages as its forward
+(``embed`` / ``run_layers`` / ``finish``, ``lab.models.base``), and shares its steps among the CPU workers.
 
 **Chunked prefill runs layer by layer.** A prefill-only engine never decodes, so nothing needs every layer's K/V
 at once. For each layer in turn, the pieces (at most ``chunk`` tokens) of a long input run in order; each piece
@@ -15,8 +17,7 @@ Several long inputs share the rounds of one layer (one packed step per round) wh
 excluded from pooling (the instruction), once. Its K/V is kept for every layer (the only all-layer cache; it is
 short), and every request runs from the token after it, attending to it as a prefix.
 
-    >>> prefill = CausalPrefill(runner, chunk=512, budget=16384, max_seqs=256, backend="torch", pooling="mean")
-    >>> rows, stats = prefill.run(requests, shared_prefix=True)     # {request.index: (hidden,) float32}
+    >>> for reqs, pooled, stats in KVPath(runner, settings, pooling_method("mean"), workers=2).run(requests): ...
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import numpy as np
 import torch
 
 from lab.batch import AttnMeta, KVStep, PackedBatch
+from lab.call import ExecSettings, Stats
 from lab.inputs import Request
-from lab.pooling import pool
+from lab.pooling import PoolingMethod
+from lab.runner import Runner
 from lab.scheduler import plan_batches
 
 
@@ -41,22 +44,6 @@ class _PerLayer:
 
     def __getitem__(self, layer: int) -> torch.Tensor:
         return self.fn(layer)
-
-
-@dataclass
-class PrefillStats:
-    """What one ``CausalPrefill.run`` did.
-
-    ``steps``: packed steps (a layer-by-layer group counts its rounds once, not once per layer); ``pieces``:
-    request pieces run (a request cut into n chunks counts n); ``state_bytes``: the most K/V and hidden-state
-    memory held across steps at once (the shared prefix's K/V plus one layer-by-layer group's state).
-    """
-
-    tokens_computed: int = 0
-    steps: int = 0
-    pieces: int = 0
-    shared_prefix: int = 0
-    state_bytes: int = 0
 
 
 @dataclass
@@ -73,41 +60,52 @@ class _Prefix:
         return 2 * self.k.numel() * self.k.element_size()
 
 
-class CausalPrefill:
-    def __init__(self, runner, *, chunk: int | None, budget: int, max_seqs: int, backend: str, pooling: str,
-                 num_layers: int | None = None):
-        """``num_layers``: pool after the first ``num_layers`` layers and run only those (``None`` = all; the
-        final norm only then); the Engine's ``layer`` knob, resolved."""
-        self.runner, self.chunk, self.budget, self.max_seqs = runner, chunk, budget, max_seqs
-        self.backend, self.pooling = backend, pooling
-        self.model = runner.model
-        self.num_layers = runner.model.num_layers
-        self.depth = self.num_layers if num_layers is None else num_layers  # layers that run
+class KVPath:
+    """Causal prefill of one wave of requests over cached keys/values (module doc). ``run`` yields
+    ``(requests, pooled, Stats)`` per step or layer-by-layer group, ``pooled`` aligned with those requests.
 
-    # ------------------------------------------------------------------------------------------------ public
-    @torch.inference_mode()
-    def run(self, requests: list[Request], *, shared_prefix: bool) -> tuple[dict[int, torch.Tensor], PrefillStats]:
-        """Pooled rows ``{request.index: (hidden,) float32}`` of ``requests`` under causal attention."""
-        stats = PrefillStats()
-        # (at depth 0 no token attends to another: nothing to share)
-        p = _shared_prefix_length(requests) if shared_prefix and len(requests) > 1 and self.depth else 0
-        prefix = None
+    Stats: ``batches`` counts packed steps (a layer-by-layer group counts its rounds once, not once per layer);
+    ``chunks`` the request pieces run (a request cut into n chunks counts n); ``state_bytes`` the most K/V and
+    hidden-state memory held across steps at once (the shared prefix's K/V plus one group's state, summed over
+    the CPU workers' shares)."""
+
+    def __init__(self, runner: Runner, s: ExecSettings, method: PoolingMethod, workers: int):
+        self.runner, self.s, self.method, self.workers = runner, s, method, workers
+        self.model = runner.model
+        self.chunk = s.chunked_prefill
+        self.num_layers = self.model.num_layers
+        self.depth = self.model.layers_to_run(s.num_layers)  # layers that run; the final norm only after the last
+
+    def run(self, requests: list[Request], *, shared_prefix: bool = True):
+        """Pooled rows of ``requests`` under causal attention; with ``shared_prefix`` and the prefix cache on, the
+        tokens all of them share (at most their unpooled ones) run once. At depth 0 no token attends to another:
+        nothing to share."""
+        s, p, prefix = self.s, 0, None
+        pending = Stats()  # the shared prefix's work, counted with the first step
+        if shared_prefix and s.prefix_cache and len(requests) > 1 and self.depth:
+            p = _shared_prefix_length(requests)
         if p:
             pseudo = Request(index=-1, ids=requests[0].ids[:p], pool_start=p)
-            _, prefix = self._layerwise([pseudo], None, stats, keep=True)
-            stats.shared_prefix = p
-        rows: dict[int, torch.Tensor] = {}
+            with torch.inference_mode():
+                _, prefix, pending = self._layerwise([_Own(pseudo, p)], None, keep=True)
+            pending.shared_prefix = p
         fits = [r for r in requests if self.chunk is None or r.length - p <= self.chunk]
         long = [r for r in requests if self.chunk is not None and r.length - p > self.chunk]
-        for batch in plan_batches(_Own.wrap(fits, p), self.budget, self.max_seqs):
-            self._whole(batch, prefix, rows, stats)
-        for group in plan_batches(_Own.wrap(long, p), self.budget, self.max_seqs):
-            pooled, _ = self._layerwise([o.req for o in group], prefix, stats, keep=False)
-            rows.update({o.req.index: row for o, row in zip(group, pooled)})
-        return rows, stats
+        for batch in plan_batches(_Own.wrap(fits, p), s.max_batch_tokens, s.max_num_seqs):
+            pooled, delta = self.runner.run_shared(lambda part: self._whole(part, prefix), batch, self.workers)
+            delta.batches = 1
+            delta.add(pending)
+            pending = Stats()
+            yield [o.req for o in batch], pooled, delta
+        for group in plan_batches(_Own.wrap(long, p), s.max_batch_tokens, s.max_num_seqs):
+            pooled, delta = self.runner.run_shared(lambda part: self._group(part, prefix), group, self.workers)
+            delta.batches = math.ceil(max(o.length for o in group) / self.chunk)  # its rounds, however shared
+            delta.add(pending)
+            pending = Stats()
+            yield [o.req for o in group], pooled, delta
 
     # ----------------------------------------------------------------------------------- one step per request
-    def _whole(self, batch: list[_Own], prefix: _Prefix | None, rows: dict, stats: PrefillStats) -> None:
+    def _whole(self, batch: list[_Own], prefix: _Prefix | None) -> tuple[torch.Tensor, Stats]:
         """Requests that fit one piece: one packed step, attending to the shared prefix if there is one."""
         p = 0 if prefix is None else prefix.length
         kv = None
@@ -119,26 +117,28 @@ class CausalPrefill:
                         prefix_v=_PerLayer(lambda layer: prefix.v[layer].repeat(n, 1, 1)))
         packed = self._pack([o.req for o in batch], p, kv)
         hidden = self.runner.forward(packed, self.depth)
-        pooled = pool(hidden, packed.meta, self.pooling, pool_start=packed.pool_start)
-        rows.update({o.req.index: row for o, row in zip(batch, pooled)})
-        stats.steps += 1
-        stats.pieces += len(batch)
-        stats.tokens_computed += packed.meta.num_tokens
+        pooled = self.method(hidden, packed.meta, packed.pool_start)
+        return pooled, Stats(chunks=len(batch), tokens_computed=packed.meta.num_tokens)
 
     # ------------------------------------------------------------------------------------------ layer by layer
-    def _layerwise(self, group: list[Request], prefix: _Prefix | None, stats: PrefillStats, *,
-                   keep: bool) -> tuple[torch.Tensor | None, _Prefix | None]:
+    def _group(self, group: list[_Own], prefix: _Prefix | None) -> tuple[object, Stats]:
+        pooled, _, stats = self._layerwise(group, prefix, keep=False)
+        return pooled, stats
+
+    def _layerwise(self, group: list[_Own], prefix: _Prefix | None, *,
+                   keep: bool) -> tuple[object, _Prefix | None, Stats]:
         """Run ``group`` (each after the shared prefix) one layer at a time, in pieces of ``chunk`` tokens.
 
-        Returns the pooled rows, or with ``keep`` (computing the shared prefix itself) nothing pooled and the
-        group's K/V of every layer.
+        Returns the pooled rows (or with ``keep``, computing the shared prefix itself, nothing pooled), the group's
+        K/V of every layer with ``keep``, and the work done.
         """
         model, dev = self.model, self.runner.device
+        requests = [o.req for o in group]
         p = 0 if prefix is None else prefix.length
-        packed = self._pack(group, p, None)
+        packed = self._pack(requests, p, None)
         lens = packed.meta.seqlens
         model.check_context(p + max(lens))
-        h = model.embed_tokens(packed.input_ids, packed.positions, packed.token_type_ids, self.backend)
+        h = model.embed(packed.input_ids, packed.positions, packed.token_type_ids, packed.meta)
         total = h.shape[0]
         starts = [0]
         for n in lens:
@@ -182,19 +182,18 @@ class CausalPrefill:
                     kv.prefix_lens = prefix_lens
                     kv.prefix_k = _PerLayer(lambda i, m=members: earlier("k", m, i))
                     kv.prefix_v = _PerLayer(lambda i, m=members: earlier("v", m, i))
-                meta = AttnMeta.from_lengths(seq_lens, causal=True, device=dev, backend=self.backend, kv=kv)
-                _put(h, rows, model.run_layer(layer, _take(h, rows), packed.positions[rows], meta))
-        stats.steps += len(rounds)
-        stats.pieces += sum(len(m) for m in rounds)
-        stats.tokens_computed += total
+                meta = AttnMeta.from_lengths(seq_lens, causal=True, device=dev, backend=self.s.backend, kv=kv)
+                x, residual = model.run_layers(_take(h, rows), packed.positions[rows], meta, range(layer, layer + 1))
+                _put(h, rows, model.finish(x, residual, meta, last=False))
         held = h.numel() * h.element_size() + (0 if kv_k is None else 2 * kv_k.numel() * kv_k.element_size())
-        stats.state_bytes = max(stats.state_bytes, held + (0 if prefix is None else prefix.nbytes))
+        stats = Stats(batches=len(rounds), chunks=sum(len(m) for m in rounds), tokens_computed=total,
+                      state_bytes=held + (0 if prefix is None else prefix.nbytes))
         if keep:
-            return None, _Prefix(kv_k, kv_v)
+            return None, _Prefix(kv_k, kv_v), stats
         if self.depth == self.num_layers:  # final norm piece by piece, in place (the last layer's output only)
             for rows, _, _ in steps:
-                _put(h, rows, model.finish(_take(h, rows), self.backend))
-        return pool(h, packed.meta, self.pooling, pool_start=packed.pool_start), None
+                _put(h, rows, model.finish(_take(h, rows), None, packed.meta, last=True))
+        return self.method(h, packed.meta, packed.pool_start), None, stats
 
     @staticmethod
     def _round_step(members, starts, p, dev):
@@ -212,7 +211,7 @@ class CausalPrefill:
         """The tokens of ``requests`` after the shared prefix (positions continue from ``p``); pooling windows
         shifted to match (the prefix is never pooled: ``p <= pool_start``)."""
         return PackedBatch.build(
-            [r.ids[p:] for r in requests], causal=True, device=self.runner.device, backend=self.backend,
+            [r.ids[p:] for r in requests], causal=True, device=self.runner.device, backend=self.s.backend,
             token_type_ids=[None if r.token_type_ids is None else r.token_type_ids[p:] for r in requests],
             pool_start=[r.pool_start - p for r in requests], position_offsets=[p] * len(requests), kv=kv,
         )

@@ -1,4 +1,4 @@
-"""Knob sweeps over mteb tasks -> one tidy DataFrame.
+"""Knob sweeps over mteb tasks -> one tidy DataFrame (``lab.evaluate`` is this module's ``evaluate``).
 
 ``evaluate(engine, tasks, sweep=...)`` runs every combination of the swept knob values through
 ``engine.configure`` (live, no reload), evaluates each task with mteb through :func:`lab.mteb_adapter.as_mteb_model`,
@@ -16,8 +16,6 @@ import contextlib
 import itertools
 import logging
 import os
-import sys
-import types
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -28,7 +26,7 @@ from lab.mteb_adapter import as_mteb_model, model_name
 if TYPE_CHECKING:
     import pandas as pd
 
-_DEFAULT = object()
+DEFAULT_CACHE = "default"  # the cache argument meaning default_cache_dir()
 _NOT_METRICS = frozenset({"hf_subset", "languages", "main_score", "mteb_version"})
 FIXED_COLUMNS = ("model", "variant")
 RESULT_COLUMNS = ("task", "split", "subset", "metric", "score", "main")
@@ -45,13 +43,13 @@ def default_cache_dir() -> Path:
     return root / "evals" / "results" / "cache"
 
 
-def resolve_cache(cache: Any = _DEFAULT):
+def resolve_cache(cache: Any = DEFAULT_CACHE):
     """``ResultCache`` from a path, an existing ResultCache, the default (sentinel) or ``None`` (no caching)."""
     import mteb
 
     if cache is None or isinstance(cache, mteb.ResultCache):
         return cache
-    return mteb.ResultCache(default_cache_dir() if cache is _DEFAULT else Path(cache))
+    return mteb.ResultCache(default_cache_dir() if cache is DEFAULT_CACHE else Path(cache))
 
 
 def resolve_tasks(tasks) -> list:
@@ -104,7 +102,7 @@ def evaluate(
     tasks,
     *,
     sweep: Mapping[str, Iterable] | None = None,
-    cache: Any = _DEFAULT,
+    cache: Any = DEFAULT_CACHE,
     instructions: Mapping[str, str] | None = None,
     use_task_instructions: bool = False,
     overwrite: bool = False,
@@ -226,13 +224,3 @@ def _flatten(entry: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, 
         elif isinstance(value, (int, float)):
             yield name, float(value)
 
-
-class _CallableModule(types.ModuleType):
-    """``lab.evaluate`` names both this module and its function: importing the submodule rebinds the package
-    attribute to the module, so the module forwards calls to keep ``lab.evaluate(engine, tasks)`` working."""
-
-    def __call__(self, *args, **kwargs):
-        return evaluate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
