@@ -77,7 +77,7 @@ PROFILES: list[str] = []  # op tables of --profile, written to <stem>_profile.tx
 COLUMNS = [
     "run", "section", "system", "dtype", "pooling", "setting", "metric", "value", "unit", "target", "meets_target",
     "seconds_median", "seconds_min", "seconds_max", "cpu_seconds_median", "tokens", "tokens_per_s", "texts", "repeats",
-    "threads", "device", "torch", "transformers", "machine", "note",
+    "threads", "device", "torch", "transformers", "machine", "cpu_model", "cpu_flags", "cpu_paths", "note",
 ]
 
 
@@ -199,8 +199,12 @@ class Table:
         import transformers
 
         self.rows: list[dict] = []
+        from lab.models.probes import cpu_info
+
+        info = cpu_info()
         self.common = dict(run=run, device=device, torch=torch.__version__, transformers=transformers.__version__,
-                           machine=f"{platform.machine()} {os.cpu_count()} cpus", threads=torch.get_num_threads())
+                           machine=f"{platform.machine()} {os.cpu_count()} cpus", threads=torch.get_num_threads(),
+                           cpu_model=info["cpu_model"], cpu_flags=info["cpu_flags"])
 
     def add(self, section: str, system: str, metric: str, value=None, *, secs: list[float] | None = None,
             tokens: int | None = None, cpu: list[float] | None = None, **kw) -> dict:
@@ -317,6 +321,7 @@ def bench_throughput(args, path: str, table: Table) -> None:
             e_secs, e_cpu, e_out = res["engine"]
             table.add("throughput", "engine", "time", secs=e_secs, cpu=e_cpu, tokens=eng.stats.tokens, unit="s",
                       setting=f"max_batch_tokens={eng.knobs['max_batch_tokens']}", **common,
+                      cpu_paths=";".join(f"{k}={v}" for k, v in eng.cpu_paths.items()),
                       note=f"{eng.stats.batches} batches, padded {eng.stats.padded_tokens}")
             best = None
             for bs in args.batch_sizes:

@@ -9,7 +9,9 @@ and its FLOPs per token) each reaches.
     python -m evals.bench_embed                     # full run: ~10 min on 2 cores
     python -m evals.bench_embed --repeats 2 --scifact-docs 300     # quicker
 
-Writes evals/results/bench_embed.csv (tidy rows) and evals/results/bench_embed.png.
+Writes evals/results/bench_embed.csv (tidy rows, with the CPU model, its flags and the engine's probed CPU fast paths
+``cpu_paths``) and evals/results/bench_embed.png. ``baseline_slowdown``: the baseline's interleaved median over its
+median timed alone before the engine ran on those texts (near 1: the engine did not slow the baseline down).
 """
 
 from __future__ import annotations
@@ -44,20 +46,31 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
     from lab import Engine
     from lab.bench import SentenceTransformerBaseline, gemm_roofline
 
+    from lab.models.probes import cpu_info
+
+    machine = cpu_info()
     rows = []
     for dtype in dtypes:
-        eng = Engine(model, dtype=dtype)
         base = SentenceTransformerBaseline(model, dtype=dtype)
+        eng = Engine(model, dtype=dtype)  # probes its CPU fast paths at load (eng.cpu_paths)
+        paths = ";".join(f"{k}={v}" for k, v in eng.cpu_paths.items())
         cfg = eng.spec.config
         roof = gemm_roofline(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
                              dtype=getattr(torch, dtype))
         for corpus in corpora:
             texts = load_corpus(corpus, scifact_docs)
-            a, b = eng.embed(texts), base(texts)  # warm-up, and the parity check
+            b = base(texts)  # warm-up; then the baseline alone, before the engine runs on these texts
+            alone = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                base(texts)
+                alone.append(time.perf_counter() - t0)
+            a = eng.embed(texts)  # warm-up, and the parity check
             cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
             times = {"engine": [], "sentence-transformers": []}
+            systems = (("engine", lambda t=texts: eng.embed(t)), ("sentence-transformers", lambda t=texts: base(t)))
             for _ in range(repeats):
-                for name, fn in (("engine", lambda: eng.embed(texts)), ("sentence-transformers", lambda: base(texts))):
+                for name, fn in systems:
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
@@ -65,18 +78,22 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
             assert real == eng.stats.tokens, (real, eng.stats.tokens)  # identical tokens on both sides
             for name, secs in times.items():
                 med = statistics.median(secs)
-                rows.append(dict(
-                    corpus=corpus, dtype=dtype, system=name, texts=len(texts), tokens=real,
-                    padded_tokens=eng.stats.padded_tokens if name == "engine" else padded,
-                    seconds_median=med, seconds_min=min(secs), seconds_max=max(secs), repeats=repeats,
-                    tokens_per_s=real / med, min_cosine=float(cos.min()),
-                    gemm_gflops=roof["gemm_gflops"], roofline_tokens_per_s=roof["roofline_tokens_per_s"],
-                    roofline_fraction=real / med / roof["roofline_tokens_per_s"], threads=torch.get_num_threads(),
-                ))
+                rows.append({
+                    "corpus": corpus, "dtype": dtype, "system": name, "texts": len(texts), "tokens": real,
+                    "padded_tokens": eng.stats.padded_tokens if name == "engine" else padded,
+                    "seconds_median": med, "seconds_min": min(secs), "seconds_max": max(secs), "repeats": repeats,
+                    "tokens_per_s": real / med, "min_cosine": float(cos.min()),
+                    "gemm_gflops": roof["gemm_gflops"], "roofline_tokens_per_s": roof["roofline_tokens_per_s"],
+                    "roofline_fraction": real / med / roof["roofline_tokens_per_s"], "threads": torch.get_num_threads(),
+                    # the baseline timed alone before the engine ran: > 1 here means the engine slowed it down
+                    "baseline_slowdown": med / statistics.median(alone) if name != "engine" else None,
+                    "cpu_paths": paths if name == "engine" else None, **machine,
+                })
             print(f"{corpus:13s} {dtype:9s} engine {rows[-2]['tokens_per_s']:8,.0f} tok/s  "
                   f"sentence-transformers {rows[-1]['tokens_per_s']:8,.0f} tok/s  "
                   f"ratio {rows[-2]['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f}  min cos {cos.min():.6f}  "
-                  f"roofline {rows[-2]['roofline_fraction']:.0%} / {rows[-1]['roofline_fraction']:.0%}", flush=True)
+                  f"roofline {rows[-2]['roofline_fraction']:.0%} / {rows[-1]['roofline_fraction']:.0%}  "
+                  f"baseline after/alone {rows[-1]['baseline_slowdown']:.3f}  [{paths}]", flush=True)
     df = pd.DataFrame(rows)
     st = df[df.system == "sentence-transformers"].set_index(["corpus", "dtype"])["tokens_per_s"]
     df["ratio_vs_sentence_transformers"] = [r.tokens_per_s / st[(r.corpus, r.dtype)] for r in df.itertuples()]
@@ -107,7 +124,7 @@ def plot(df: pd.DataFrame):
                   label="GEMM roofline" if i == 0 else None)
     ax.set_xticks(range(len(groups)), [f"{c}\n{d}" for (c, d), _ in groups])
     ax.set_ylabel("tokens / s (median)")
-    ax.set_title(f"all-MiniLM-L6-v2 on CPU ({torch.get_num_threads()} threads): Engine vs sentence-transformers")
+    ax.set_title(f"all-MiniLM-L6-v2 on {df.cpu_model.iloc[0]} ({torch.get_num_threads()} threads)", fontsize=9)
     ax.set_ylim(0, 1.1 * max((df.tokens / df.seconds_min).max(), df.roofline_tokens_per_s.max()))
     ax.legend(loc="upper center", fontsize=8, ncol=3, bbox_to_anchor=(0.5, -0.18))
     fig.tight_layout()
@@ -134,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     df.to_csv(out / "bench_embed.csv", index=False)
     plot(df).savefig(out / "bench_embed.png", dpi=120)
     cols = ["corpus", "dtype", "system", "tokens_per_s", "ratio_vs_sentence_transformers", "roofline_fraction",
-            "min_cosine"]
+            "min_cosine", "baseline_slowdown"]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
 
 

@@ -130,6 +130,7 @@ class Engine:
         self._check_layer(self._knobs)
         self.stats = Stats()
         self._backend = resolve_backend(self._knobs.attention_backend, self.device)
+        self.runner.plan_cpu_paths(self.runner.cpu_workers(self._knobs.cpu_workers, self._backend))
 
     # ----------------------------------------------------------------------------------------------- loading
     def _build_model(self):
@@ -162,8 +163,15 @@ class Engine:
             "attention_backend": self._backend, "chunked_prefill": k.chunked_prefill, "instruction": k.instruction,
             "include_instruction": self.include_instruction, "append_eos": self.append_eos,
             "cpu_workers": self.runner.cpu_workers(k.cpu_workers, self._backend), "layer": self.layer,
-            "adapters": self.adapter_names,
+            "adapters": self.adapter_names, "cpu_paths": self.cpu_paths,
         }
+
+    @property
+    def cpu_paths(self) -> dict[str, str]:
+        """The CPU fast paths in force, decided by short probes on this machine (``lab.models.probes``): name ->
+        choice, e.g. ``{"bf16_gemm": "native", "bert_qkv": "stacked", "bert_ffn": "fused"}``; ``{}`` off the CPU.
+        ``lab.models.probes.decisions()`` has the timings behind them; ``LAB_CPU_<NAME>`` forces one."""
+        return {d.name: d.choice for d in self.runner.decisions}
 
     @property
     def adapter_names(self) -> list[str]:
@@ -207,8 +215,12 @@ class Engine:
         if adapters is not None:
             self.runner.set_merged(merged)
             self._adapters = adapters
+        replan = dtype != self.runner.dtype or (self.runner.cpu_workers(new.cpu_workers, backend)
+                                                != self.runner.cpu_workers(self._knobs.cpu_workers, self._backend))
         self.runner.set_dtype(dtype)
         self._knobs, self._backend = new, backend
+        if replan:
+            self.runner.plan_cpu_paths(self.runner.cpu_workers(new.cpu_workers, backend))
         return self
 
     def _check_causal_support(self, k: Knobs) -> None:

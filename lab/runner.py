@@ -28,6 +28,8 @@ from lab.batch import OutputRows, PackedBatch
 from lab.call import Stats
 from lab.inputs import Request
 from lab.models.base import PackedModel
+from lab.models.fused import set_bf16_gemm
+from lab.models.probes import Decision, decide
 from lab.scheduler import split_for_workers
 
 T = TypeVar("T")
@@ -42,6 +44,7 @@ class Runner:
         # float32 copies of the parameters LoRA adapters changed (``set_merged``); the live weights cast these
         self._merged: dict[str, torch.Tensor] = {}
         self.dtype = None
+        self.decisions: list[Decision] = []  # the CPU fast-path choices in force (``plan_cpu_paths``)
         self.set_dtype(dtype)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_shape: tuple[int, int] = (0, 0)
@@ -78,6 +81,24 @@ class Runner:
             for name, t in live.items():
                 params[name].data = t
         self._merged = dict(merged)
+
+    def plan_cpu_paths(self, workers: int) -> list[Decision]:
+        """Decide the model's CPU fast paths for the current dtype by probing (``lab.models.probes``; cached per
+        process and shape class), timed with one worker's share of the intra-op threads; sets ``model.plan`` and
+        the process's bfloat16 GEMM mode. Off the CPU (or for the padded fallback) there is nothing to decide."""
+        self.model.plan.clear()
+        self.decisions = []
+        if self.device.type != "cpu" or not self.model.packed:
+            return self.decisions
+        threads = max(1, torch.get_num_threads() // max(1, workers))
+        probes = self.model.cpu_probes(self.dtype, threads)
+        for probe in probes:  # each choice is in the plan before the next probe runs
+            d = decide(probe)
+            if d.name == "bf16_gemm":
+                set_bf16_gemm(d.choice)
+            self.model.plan[d.name] = d.choice
+            self.decisions.append(d)
+        return self.decisions
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, num_layers: int | None = None,

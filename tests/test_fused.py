@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,13 +24,13 @@ def test_fusable_only_for_cpu_float32_bfloat16_and_known_activations():
     assert not fusable(torch.zeros(2, 2), "unknown_act")
 
 
-@pytest.mark.parametrize("widen", [False, True])
-def test_bfloat16_linear_is_bfloat16_gemm_arithmetic(monkeypatch, widen):
+@pytest.mark.parametrize("mode", ["native", "widened"])
+def test_bfloat16_linear_is_bfloat16_gemm_arithmetic(monkeypatch, mode):
     """A float32 GEMM over bfloat16 values (exact products, float32 sums) rounded once to bfloat16: within one
     bfloat16 rounding of the float64 product, like oneDNN's native bfloat16 GEMM; dtype stays bfloat16."""
     from lab.models import fused
 
-    monkeypatch.setattr(fused, "BF16_GEMM_IN_FP32", widen)
+    monkeypatch.setitem(fused._BF16, "mode", mode)
     x, w, b = torch.randn(33, 48).bfloat16(), (torch.randn(20, 48) * 0.2).bfloat16(), torch.randn(20).bfloat16()
     want = F.linear(x.double(), w.double(), b.double())
     got = fused.linear(x, w, b)
@@ -47,13 +48,61 @@ def test_bfloat16_linear_is_bfloat16_gemm_arithmetic(monkeypatch, widen):
 def test_bfloat16_gemm_mode_is_validated(monkeypatch):
     from lab.models import fused
 
-    monkeypatch.setenv("LAB_CPU_BF16_GEMM", "fp32")
-    assert fused._bf16_gemm_in_fp32() is True
-    monkeypatch.setenv("LAB_CPU_BF16_GEMM", "native")
-    assert fused._bf16_gemm_in_fp32() is False
-    monkeypatch.setenv("LAB_CPU_BF16_GEMM", "fast")
-    with pytest.raises(ValueError, match="valid: auto, native, fp32"):
-        fused._bf16_gemm_in_fp32()
+    monkeypatch.setitem(fused._BF16, "mode", "native")
+    fused.set_bf16_gemm("widened")
+    assert fused.bf16_gemm() == "widened"
+    with pytest.raises(ValueError, match="valid: native, widened"):
+        fused.set_bf16_gemm("fp32")
+
+
+def test_widened_weight_is_made_once_per_dtype_switch(monkeypatch):
+    """Widened bfloat16 GEMMs read one float32 copy of each weight (views share it), made again only when the
+    parameter's data changes (a dtype switch or adapter merge replaces ``.data``), never once per call."""
+    from lab.models import fused
+
+    monkeypatch.setitem(fused._BF16, "mode", "widened")
+    layer = fused.Linear(48, 20).bfloat16()
+    x = torch.randn(5, 48).bfloat16()
+    first = fused.wide_weight(layer.weight)
+    assert first.dtype == torch.float32 and torch.equal(first, layer.weight.float())
+    with torch.inference_mode():
+        layer(x)
+        assert fused.wide_weight(layer.weight).data_ptr() == first.data_ptr()  # the same copy, not a new one
+        rows = layer.weight[4:9]  # a row block (as q/k/v slices are) reads the same copy
+        assert fused.wide_weight(rows).data_ptr() == first[4:9].data_ptr()
+        torch.testing.assert_close(fused.wide_weight(rows), rows.float(), rtol=0, atol=0)
+    layer.weight.data = (layer.weight.float() * 2).bfloat16()  # what Runner.set_dtype / set_merged do
+    again = fused.wide_weight(layer.weight)
+    assert again.data_ptr() != first.data_ptr() and torch.equal(again, layer.weight.float())
+
+
+def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
+    """The engine's CPU fast paths come from probes on this machine (reported in ``resolved``), per dtype, and
+    ``LAB_CPU_<NAME>`` forces one without changing a single output."""
+    from lab import Engine
+    from lab.models import probes
+
+    eng = Engine(minilm_path)
+    paths = eng.resolved["cpu_paths"]
+    assert set(paths) == {"bert_qkv", "bert_ffn"} and paths["bert_qkv"] in ("split", "stacked")
+    made = {(d.name, d.key): d for d in probes.decisions()}
+    assert all(made[(d.name, d.key)].source == "probe" and len(d.seconds) == 2 for d in eng.runner.decisions)
+    base = eng.embed(["a probe", "another text, longer than the first one"])
+    eng.configure(dtype="bfloat16")
+    assert set(eng.cpu_paths) == {"bf16_gemm", "bert_qkv", "bert_ffn"}
+    assert eng.cpu_paths["bf16_gemm"] in ("native", "widened")
+    eng.configure(dtype="float32")
+    other = "stacked" if paths["bert_qkv"] == "split" else "split"
+    monkeypatch.setenv("LAB_CPU_BERT_QKV", other)
+    monkeypatch.setattr(probes, "_DECIDED", {})
+    forced = Engine(minilm_path)
+    assert forced.cpu_paths["bert_qkv"] == other and forced.runner.decisions[0].source == "env"
+    np.testing.assert_allclose(forced.embed(["a probe", "another text, longer than the first one"]), base,
+                               atol=2e-6)
+    monkeypatch.setenv("LAB_CPU_BERT_QKV", "sideways")
+    monkeypatch.setattr(probes, "_DECIDED", {})
+    with pytest.raises(ValueError, match="LAB_CPU_BERT_QKV='sideways'.*valid: split, stacked or auto|valid"):
+        Engine(minilm_path)
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))

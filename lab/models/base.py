@@ -24,10 +24,13 @@ executor then never sends it down the KV path. Adding a family: subclass ``Packe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from lab.batch import AttnMeta, OutputRows
+from lab.models.probes import Probe
 
 
 class PackedModel(nn.Module):
@@ -48,6 +51,15 @@ class PackedModel(nn.Module):
         super().__init__()
         # an instance attribute, not a class one: a class attribute would shadow the submodule once one is set
         self.classifier = None
+        # CPU fast-path choices (name -> candidate) decided by ``cpu_probes`` on this machine for the current dtype
+        # (``lab.models.probes``; set by the runner). Empty: each family's defaults (and always off the CPU).
+        self.plan: dict[str, str] = {}
+
+    def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
+        """The CPU fast-path choices of this family at ``dtype``, as probes over its own shapes and weights, each
+        timed with ``threads`` intra-op threads (one CPU worker's share). A generator: the runner puts each
+        decision into ``plan`` before asking for the next probe, so later probes run with earlier choices."""
+        return iter(())
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,

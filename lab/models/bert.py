@@ -10,12 +10,15 @@ requests were batched. Query/key/value projections are fused into one GEMM at lo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from lab.attention import attention, ops
 from lab.batch import AttnMeta, OutputRows
 from lab.models.base import PackedModel
+from lab.models.probes import Probe, bf16_gemm_probe
 from lab.models.fused import (
     ACTIVATIONS,
     Linear,
@@ -26,19 +29,27 @@ from lab.models.fused import (
     row_blocks,
 )
 
-# Tokens per FFN block on the CPU float32 path (``BertLayer.forward``): 512-2048 measured alike, 256 3 % slower.
+# Tokens per FFN block on the CPU row-blocked path (``BertLayer._ffn``): 512-2048 measured alike, 256 3 % slower.
 FFN_ROWS = 1024
+PROBE_ROWS = 512  # tokens per probe step (``BertModel.cpu_probes``): one worker's GEMMs, a few ms each
 
 
-def _narrow_gemms(x: torch.Tensor) -> bool:
-    """The CPU float32 path of ``BertLayer.forward`` (split q/k/v GEMMs, row-blocked FFN) applies to ``x``."""
-    return x.device.type == "cpu" and x.dtype == torch.float32
+def _cpu_default(x: torch.Tensor, name: str, plan: dict[str, str]) -> str:
+    """The plan's choice for ``name`` on CPU; without a probe, CPU float32 takes the narrow paths (``split``,
+    ``blocks``) and everything else the stacked / fused ones."""
+    if x.device.type != "cpu":
+        return "stacked" if name == "bert_qkv" else "fused"
+    narrow = "split" if name == "bert_qkv" else "blocks"
+    wide = "stacked" if name == "bert_qkv" else "fused"
+    return plan.get(name) or (narrow if x.dtype == torch.float32 else wide)
 
 
 class BertLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, index: int):
+    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, index: int,
+                 plan: dict[str, str]):
         super().__init__()
         self.heads, self.head_dim, self.eps, self.index = heads, hidden // heads, eps, index
+        self.plan = plan  # the model's CPU fast-path choices (shared dict, ``PackedModel.plan``)
         self.qkv = Linear(hidden, 3 * hidden)  # fused query/key/value
         self.attn_out = Linear(hidden, hidden)
         self.attn_norm = nn.LayerNorm(hidden, eps=eps)
@@ -50,15 +61,15 @@ class BertLayer(nn.Module):
         self.act_inplace = activation_inplace(act)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        """CUDA and bfloat16: one fused q/k/v GEMM, and the FFN's activation in the up-projection's epilogue.
-
-        CPU float32: three q/k/v GEMMs over row slices of the stacked weight (no copies), and the FFN in row blocks
-        of ``FFN_ROWS`` tokens with the activation in place. A GEMM with K = 384 ran at ~140 GFLOP/s per core for
-        N = 384 but ~105 for N = 1152 / 1536 (MiniLM; single-threaded, as ``lab.runner``'s CPU workers run), and
-        the oneDNN GELU epilogue at ~80; together 1.12x end to end on SciFact (1.08x with the workers).
+        """q/k/v as one stacked GEMM or three (``bert_qkv``: ``stacked`` / ``split``, row slices of the stacked
+        weight, no copies), and the FFN with its activation in the up-projection's oneDNN epilogue or in row blocks of
+        ``FFN_ROWS`` tokens with the activation in place (``bert_ffn``: ``fused`` / ``blocks``). On CPU a probe
+        picks each (``cpu_probes``): on one 2-core AVX-512 machine a float32 GEMM with K = 384 ran at ~140 GFLOP/s per
+        core for N = 384 but ~105 for N = 1152 / 1536 and the GELU epilogue at ~80, so float32 took the narrow paths
+        (1.12x end to end on SciFact); CUDA runs the stacked / fused ones.
         """
         t, k = x.shape[0], ops(meta)
-        if _narrow_gemms(x):
+        if _cpu_default(x, "bert_qkv", self.plan) == "split":
             n, w, b = self.heads * self.head_dim, self.qkv.weight, self.qkv.bias
             q, key, v = (linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n]).view(t, self.heads, -1)
                          for j in range(3))
@@ -69,7 +80,7 @@ class BertLayer(nn.Module):
         return k.add_layer_norm(self._ffn(x), x, self.out_norm.weight, self.out_norm.bias, self.eps)
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
-        if _narrow_gemms(x):
+        if _cpu_default(x, "bert_ffn", self.plan) == "blocks":
             return row_blocks(x, self.down.weight, self.down.bias, FFN_ROWS,
                               lambda rows: self.act_inplace(linear(rows, self.up.weight, self.up.bias)))
         return self.down(linear_act(x, self.up.weight, self.up.bias, self.act_name, self.act))
@@ -105,7 +116,8 @@ class BertModel(PackedModel):
         self.token_type_embeddings = nn.Embedding(max(self.type_vocab_size, 1), hidden)
         self.emb_norm = nn.LayerNorm(hidden, eps=self.eps)
         self.layers = nn.ModuleList(
-            BertLayer(hidden, heads, config["intermediate_size"], self.eps, act, i) for i in range(self.num_layers)
+            BertLayer(hidden, heads, config["intermediate_size"], self.eps, act, i, self.plan)
+            for i in range(self.num_layers)
         )
 
     @classmethod
@@ -133,6 +145,32 @@ class BertModel(PackedModel):
         for i in layers:
             x = self.layers[i](x, meta)
         return x, None
+
+    def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
+        """bfloat16: native vs widened GEMMs (at the FFN's up-projection); every dtype: q/k/v split vs stacked and
+        the FFN in row blocks vs with a fused epilogue (``BertLayer.forward``), on layer 0's weights."""
+        layer, t = self.layers[0], PROBE_ROWS
+        x = torch.randn(t, self.hidden_size, dtype=dtype)
+        if dtype == torch.bfloat16:
+            yield bf16_gemm_probe(x, layer.up.weight, layer.up.bias, threads)
+        qkv = {c: (lambda c=c: self._probe_qkv(layer, x, c)) for c in ("split", "stacked")}
+        ffn = {c: (lambda c=c: self._probe_ffn(layer, x, c)) for c in ("blocks", "fused")}
+        narrow = dtype == torch.float32  # the default (the first candidate): the narrow paths in float32
+        yield Probe("bert_qkv", (str(dtype), self.hidden_size), _ordered(qkv, "split" if narrow else "stacked"),
+                    threads)
+        yield Probe("bert_ffn", (str(dtype), self.hidden_size, layer.up.weight.shape[0]),
+                    _ordered(ffn, "blocks" if narrow else "fused"), threads)
+
+    def _probe_qkv(self, layer: BertLayer, x: torch.Tensor, choice: str):
+        self.plan["bert_qkv"] = choice
+        w, b, n = layer.qkv.weight, layer.qkv.bias, self.hidden_size
+        if choice == "split":
+            return [linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n]) for j in range(3)]
+        return layer.qkv(x)
+
+    def _probe_ffn(self, layer: BertLayer, x: torch.Tensor, choice: str):
+        self.plan["bert_ffn"] = choice
+        return layer._ffn(x)
 
     # ------------------------------------------------------------------------------------------------ loading
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -197,6 +235,11 @@ class BertModel(PackedModel):
     def hf_module_name(name: str) -> str:
         """A transformers module name with the checkpoint / PEFT prefixes ``load_hf_state_dict`` accepts removed."""
         return next(iter(_strip_prefix({name: None}, _HF_PREFIXES)))
+
+
+def _ordered(candidates: dict, first: str) -> dict:
+    """``candidates`` with ``first`` (the default) first."""
+    return {first: candidates[first], **{k: v for k, v in candidates.items() if k != first}}
 
 
 _HF_PREFIXES = ("bert.", "roberta.", "xlm-roberta.", "model.", "encoder_model.")

@@ -14,6 +14,7 @@ flat tokens ``(T,)``, their positions and an ``AttnMeta``; q/k/v and gate/up pro
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from lab.attention import attention, ops
 from lab.batch import AttnMeta, OutputRows
 from lab.kernels.reference import rotary_cos_sin
 from lab.models.base import PackedModel
+from lab.models.probes import Probe, bf16_gemm_probe
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.rope import RopeSpec, rope_from_config
 
@@ -37,6 +39,7 @@ ARCHITECTURES = tuple(
 # caches between the GEMMs and the gating; 4096-row blocks measured 1.07-1.15x faster end to end in float32
 # (bfloat16 unchanged; measured with the stacked gate/up GEMM, kept with the split one).
 MLP_ROWS = 4096
+PROBE_ROWS = 512  # tokens per probe step (``DecoderModel.cpu_probes``): one worker's GEMMs, a few ms each
 
 @dataclass
 class DecoderArgs:
@@ -112,8 +115,9 @@ def _sliding_window(c: dict, mt: str) -> int | None:
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the residual adds live in the norms."""
 
-    def __init__(self, a: DecoderArgs, index: int):
+    def __init__(self, a: DecoderArgs, index: int, plan: dict[str, str]):
         super().__init__()
+        self.plan = plan  # the model's CPU fast-path choices (shared dict, ``PackedModel.plan``)
         self.index, self.eps = index, a.rms_norm_eps
         self.hq, self.hkv, self.d = a.num_heads, a.num_kv_heads, a.head_dim
         self.ln_attn = nn.Parameter(torch.empty(a.hidden_size))
@@ -171,14 +175,15 @@ class DecoderLayer(nn.Module):
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         """``down(act(gate(h)) * up(h))``.
 
-        CUDA: one GEMM over the stacked gate/up weight. CPU: separate gate and up GEMMs (row slices of that weight,
-        no copies), in row blocks of ``MLP_ROWS`` tokens, activation and gating in place and the down projection
-        written into the output. MKL's float32 GEMM at K = 576 measured ~290 GFLOP/s for N <= 1536 output columns
-        but ~212 at N = 3072 (SmolLM2's stacked 2 x 1536; a 7 MB weight panel, past the 2 MB L2), and the whole
-        FFN ran 1.04-1.07x faster this way (interleaved microbenchmark, 10k tokens).
+        ``stacked`` (CUDA): one GEMM over the stacked gate/up weight. ``blocks`` (the CPU default): separate gate and
+        up GEMMs (row slices of that weight, no copies), in row blocks of ``MLP_ROWS`` tokens, activation and gating
+        in place and the down projection written into the output. On CPU a probe picks one (``decoder_mlp``,
+        ``DecoderModel.cpu_probes``): on one 2-core AVX-512 machine MKL's float32 GEMM at K = 576 measured ~290
+        GFLOP/s for N <= 1536 output columns but ~212 at N = 3072 (SmolLM2's stacked 2 x 1536), and the whole FFN ran
+        1.04-1.07x faster in blocks.
         """
         i = self.inter
-        if h.device.type != "cpu":
+        if h.device.type != "cpu" or self.plan.get("decoder_mlp") == "stacked":
             gu = self.gate_up(h)  # (T, 2 I)
             return self.down(self.act(gu[:, :i]).mul_(gu[:, i:]))
         w, b = self.gate_up.weight, self.gate_up.bias
@@ -210,7 +215,7 @@ class DecoderModel(PackedModel):
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # float32 per device; kept out of .to(dtype)
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
+            self.layers = nn.ModuleList(DecoderLayer(a, i, self.plan) for i in range(a.num_layers))
             self.norm = nn.Parameter(torch.empty(a.hidden_size))
             self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
 
@@ -235,6 +240,23 @@ class DecoderModel(PackedModel):
         for i in layers:
             x, residual = self.layers[i](x, residual, cos, sin, meta, output_rows if i == last else None)
         return x, residual
+
+    def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
+        """bfloat16: native vs widened GEMMs (at the gate/up projection's shape); every dtype: the MLP in row blocks
+        with split gate/up GEMMs vs one stacked GEMM (``DecoderLayer._mlp``), on layer 0's weights."""
+        layer = self.layers[0]
+        x = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype)
+        if dtype == torch.bfloat16:
+            gate = layer.gate_up.weight[: layer.inter]
+            yield bf16_gemm_probe(x, gate, None if layer.gate_up.bias is None else layer.gate_up.bias[: layer.inter],
+                                  threads)
+
+        def mlp(choice: str):
+            self.plan["decoder_mlp"] = choice
+            return layer._mlp(x)
+
+        yield Probe("decoder_mlp", (str(dtype), self.hidden_size, layer.inter),
+                    {"blocks": lambda: mlp("blocks"), "stacked": lambda: mlp("stacked")}, threads)
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMeta, *, last: bool) -> torch.Tensor:
         """The final RMSNorm after the last block (transformers' ``last_hidden_state``); below it, the residual

@@ -1,11 +1,12 @@
-"""CPU fast paths for the models' GEMMs: bfloat16 GEMMs at float32 speed, and activations fused into the epilogue.
+"""CPU fast paths for the models' GEMMs: bfloat16 GEMMs native or widened, and activations fused into the epilogue.
 
-**bfloat16 on CPUs without AMX.** There, oneDNN's bfloat16 GEMMs (AVX512-BF16 dot products, or emulation on older
-CPUs) run at ~0.65x the float32 GEMM rate (measured 140-160 vs 170-265 GFLOP/s at the models' shapes on this
-project's 2-core AVX-512 machine). The product of two bfloat16 numbers is exact in float32, so a float32 GEMM over
-the bfloat16 values, with the result rounded to bfloat16, does the arithmetic of a bfloat16 GEMM (exact products,
-float32 accumulation) at float32 speed. Inputs, weights and outputs stay bfloat16; only the GEMM runs wider.
-``LAB_CPU_BF16_GEMM=native`` turns this off (``fp32`` forces it; default ``auto``: on unless the CPU has AMX).
+**bfloat16 GEMMs, native or widened, decided by a probe** (``lab.models.probes``). oneDNN's native bfloat16 GEMMs
+run at ~0.65x the float32 rate on some AVX-512 CPUs without AMX and at ~3x on others (AVX512-BF16). The product of
+two bfloat16 numbers is exact in float32, so a float32 GEMM over the bfloat16 values, with the result rounded to
+bfloat16, does the arithmetic of a bfloat16 GEMM (exact products, float32 accumulation): the "widened" path. Which
+one runs is decided per process by timing both at the model's shapes (``set_bf16_gemm``); widened GEMMs read one
+float32 copy of each weight, made once per dtype switch (kept on the parameter, dropped when its data changes),
+never one per call. ``LAB_CPU_BF16_GEMM=native`` / ``widened`` forces the choice.
 
 **Fused activation.**
 
@@ -25,8 +26,7 @@ writes straight into the output.
 
 from __future__ import annotations
 
-import os
-import sys
+import threading
 from collections.abc import Callable
 
 import torch
@@ -77,41 +77,56 @@ def _has_linear_pointwise() -> bool:
         return False
 
 
-def _cpu_has_amx() -> bool:
-    if not sys.platform.startswith("linux"):
-        return True  # unknown: keep oneDNN's native bfloat16 kernels
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return any("amx_bf16" in line for line in f if line.startswith("flags"))
-    except OSError:
-        return True
-
-
-def _bf16_gemm_in_fp32() -> bool:
-    mode = os.environ.get("LAB_CPU_BF16_GEMM", "auto")
-    if mode not in ("auto", "native", "fp32"):
-        raise ValueError(f"LAB_CPU_BF16_GEMM={mode!r}; valid: auto, native, fp32")
-    return mode == "fp32" or (mode == "auto" and not _cpu_has_amx())
-
-
 _FUSED_CPU = _has_linear_pointwise()
-BF16_GEMM_IN_FP32 = _bf16_gemm_in_fp32()
+BF16_GEMM_MODES = ("native", "widened")
+_BF16 = {"mode": "native"}  # process-wide, set from the probe (lab.runner) or LAB_CPU_BF16_GEMM
+_WIDE_LOCK = threading.Lock()
+
+
+def set_bf16_gemm(mode: str) -> None:
+    """Run CPU bfloat16 GEMMs ``native`` (oneDNN's bfloat16 kernels) or ``widened`` (float32 GEMMs over the
+    bfloat16 values)."""
+    if mode not in BF16_GEMM_MODES:
+        raise ValueError(f"bfloat16 GEMM mode {mode!r}; valid: {', '.join(BF16_GEMM_MODES)}")
+    _BF16["mode"] = mode
+
+
+def bf16_gemm() -> str:
+    return _BF16["mode"]
 
 
 def _widen(x: torch.Tensor) -> bool:
-    return BF16_GEMM_IN_FP32 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+    return _BF16["mode"] == "widened" and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+def wide_weight(w: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of bfloat16 weight ``w`` (a parameter, or a view of one such as a row block), made once and
+    kept on the parameter until its data changes (a dtype switch or an adapter merge replaces ``.data``)."""
+    base = w if w._base is None else w._base
+    entry = getattr(base, "_lab_wide", None)
+    if entry is None or entry[0].data_ptr() != base.data_ptr() or entry[1] != base._version:
+        with _WIDE_LOCK:  # CPU workers may ask at once; one copy
+            entry = getattr(base, "_lab_wide", None)
+            if entry is None or entry[0].data_ptr() != base.data_ptr() or entry[1] != base._version:
+                held = base.detach()  # keeps the source's memory alive, so its address cannot be reused
+                entry = (held, base._version, held.float())
+                base._lab_wide = entry
+    wide = entry[2]
+    if w is base:
+        return wide
+    return wide.as_strided(w.size(), w.stride(), w.storage_offset() - base.storage_offset())
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.float()
+    return None if t is None else wide_weight(t)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; bfloat16 on CPU without AMX runs as a float32 GEMM over the bfloat16 values (module doc).
+    """``F.linear``; CPU bfloat16 runs as a float32 GEMM over the bfloat16 values when the probe chose ``widened``.
     ``out``: a contiguous ``(T, N)`` tensor (a row block of a larger one) to write into, for 2-D ``x``."""
     if _widen(x):
-        y = F.linear(x.float(), weight.float(), _f32(bias))
+        y = F.linear(x.float(), wide_weight(weight), _f32(bias))
         return y.to(torch.bfloat16) if out is None else out.copy_(y)
     if out is None:
         return F.linear(x, weight, bias)
@@ -140,7 +155,8 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if fusable(x, act_name):
         kind, algorithm = _ONEDNN_ACT[act_name]
         if _widen(x):  # activation on the float32 accumulator, rounded once (as oneDNN's bfloat16 epilogue does)
-            out = torch.ops.mkldnn._linear_pointwise(x.float(), weight.float(), _f32(bias), kind, [], algorithm)
+            out = torch.ops.mkldnn._linear_pointwise(x.float(), wide_weight(weight), _f32(bias), kind, [],
+                                                     algorithm)
             return out.to(torch.bfloat16)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, kind, [], algorithm)
     return act(linear(x, weight, bias))

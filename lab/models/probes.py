@@ -1,0 +1,136 @@
+"""CPU fast paths chosen by measurement on the running machine, not by CPU flags.
+
+Machines of one kind differ: oneDNN's native bfloat16 GEMMs run at ~0.65x the float32 rate on one AVX-512 CPU and
+~3x on another (AVX512-BF16, no AMX, both). So every CPU fast-path choice a model family makes (its
+``cpu_probes``, read back from ``model.plan``) is decided by a short probe: the candidate implementations of that
+step run on random tensors of the model's shapes, interleaved, in the thread layout the engine runs them in (one
+intra-op thread per CPU worker), and the fastest wins (the first candidate, the default, unless another is at least ``MARGIN`` faster). A decision is
+made once per process and shape class and cached; ``LAB_CPU_<NAME>=<candidate>`` overrides it (for example
+``LAB_CPU_BF16_GEMM=widened``). ``decisions()`` lists what was decided, how, and the timings; ``Engine.resolved``
+(``cpu_paths``) and the benchmark CSVs report the choices with the CPU model and flags (``cpu_info()``).
+
+    >>> d = decide(Probe("bf16_gemm", key, {"native": f, "widened": g}))      # Decision(choice="native", ...)
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+MARGIN = 1.03  # another candidate must be this much faster than the default to replace it
+REPEATS = 5  # interleaved timings per candidate (median)
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "avx_vnni", "fma")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One choice: ``candidates`` (name -> a zero-argument callable running that implementation once on prepared
+    inputs; the first is the default) for the step ``name`` at shape class ``key`` (a tuple of ints / strings)."""
+
+    name: str
+    key: tuple
+    candidates: dict[str, Callable[[], object]]
+    threads: int = 1  # intra-op threads the step runs with (one CPU worker's share)
+
+
+@dataclass
+class Decision:
+    name: str
+    key: tuple
+    choice: str
+    source: str  # "probe" | "env" (LAB_CPU_<NAME>)
+    seconds: dict[str, float] = field(default_factory=dict)  # median per candidate (probe only)
+
+    def __str__(self) -> str:
+        timing = ", ".join(f"{c} {s * 1e3:.2f} ms" for c, s in self.seconds.items())
+        return f"{self.name}{list(self.key)}: {self.choice} ({self.source}{'; ' + timing if timing else ''})"
+
+
+_DECIDED: dict[tuple[str, tuple], Decision] = {}
+_LOCK = threading.Lock()
+
+
+def env_name(name: str) -> str:
+    return f"LAB_CPU_{name.upper()}"
+
+
+def decide(probe: Probe) -> Decision:
+    """The cached decision for ``probe.name`` at ``probe.key``, probing now if there is none (``LAB_CPU_<NAME>``
+    forces a candidate; ``auto`` or unset probes)."""
+    k = (probe.name, probe.key)
+    with _LOCK:
+        if k in _DECIDED:
+            return _DECIDED[k]
+        forced = os.environ.get(env_name(probe.name), "auto")
+        if forced != "auto":
+            if forced not in probe.candidates:
+                raise ValueError(f"{env_name(probe.name)}={forced!r} is not a {probe.name} choice; valid: "
+                                 f"{', '.join(probe.candidates)} or auto")
+            d = Decision(probe.name, probe.key, forced, "env")
+        else:
+            d = _measure(probe)
+        _DECIDED[k] = d
+        return d
+
+
+def decisions() -> list[Decision]:
+    """Every decision this process made, in order."""
+    return list(_DECIDED.values())
+
+
+def _measure(probe: Probe) -> Decision:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, probe.threads))
+    try:
+        with torch.inference_mode():
+            for fn in probe.candidates.values():  # warm-up: first calls allocate and pick kernels
+                fn()
+            times: dict[str, list[float]] = {c: [] for c in probe.candidates}
+            for _ in range(REPEATS):  # interleaved, so drift hits every candidate alike
+                for c, fn in probe.candidates.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[c].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    med = {c: statistics.median(t) for c, t in times.items()}
+    default = next(iter(probe.candidates))
+    best = min(med, key=med.get)
+    choice = best if med[best] * MARGIN < med[default] else default
+    return Decision(probe.name, probe.key, choice, "probe", med)
+
+
+def cpu_info() -> dict[str, str]:
+    """The CPU model, its flags that matter for the fast paths, and torch's build / thread count."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_flags": " ".join(f for f in FLAGS if f in flags),
+            "torch": torch.__version__, "threads": str(torch.get_num_threads())}
+
+
+def bf16_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe:
+    """Native bfloat16 GEMM (the default) against the widened one (float32 GEMM over the bfloat16 values, with
+    the float32 weight made beforehand, as ``lab.models.fused.wide_weight`` keeps it) at one of a model's shapes."""
+    w32, b32 = weight.float(), None if bias is None else bias.float()
+    return Probe(
+        "bf16_gemm", ("bfloat16", x.shape[1], weight.shape[0]),
+        {"native": lambda: F.linear(x, weight, bias), "widened": lambda: F.linear(x.float(), w32, b32).bfloat16()},
+        threads,
+    )
