@@ -1,6 +1,7 @@
 """Benchmark: Engine.embed vs SentenceTransformer.encode on the same real texts, same process, same weights.
 
-Corpora: STSBenchmark test sentences (short) and SciFact abstracts (long; cut at all-MiniLM-L6-v2's 256 tokens).
+Corpora: STSBenchmark test sentences (short), SciFact abstracts (long; cut at all-MiniLM-L6-v2's 256 tokens), and
+``mixed``: 400 other STSBenchmark sentences and 260 other SciFact abstracts, shuffled.
 For each dtype the two systems run interleaved (engine, baseline, engine, ...) so drift hits both alike; the table
 keeps the median of ``--repeats`` runs, the tokens/s ratio, the minimum per-text cosine between the two systems'
 embeddings, and the share of the GEMM roofline (tokens/s implied by measured matmul FLOP/s at the model's shapes
@@ -39,7 +40,15 @@ def load_corpus(name: str, scifact_docs: int) -> list[str]:
     if name == "scifact":
         rows = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")[:scifact_docs]
         return [(r.get("title", "") + " " + r["text"]).strip() for r in rows]
-    raise ValueError(f"unknown corpus {name!r}; valid: stsbenchmark, scifact")
+    if name == "mixed":  # 660 texts: 400 short sentences and 260 long abstracts, shuffled (fixed seed)
+        import random
+
+        short = load_corpus("stsbenchmark", 0)[1000:1400]
+        docs = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")[2000:2260]
+        texts = short + [(r.get("title", "") + " " + r["text"]).strip() for r in docs]
+        random.Random(0).shuffle(texts)
+        return texts
+    raise ValueError(f"unknown corpus {name!r}; valid: stsbenchmark, scifact, mixed")
 
 
 def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact_docs: int) -> pd.DataFrame:
@@ -134,7 +143,7 @@ def plot(df: pd.DataFrame):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: bundled all-MiniLM-L6-v2)")
-    parser.add_argument("--corpora", nargs="+", default=["stsbenchmark", "scifact"])
+    parser.add_argument("--corpora", nargs="+", default=["stsbenchmark", "scifact", "mixed"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--scifact-docs", type=int, default=1000)

@@ -176,24 +176,15 @@ def test_pool_start_is_sentence_transformers_prompt_length(engines, st_models, p
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_prompt_pooled_by_default_matches_sentence_transformers(engines, st_models, prompt):
+@pytest.mark.parametrize("folder", ["original", "exclude_prompt"])
+def test_instruction_matches_sentence_transformers_prompt(engines, st_models, folder, prompt):
+    """The prompt pooled (the original's Pooling config) or not (``include_prompt: false``), as ST does."""
     texts = _texts()
-    ours = _engine(engines["original"], texts, prompt)
-    ref = _st(st_models["original"], texts, prompt)
-    _assert_close(ours, ref, f"original, prompt {prompt!r}")
-    if prompt.strip():  # not a tautology: the prompt changes the embeddings
-        assert cosine_rows(ref, _st(st_models["original"], texts, None)).min() < 0.999
-
-
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_include_prompt_false_matches_sentence_transformers(engines, st_models, prompt):
-    texts = _texts()
-    ours = _engine(engines["exclude_prompt"], texts, prompt)
-    ref = _st(st_models["exclude_prompt"], texts, prompt)
-    _assert_close(ours, ref, f"include_prompt=false, prompt {prompt!r}")
-    # not a tautology: excluding the prompt changes the embeddings (else the two configs could not be told apart)
-    pooled = _st(st_models["original"], texts, prompt)
-    assert cosine_rows(ref, pooled).min() < 0.999
+    ref = _st(st_models[folder], texts, prompt)
+    _assert_close(_engine(engines[folder], texts, prompt), ref, f"{folder}, prompt {prompt!r}")
+    # not a tautology: pooling the prompt or not changes the embeddings, so the two configs can be told apart
+    other = _st(st_models["exclude_prompt" if folder == "original" else "original"], texts, prompt)
+    assert cosine_rows(ref, other).min() < 0.999
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
