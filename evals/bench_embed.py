@@ -54,7 +54,6 @@ def load_corpus(name: str, scifact_docs: int) -> list[str]:
 def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact_docs: int) -> pd.DataFrame:
     from lab import Engine
     from lab.bench import SentenceTransformerBaseline, gemm_roofline
-
     from lab.models.probes import cpu_info
 
     machine = cpu_info()
@@ -77,7 +76,8 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
             a = eng.embed(texts)  # warm-up, and the parity check
             cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
             times = {"engine": [], "sentence-transformers": []}
-            systems = (("engine", lambda t=texts: eng.embed(t)), ("sentence-transformers", lambda t=texts: base(t)))
+            systems = (("engine", lambda t=texts, e=eng: e.embed(t)),
+                       ("sentence-transformers", lambda t=texts, b=base: b(t)))
             for _ in range(repeats):
                 for name, fn in systems:
                     t0 = time.perf_counter()

@@ -18,7 +18,6 @@ from torch import nn
 from lab.attention import attention, ops
 from lab.batch import AttnMeta, OutputRows
 from lab.models.base import PackedModel
-from lab.models.probes import Probe, bf16_gemm_probe
 from lab.models.fused import (
     ACTIVATIONS,
     Linear,
@@ -28,6 +27,7 @@ from lab.models.fused import (
     linear_act,
     row_blocks,
 )
+from lab.models.probes import Probe, bf16_gemm_probe
 
 # Tokens per FFN block on the CPU row-blocked path (``BertLayer._ffn``): 512-2048 measured alike, 256 3 % slower.
 FFN_ROWS = 1024

@@ -24,8 +24,8 @@ from lab.attention import attention, ops
 from lab.batch import AttnMeta, OutputRows
 from lab.kernels.reference import rotary_cos_sin
 from lab.models.base import PackedModel
-from lab.models.probes import Probe, bf16_gemm_probe
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
+from lab.models.probes import Probe, bf16_gemm_probe
 from lab.models.rope import RopeSpec, rope_from_config
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
