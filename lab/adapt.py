@@ -234,7 +234,7 @@ def _load(base: Path, adapters, bidirectional: bool, lora: LoraSpec, dev: torch.
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(base), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(base), local_files_only=True, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, local_files_only=True,
                                                  attention_dropout=attention_dropout, trust_remote_code=False)
     for a in adapters:

@@ -128,6 +128,7 @@ class Engine:
             self.runner.set_merged(merged)
         self._check_causal_support(self._knobs)
         self._check_layer(self._knobs)
+        self._check_sizes(self._knobs)
         self.stats = Stats()
         self._backend = resolve_backend(self._knobs.attention_backend, self.device)
         self.runner.plan_cpu_paths(self.runner.cpu_workers(self._knobs.cpu_workers, self._backend))
@@ -135,6 +136,14 @@ class Engine:
     # ----------------------------------------------------------------------------------------------- loading
     def _build_model(self):
         cls = model_class(self.spec.architecture)
+        if cls is None and self.spec.config.get("auto_map"):
+            raise ValueError(
+                f"{self.spec.path} declares custom model code (config.json auto_map: "
+                f"{sorted(self.spec.config['auto_map'])}) for {self.spec.architecture or 'an unknown architecture'}; "
+                "prefill-lab never executes code from a model folder, and this architecture has no packed "
+                "implementation. Use a folder of a supported architecture (BERT / RoBERTa / XLM-R, Llama / Mistral "
+                "/ Qwen2 / Qwen3) or one transformers implements itself"
+            )
         if cls is None:
             warnings.warn(
                 f"{self.spec.architecture or 'this architecture'} has no packed implementation here; using "
@@ -202,11 +211,7 @@ class Engine:
 
         Raises ``ValueError``/``TypeError`` naming the knob and its valid values; on error nothing changes.
         """
-        if "device" in knobs and knobs["device"] != self._knobs.device:
-            raise ValueError("device cannot change live (it moves every weight); create a new Engine instead")
-        new = self._knobs.replace(**knobs)
-        self._check_causal_support(new)
-        self._check_layer(new)
+        new = self.validate(**knobs)
         backend = resolve_backend(new.attention_backend, self.device)
         adapters = None
         if new.adapters != self._knobs.adapters:  # computed before anything is swapped: an error changes nothing
@@ -222,6 +227,40 @@ class Engine:
         if replan:
             self.runner.plan_cpu_paths(self.runner.cpu_workers(new.cpu_workers, backend))
         return self
+
+    def validate(self, **knobs) -> Knobs:
+        """Check a knob change without applying it (``configure`` runs the same checks first): the new knob values,
+        or ``ValueError``/``TypeError`` naming the knob, the value and the valid range. Sweeps call it on every
+        variant before running any (``lab.evaluate``)."""
+        if "device" in knobs and knobs["device"] != self._knobs.device:
+            raise ValueError("device cannot change live (it moves every weight); create a new Engine instead")
+        new = self._knobs.replace(**knobs)
+        self._check_causal_support(new)
+        self._check_layer(new)
+        self._check_sizes(new)
+        resolve_backend(new.attention_backend, self.device)
+        resolve_dtype(new.dtype, self.device)
+        return new
+
+    def _check_sizes(self, k: Knobs) -> None:
+        """``truncate_dim`` within the embedding size; ``max_length`` within the positions the model has (encoders;
+        decoders past ``max_position_embeddings`` get a warning) and long enough for the special tokens."""
+        hidden = self.model.hidden_size
+        if k.truncate_dim is not None and k.truncate_dim > hidden:
+            raise ValueError(f"truncate_dim={k.truncate_dim} exceeds the embedding size {hidden}; valid: 1..{hidden}")
+        if k.max_length is None:
+            return
+        positions = self.model.max_positions or self.spec.config.get("max_position_embeddings")
+        if positions and k.max_length > positions:
+            if not self.model.is_decoder:
+                raise ValueError(f"max_length={k.max_length} but this model has {positions} positions; valid: "
+                                 f"1..{positions} (or None for the model's own limit)")
+            warnings.warn(f"max_length={k.max_length} is past this decoder's max_position_embeddings={positions}: "
+                          "RoPE beyond the trained length usually degrades embeddings", stacklevel=4)
+        specials = len(self.tokenizer("", add_special_tokens=True)["input_ids"])
+        if k.max_length <= specials:
+            raise ValueError(f"max_length={k.max_length} leaves no room for text: the tokenizer adds {specials} "
+                             f"special token(s) to every input; use max_length >= {specials + 1}")
 
     def _check_causal_support(self, k: Knobs) -> None:
         causal = self._causal_for(k)
@@ -427,9 +466,16 @@ class Engine:
         return scoring.rerank(self, query, documents, top_k=top_k, **score_kwargs)
 
     def similarity(self, a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-        """Cosine similarity matrix between two sets of embeddings (``b=None``: ``a`` with itself)."""
+        """Cosine similarity matrix ``(n, m)`` between two sets of embeddings ``(n, dim)`` and ``(m, dim)``
+        (``b=None``: ``a`` with itself)."""
         a = np.asarray(a, dtype=np.float32)
         b = a if b is None else np.asarray(b, dtype=np.float32)
+        for name, x in (("a", a), ("b", b)):
+            if x.ndim != 2:
+                hint = f"; for one vector pass {name}[None]" if x.ndim == 1 else ""
+                raise ValueError(f"similarity: {name} must be a 2-D array (n, dim), got shape {x.shape}{hint}")
+        if a.shape[1] != b.shape[1]:
+            raise ValueError(f"similarity: a has {a.shape[1]} dimensions and b has {b.shape[1]}; they must match")
         an = a / np.clip(np.linalg.norm(a, axis=1, keepdims=True), 1e-12, None)
         bn = b / np.clip(np.linalg.norm(b, axis=1, keepdims=True), 1e-12, None)
         return an @ bn.T

@@ -13,7 +13,7 @@ as llm2vec's embed mask and sentence-transformers' ``include_prompt=False`` do.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,17 +35,38 @@ class Request:
 
 
 def check_texts(texts, what: str = "texts") -> list[str]:
-    """Validate the user's list of strings; errors name the bad item and the fix."""
+    """Validate the user's list of strings, all of it, before any model work; errors name the bad item and the fix.
+
+    Refused: a bare ``str`` / ``bytes``, containers whose iteration is not the texts in order (a ``dict`` iterates
+    its keys, a pandas ``DataFrame`` its column names, a ``set`` in hash order), non-string items (``bytes`` named
+    as such) and text that cannot be encoded (a lone surrogate)."""
+    kind = type(texts).__name__
     if isinstance(texts, str):
         raise TypeError(f"{what} must be a list of strings, got a single str; wrap it: [{texts[:30]!r}]")
+    if isinstance(texts, (bytes, bytearray)):
+        raise TypeError(f"{what} must be a list of strings, got {kind}; decode it first: [data.decode('utf-8')]")
+    if isinstance(texts, Mapping) or hasattr(texts, "columns"):
+        hint = "df[column].tolist()" if hasattr(texts, "columns") else "list(d.values())"
+        raise TypeError(f"{what} must be a list of strings, got a {kind} (iterating it gives its keys / column "
+                        f"names, not the texts); pass {hint}")
+    if isinstance(texts, (set, frozenset)):
+        raise TypeError(f"{what} must be a list of strings, got a {kind}, which has no order to keep; pass "
+                        "sorted(texts) or a list")
     if not isinstance(texts, Sequence):
         try:
             texts = list(texts)
         except TypeError:
-            raise TypeError(f"{what} must be a list of strings, got {type(texts).__name__}") from None
+            raise TypeError(f"{what} must be a list of strings, got {kind}") from None
     for i, t in enumerate(texts):
         if not isinstance(t, str):
-            raise TypeError(f"{what}[{i}] is {type(t).__name__}, not str; every item must be a string")
+            hint = "; decode it first (.decode('utf-8'))" if isinstance(t, (bytes, bytearray)) else ""
+            raise TypeError(f"{what}[{i}] is {type(t).__name__}, not str; every item must be a string{hint}")
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what}[{i}] cannot be encoded as UTF-8 ({e.reason} at character {e.start}: "
+                             f"{t[max(0, e.start - 10) : e.start + 1]!r}); a lone surrogate usually means a "
+                             "wrongly decoded file: re-read it with errors='replace'") from None
     return list(texts)
 
 

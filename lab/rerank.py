@@ -299,6 +299,8 @@ def score_job(engine, pairs, *, mode: str | None = None, activation="default", i
         raise ValueError(f"prompt= is for mode='llm'; this call scores in mode={mode!r}")
     if similarity not in SIMILARITIES:
         raise ValueError(f"unknown similarity {similarity!r}; valid: {', '.join(SIMILARITIES)}")
+    if similarity != "cosine" and mode != "bi-encoder":
+        raise ValueError(f"similarity={similarity!r} is for mode='bi-encoder'; this call scores in mode={mode!r}")
     index = list(range(len(queries)))
     if mode == "cross-encoder":
         return _cross_encoder_job(engine, queries, documents, index, activation, instruction)

@@ -51,12 +51,16 @@ class Runner:
 
     def set_dtype(self, dtype: torch.dtype) -> None:
         """Re-cast the live weights from the master copy, or a parameter's merged copy when adapters changed it
-        (no reload; float32 shares the master's / merged copy's storage)."""
-        if dtype == self.dtype:
+        (no reload; float32 shares the master's / merged copy's storage). Interrupt-safe: all casts are made before
+        any weight is swapped, and a call always leaves every weight in ``dtype`` (it repairs a half-done switch)."""
+        params = dict(self.model.named_parameters())
+        if dtype == self.dtype and all(p.dtype == dtype for p in params.values()):
             return
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.data = self._merged.get(name, self._master[name]).to(self.device, dtype)
+        with torch.no_grad():  # every cast first: an interrupt here leaves the live weights as they were
+            live = {name: self._merged.get(name, self._master[name]).to(self.device, dtype) for name in params}
+        self.dtype = None  # in transition: an interrupt during the swaps below leaves a state the next call repairs
+        for name, t in live.items():
+            params[name].data = t
         self.dtype = dtype
 
     @property

@@ -134,6 +134,13 @@ def evaluate(
     unknown = sorted({k for combo in combos for k in combo} - set(original))
     if unknown:
         raise ValueError(f"cannot sweep unknown knob(s) {', '.join(unknown)}; knobs: {', '.join(original)}")
+    validate = getattr(engine, "validate", None)
+    if validate is not None:  # every variant checked before any runs: a bad value fails now, not after hours
+        for combo in combos:
+            try:
+                validate(**combo)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"sweep variant {variant_name(combo)}: {e}") from None
     result_cache = resolve_cache(cache)
     rows: list[dict[str, Any]] = []
     bar = tqdm(total=len(combos) * len(task_list), desc="evaluate", disable=not show_progress)

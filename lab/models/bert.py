@@ -27,6 +27,7 @@ from lab.models.fused import (
     linear_act,
     row_blocks,
 )
+from lab.models.loading import KeyTracker, warn_unexpected
 from lab.models.probes import Probe, bf16_gemm_probe
 
 # Tokens per FFN block on the CPU row-blocked path (``BertLayer._ffn``): 512-2048 measured alike, 256 3 % slower.
@@ -176,7 +177,7 @@ class BertModel(PackedModel):
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load a transformers state dict (``bert.``/``roberta.`` prefixes accepted). ``classifier.*`` weights (a
         ``*ForSequenceClassification`` checkpoint) load the sequence-classification head as ``classifier``."""
-        raw, sd = sd, _strip_prefix(sd, _HF_PREFIXES)
+        raw, sd = sd, KeyTracker(_strip_prefix(sd, _HF_PREFIXES))
         own = {
             "word_embeddings.weight": "embeddings.word_embeddings.weight",
             "position_embeddings.weight": "embeddings.position_embeddings.weight",
@@ -187,6 +188,10 @@ class BertModel(PackedModel):
         for ours, theirs in own.items():
             new[ours] = _take(sd, theirs)
         tt = sd.get("embeddings.token_type_embeddings.weight")
+        if tt is None and self.type_vocab_size > 0:  # transformers would report it MISSING and initialize it randomly
+            raise KeyError(f"weight 'embeddings.token_type_embeddings.weight' missing from the checkpoint, but "
+                           f"config.json has type_vocab_size={self.type_vocab_size}; the folder's weights are "
+                           "incomplete (set type_vocab_size to 0 only if the model was trained without token types)")
         new["token_type_embeddings.weight"] = tt if tt is not None else torch.zeros_like(
             self.token_type_embeddings.weight
         )
@@ -201,6 +206,7 @@ class BertModel(PackedModel):
                 new[f"layers.{i}.up.{kind}"] = _take(sd, f"{p}intermediate.dense.{kind}")
                 new[f"layers.{i}.down.{kind}"] = _take(sd, f"{p}output.dense.{kind}")
                 new[f"layers.{i}.out_norm.{kind}"] = _take(sd, f"{p}output.LayerNorm.{kind}")
+        warn_unexpected(sd, self.model_type, ignore=_UNUSED_PREFIXES)
         self.classifier = None
         self.load_state_dict(new, strict=True)
         if has_classification_head(raw):
@@ -242,6 +248,9 @@ def _ordered(candidates: dict, first: str) -> dict:
     return {first: candidates[first], **{k: v for k, v in candidates.items() if k != first}}
 
 
+# weights of a checkpoint our encoder never reads: the pooler (its classifier head reads it from the raw state
+# dict), the heads of *ForSequenceClassification / *ForMaskedLM / pre-training checkpoints, buffers
+_UNUSED_PREFIXES = ("pooler.", "classifier.", "cls.", "lm_head.", "embeddings.position_ids", "qa_outputs.")
 _HF_PREFIXES = ("bert.", "roberta.", "xlm-roberta.", "model.", "encoder_model.")
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 

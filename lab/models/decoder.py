@@ -25,6 +25,7 @@ from lab.batch import AttnMeta, OutputRows
 from lab.kernels.reference import rotary_cos_sin
 from lab.models.base import PackedModel
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
+from lab.models.loading import KeyTracker, warn_unexpected
 from lab.models.probes import Probe, bf16_gemm_probe
 from lab.models.rope import RopeSpec, rope_from_config
 
@@ -303,7 +304,7 @@ class DecoderModel(PackedModel):
         ``lm_head.weight`` is optional: tied configs use the embedding, and an untied checkpoint without it (an
         embedding-only export) simply has no LM logits. Raises ``KeyError`` naming every missing weight.
         """
-        sd = {_strip(k): v for k, v in sd.items()}
+        sd = KeyTracker({_strip(k): v for k, v in sd.items()})
         a = self.args
         missing: list[str] = []
 
@@ -339,6 +340,7 @@ class DecoderModel(PackedModel):
             shown = ", ".join(missing[:12]) + (f" ... ({len(missing)} in all)" if len(missing) > 12 else "")
             near = sorted(sd)[:6]
             raise KeyError(f"{a.model_type} checkpoint is missing weights: {shown} (checkpoint has e.g. {near})")
+        warn_unexpected(sd, a.model_type, ignore=("lm_head.weight", "rotary_emb."))
         if self.lm_head is not None:
             if "lm_head.weight" in sd:
                 new["lm_head.weight"] = sd["lm_head.weight"]

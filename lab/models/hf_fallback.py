@@ -23,7 +23,7 @@ class HFFallbackModel(PackedModel):
         super().__init__()
         from transformers import AutoModel
 
-        self.hf = AutoModel.from_pretrained(path, local_files_only=True)
+        self.hf = AutoModel.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         self.hf.eval()
         self.config = config
         self.hidden_size = config.get("hidden_size") or self.hf.config.hidden_size

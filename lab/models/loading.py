@@ -88,7 +88,18 @@ def read_folder(path: str | os.PathLike) -> ModelSpec:
 def _find_weights(p: Path) -> tuple[list[Path], str]:
     index = p / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a valid shard index (a JSON object with a 'weight_map' of tensor name "
+                             f"-> file): {type(e).__name__}: {e}") from None
+        root = p.resolve()
+        for f in files:
+            target = (p / str(f)).resolve()
+            if not isinstance(f, str) or root not in target.parents:
+                raise ValueError(f"{index} names the shard {f!r}, which is not a file inside {p}; refusing to read "
+                                 "weights from outside the model folder")
         return [p / f for f in files], "safetensors"
     st = sorted(p.glob("*.safetensors"))
     if st:
@@ -158,8 +169,36 @@ def load_tokenizer(spec: ModelSpec):
             f"no tokenizer in {str(spec.path)!r}: expected one of {', '.join(_TOKENIZER_FILES)} next to config.json"
         )
     try:
-        return AutoTokenizer.from_pretrained(str(spec.path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(spec.path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(
             f"no usable tokenizer in {str(spec.path)!r} (tokenizer.json or vocab files): {e}"
         ) from e
+
+
+class KeyTracker(dict):
+    """A state dict that records which keys a loader read (``[]`` / ``get``), so ``warn_unexpected`` can name the
+    tensors it left unread."""
+
+    def __init__(self, sd: dict):
+        super().__init__(sd)
+        self.used: set[str] = set()
+
+    def __getitem__(self, key):
+        self.used.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.used.add(key)
+        return super().get(key, default)
+
+
+def warn_unexpected(sd: KeyTracker, family: str, ignore: tuple[str, ...] = ()) -> None:
+    """Warn, as transformers reports UNEXPECTED keys, about checkpoint tensors the loader never read (``ignore``:
+    prefixes the family documents as unused, such as BERT's pooler)."""
+    extra = sorted(k for k in sd if k not in sd.used and not k.startswith(ignore))
+    if extra:
+        shown = ", ".join(extra[:6]) + (f" ... ({len(extra)} in all)" if len(extra) > 6 else "")
+        warnings.warn(f"{family} checkpoint has {len(extra)} weight(s) this config.json does not use: {shown}. "
+                      "transformers reports these as UNEXPECTED; check that the config matches the weights "
+                      "(num_hidden_layers, architecture)", stacklevel=4)
