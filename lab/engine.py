@@ -122,6 +122,7 @@ class Engine:
         self.runner = Runner(self.model, device=self.device, dtype=resolve_dtype(self._knobs.dtype, self.device))
         self.executor = Executor(self.runner)
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
+        self._dirty = False  # a configure was interrupted while swapping weights (``_repair``)
         self._adapters: list[LoraAdapter] = []  # merged into the live weights, in order
         if self._knobs.adapters:
             self._adapters, merged = self._merge_adapters(self._knobs.adapters)
@@ -151,7 +152,11 @@ class Engine:
                 stacklevel=3,
             )
             return HFFallbackModel(str(self.spec.path), self.spec.config)
-        model = cls.from_hf_config(self.spec.config)
+        try:
+            model = cls.from_hf_config(self.spec.config)
+        except KeyError as e:
+            raise ValueError(f"{self.spec.path / 'config.json'} lacks {e.args[0]!r}, which a {self.spec.architecture} "
+                             "needs; the config is incomplete") from None
         model.load_hf_state_dict(read_state_dict(self.spec))
         return model
 
@@ -211,22 +216,39 @@ class Engine:
 
         Raises ``ValueError``/``TypeError`` naming the knob and its valid values; on error nothing changes.
         """
+        self._repair()
         new = self.validate(**knobs)
         backend = resolve_backend(new.attention_backend, self.device)
         adapters = None
         if new.adapters != self._knobs.adapters:  # computed before anything is swapped: an error changes nothing
             adapters, merged = self._merge_adapters(new.adapters)
         dtype = resolve_dtype(new.dtype, self.device)
+        replan = dtype != self.runner.dtype or (self.runner.cpu_workers(new.cpu_workers, backend)
+                                                != self.runner.cpu_workers(self._knobs.cpu_workers, self._backend))
+        self._dirty = True  # from here to the end, an interrupt is repaired by the next call (``_repair``)
         if adapters is not None:
             self.runner.set_merged(merged)
             self._adapters = adapters
-        replan = dtype != self.runner.dtype or (self.runner.cpu_workers(new.cpu_workers, backend)
-                                                != self.runner.cpu_workers(self._knobs.cpu_workers, self._backend))
         self.runner.set_dtype(dtype)
         self._knobs, self._backend = new, backend
         if replan:
             self.runner.plan_cpu_paths(self.runner.cpu_workers(new.cpu_workers, backend))
+        self._dirty = False
         return self
+
+    def _repair(self) -> None:
+        """After a ``configure`` interrupted while it swapped weights: make the merged adapters, the weights' dtype
+        and the CPU plan agree with the knobs in force (the old ones, or the new ones if it got that far)."""
+        if not self._dirty:
+            return
+        k = self._knobs
+        adapters, merged = self._merge_adapters(k.adapters) if k.adapters else ([], {})
+        self.runner.set_merged(merged)
+        self._adapters = adapters
+        self.runner.dtype = None  # recast every weight from its source
+        self.runner.set_dtype(resolve_dtype(k.dtype, self.device))
+        self.runner.plan_cpu_paths(self.runner.cpu_workers(k.cpu_workers, self._backend))
+        self._dirty = False
 
     def validate(self, **knobs) -> Knobs:
         """Check a knob change without applying it (``configure`` runs the same checks first): the new knob values,
@@ -412,6 +434,7 @@ class Engine:
     def _run(self, passes: list[Pass], desc: str, show_progress: bool | None) -> list:
         """Run ``passes`` in one call: each pass's outputs in its input order. ``stats`` are published only when
         every pass finished (a failed or interrupted call leaves the engine, its stats included, as it was)."""
+        self._repair()
         settings = self._settings()
         stats = Stats(path="packed" if self.model.packed else "transformers-fallback (padded)",
                       backend=self._backend, adapters=tuple(self.adapter_names))

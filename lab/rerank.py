@@ -69,6 +69,11 @@ def check_pairs(pairs) -> tuple[list[str], list[str]]:
         for j, part in enumerate(("query", "document")):
             if not isinstance(p[j], str):
                 raise TypeError(f"pairs[{i}]'s {part} is {type(p[j]).__name__}, not str")
+            try:
+                p[j].encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"pairs[{i}]'s {part} cannot be encoded as UTF-8 ({e.reason} at character "
+                                 f"{e.start}); a lone surrogate usually means a wrongly decoded file") from None
         queries.append(str(p[0]))
         documents.append(str(p[1]))
     return queries, documents

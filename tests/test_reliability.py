@@ -124,7 +124,8 @@ def _interrupt_in(path_suffix: str, nth: int, fn) -> bool:
     count = [0]
 
     def tracer(frame, event, arg):
-        if frame.f_code.co_filename.endswith(path_suffix):
+        name = frame.f_code.co_filename
+        if name.endswith(path_suffix) or (path_suffix.startswith("/") and path_suffix in name):
             if event == "line":
                 count[0] += 1
                 if count[0] == nth:
@@ -206,3 +207,112 @@ def test_shard_index_is_checked(tmp_path, minilm_path, index, match):
     (folder / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
     with pytest.raises(ValueError, match=match):
         Engine(str(folder))
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda f: (f / "config.json").write_text("{not json"), r"config.json is not valid JSON"),
+    (lambda f: (f / "config.json").write_text("[1, 2]"), r"config.json should hold a JSON object .*got a list"),
+    (lambda f: (f / "modules.json").write_text('{"a": 1}'), r"modules.json should hold a JSON list"),
+    (lambda f: _edit_config(f, num_attention_heads=5), r"hidden_size=384 is not divisible by num_attention_heads=5"),
+    (lambda f: _edit_config(f, hidden_size=None), r"config.json lacks 'hidden_size'"),
+    (lambda f: (f / "model.gguf").write_bytes(b"") or (f / "config.json").unlink(),
+     r"model.gguf is not a GGUF file .*it is empty"),
+])
+def test_broken_folders_get_errors_that_name_the_file(tmp_path, minilm_path, change, match):
+    folder = _copy_with(minilm_path, tmp_path / "m")
+    (folder / "modules.json").write_text("[]")
+    change(folder)
+    with pytest.raises(ValueError, match=match):
+        Engine(str(folder))
+
+
+def _edit_config(folder: Path, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k)
+        else:
+            cfg[k] = v
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_interrupts_anywhere_in_embed_leave_the_engine_exact(minilm_path):
+    """KeyboardInterrupt raised at 40 points spread over every line ``embed`` executes in ``lab/`` (tokenization,
+    scheduling, the executor, the model, pooling, the output buffer): the next call gives exactly the rows of an
+    undisturbed engine, and an interrupted call never publishes stats of its own."""
+    e = Engine(minilm_path, max_batch_tokens=24)  # several packed steps per call
+    texts = ["a man plays a guitar", "someone is cooking dinner tonight", "short", "", "the cat sat on the mat"]
+    base = e.embed(texts)
+    total = _count_lines("/lab/", lambda: e.embed(texts))
+    assert total > 200
+    for nth in np.linspace(1, total - 1, 40).astype(int):
+        done = e.stats
+        assert _interrupt_in("/lab/", int(nth), lambda: e.embed(texts))
+        assert e.stats is done or e.stats.sequences == len(texts)  # the old stats, or the finished call's
+        np.testing.assert_array_equal(e.embed(texts), base)
+
+
+def _count_lines(fragment: str, fn) -> int:
+    count = [0]
+
+    def tracer(frame, event, arg):
+        if fragment in frame.f_code.co_filename and event == "line":
+            count[0] += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count[0]
+
+
+@pytest.mark.parametrize("knob, value, error, match", [
+    ("normalize", "yes", TypeError, r"normalize must be True, False or None"),
+    ("bidirectional", 1, TypeError, r"bidirectional must be True, False or None"),
+    ("append_eos", "no", TypeError, r"append_eos must be True, False or None"),
+    ("include_instruction", "x", TypeError, r"include_instruction must be True, False or None"),
+    ("prefix_cache", None, TypeError, r"prefix_cache must be True or False"),
+    ("max_length", 0, ValueError, r"max_length must be a positive int"),
+    ("max_num_seqs", -1, ValueError, r"max_num_seqs must be a positive int"),
+    ("chunked_prefill", 0, ValueError, r"chunked_prefill must be a positive int"),
+    ("truncate_dim", True, ValueError, r"truncate_dim must be a positive int"),
+    ("instruction", 3, TypeError, r"instruction must be a string or None"),
+    ("layer", 1.5, TypeError, r"layer must be an int"),
+    ("layer", 99, ValueError, r"layer=99 but this model has 6 layers"),
+    ("chunked_prefill", 8, ValueError, r"chunked_prefill needs causal attention"),
+    ("dtype", "int8", ValueError, r"unknown dtype 'int8'"),
+])
+def test_every_knob_refuses_bad_values_and_changes_nothing(eng, knob, value, error, match):
+    before = (eng.knobs, eng.resolved)
+    with pytest.raises(error, match=match):
+        eng.configure(**{knob: value})
+    assert (eng.knobs, eng.resolved) == before
+
+
+def test_bad_pairs_are_named_before_any_work(eng):
+    before = eng.stats
+    with pytest.raises(ValueError, match=r"pairs\[1\]'s document cannot be encoded as UTF-8"):
+        eng.score([("q", "d"), ("q", "bad \udcff")])
+    with pytest.raises(TypeError, match=r"pairs\[0\]'s query is bytes"):
+        eng.score([(b"q", "d")])
+    assert eng.stats is before
+
+
+def test_interrupted_configure_leaves_the_old_state_or_the_new(minilm_path):
+    """Ctrl-C at 30 points of ``configure(dtype=..., pooling=...)`` (all of ``lab/``): afterwards the engine either
+    still answers as before or as the new knobs say, and a second configure makes it exact again."""
+    e = Engine(minilm_path, cpu_workers=1)
+    texts = ["a man plays a guitar", "someone is cooking"]
+    base = e.embed(texts)
+    cls = Engine(minilm_path, cpu_workers=1, pooling="cls", dtype="bfloat16").embed(texts)
+    total = _count_lines("/lab/", lambda: e.configure(dtype="bfloat16", pooling="cls"))
+    e.configure(dtype="float32", pooling=None)
+    for nth in np.linspace(1, total - 1, 30).astype(int):
+        assert _interrupt_in("/lab/", int(nth), lambda: e.configure(dtype="bfloat16", pooling="cls"))
+        got = e.embed(texts)
+        assert np.array_equal(got, base) or np.array_equal(got, cls), nth
+        e.configure(dtype="float32", pooling=None)
+        assert all(p.dtype == torch.float32 for p in e.model.parameters())
+        np.testing.assert_array_equal(e.embed(texts), base)

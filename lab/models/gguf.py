@@ -70,6 +70,10 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
     src = Path(gguf_path).expanduser()
     if not src.is_file():
         raise FileNotFoundError(f"GGUF file {str(src)!r} does not exist")
+    with open(src, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{src} is not a GGUF file (it does not start with the GGUF magic bytes"
+                             f"{'; it is empty' if src.stat().st_size == 0 else ''})")
     fp = gguf_fingerprint(src)
     out = Path(out_dir).expanduser() if out_dir is not None else default_cache_dir() / f"{src.stem}-{fp['id']}"
     if _complete(out, fp):

@@ -78,7 +78,8 @@ def read_folder(path: str | os.PathLike) -> ModelSpec:
         raise FileNotFoundError(
             f"no config.json in {str(p)!r}: a transformers model folder needs config.json next to its weights"
         )
-    config = json.loads(cfg_file.read_text())
+    config = _read_json(cfg_file, dict, "a JSON object of model settings")
+    _check_config(config, cfg_file)
     weights, fmt = _find_weights(p)
     spec = ModelSpec(path=p, config=config, weights=weights, weight_format=fmt)
     _read_sentence_transformers(p, spec)
@@ -112,16 +113,43 @@ def _find_weights(p: Path) -> tuple[list[Path], str]:
     )
 
 
+def _read_json(path: Path, kind: type, what: str):
+    """``path``'s JSON, which must be ``kind``; a clear error naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); it should hold {what}") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{path} should hold {what}, got a {type(value).__name__}")
+    return value
+
+
+def _check_config(config: dict, path: Path) -> None:
+    """The sizes every packed architecture needs, present and consistent (checked at load, not at the first embed)."""
+    if config.get("model_type") is None and not config.get("architectures"):
+        raise ValueError(f"{path} names neither model_type nor architectures; it is not a transformers config")
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
+        if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1):
+            raise ValueError(f"{path}: {key} must be a positive integer, got {config[key]!r}")
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if hidden and heads and config.get("head_dim") is None and hidden % heads:
+        raise ValueError(f"{path}: hidden_size={hidden} is not divisible by num_attention_heads={heads} (and no "
+                         "head_dim is given); the weights cannot be split into heads")
+
+
 def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
     """Fill pooling / normalize / max_seq_length / prompts from sentence-transformers files when present."""
     modules = p / "modules.json"
     if modules.exists():
-        for m in json.loads(modules.read_text()):
+        entries = _read_json(modules, list, "a JSON list of sentence-transformers modules")
+        for m in entries:
+            if not isinstance(m, dict):
+                raise ValueError(f"{modules}: every entry must be an object with 'type' and 'path', got {m!r}")
             kind = m.get("type", "")
             if kind.endswith("Pooling"):
                 cfg_path = p / m.get("path", "") / "config.json"
                 if cfg_path.exists():
-                    pcfg = json.loads(cfg_path.read_text())
+                    pcfg = _read_json(cfg_path, dict, "a JSON object (the Pooling config)")
                     mode = pcfg.get("pooling_mode")
                     if mode is None:
                         mode = next((name for key, name in _ST_POOLING_KEYS if pcfg.get(key)), None)
