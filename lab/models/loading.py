@@ -120,7 +120,7 @@ def _read_json(path: Path, kind: type, what: str):
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); it should hold {what}") from None
     if not isinstance(value, kind):
-        raise ValueError(f"{path} should hold {what}, got a {type(value).__name__}")
+        raise ValueError(f"{path} should hold {what}, got a {type(value).__name__}")  # noqa: TRY004 (bad file)
     return value
 
 
@@ -144,7 +144,8 @@ def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
         entries = _read_json(modules, list, "a JSON list of sentence-transformers modules")
         for m in entries:
             if not isinstance(m, dict):
-                raise ValueError(f"{modules}: every entry must be an object with 'type' and 'path', got {m!r}")
+                raise ValueError(  # noqa: TRY004 (a bad file, not a bad argument)
+                    f"{modules}: every entry must be an object with 'type' and 'path', got {m!r}")
             kind = m.get("type", "")
             if kind.endswith("Pooling"):
                 cfg_path = p / m.get("path", "") / "config.json"
