@@ -48,13 +48,15 @@ class Decision:
     choice: str
     source: str  # "probe" | "env" (LAB_CPU_<NAME>)
     seconds: dict[str, float] = field(default_factory=dict)  # median per candidate (probe only)
+    threads: int = 1  # the intra-op threads it was decided for (one CPU worker's share)
 
     def __str__(self) -> str:
         timing = ", ".join(f"{c} {s * 1e3:.2f} ms" for c, s in self.seconds.items())
-        return f"{self.name}{list(self.key)}: {self.choice} ({self.source}{'; ' + timing if timing else ''})"
+        return (f"{self.name}{list(self.key)} x{self.threads} thread(s): {self.choice} "
+                f"({self.source}{'; ' + timing if timing else ''})")
 
 
-_DECIDED: dict[tuple[str, tuple], Decision] = {}
+_DECIDED: dict[tuple[str, tuple, int], Decision] = {}
 _LOCK = threading.Lock()
 
 
@@ -65,7 +67,7 @@ def env_name(name: str) -> str:
 def decide(probe: Probe) -> Decision:
     """The cached decision for ``probe.name`` at ``probe.key``, probing now if there is none (``LAB_CPU_<NAME>``
     forces a candidate; ``auto`` or unset probes)."""
-    k = (probe.name, probe.key)
+    k = (probe.name, probe.key, probe.threads)  # one decision per thread layout: a worker's GEMMs differ from all
     with _LOCK:
         if k in _DECIDED:
             return _DECIDED[k]
@@ -74,7 +76,7 @@ def decide(probe: Probe) -> Decision:
             if forced not in probe.candidates:
                 raise ValueError(f"{env_name(probe.name)}={forced!r} is not a {probe.name} choice; valid: "
                                  f"{', '.join(probe.candidates)} or auto")
-            d = Decision(probe.name, probe.key, forced, "env")
+            d = Decision(probe.name, probe.key, forced, "env", threads=probe.threads)
         else:
             d = _measure(probe)
         _DECIDED[k] = d
@@ -105,7 +107,7 @@ def _measure(probe: Probe) -> Decision:
     default = next(iter(probe.candidates))
     best = min(med, key=med.get)
     choice = best if med[best] * MARGIN < med[default] else default
-    return Decision(probe.name, probe.key, choice, "probe", med)
+    return Decision(probe.name, probe.key, choice, "probe", med, probe.threads)
 
 
 def cpu_info() -> dict[str, str]:
