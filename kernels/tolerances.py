@@ -22,28 +22,17 @@ import torch
 
 TORCH_ERROR_FACTOR = 2.0  # low precision: the kernel may be off by twice torch's own error (plus the atol floor)
 
+# the atol floor of the low-precision rule (kernels whose outputs are rounded to float16 / bfloat16)
+_LOW_PRECISION_FLOOR = {torch.float16: (1e-3, 0.0), torch.bfloat16: (8e-3, 0.0)}
+_ELEMENTWISE = {torch.float32: (1e-5, 1e-5), **_LOW_PRECISION_FLOOR}  # norms and rotary
+
 # kernel -> dtype -> (atol, rtol)
 TOLERANCES: dict[str, dict[torch.dtype, tuple[float, float]]] = {
-    "varlen_attention": {  # against the float32 oracle reference.varlen_attention_naive
-        torch.float32: (1e-4, 0.0),
-        torch.float16: (1e-3, 0.0),
-        torch.bfloat16: (8e-3, 0.0),
-    },
-    "add_layer_norm": {
-        torch.float32: (1e-5, 1e-5),
-        torch.float16: (1e-3, 0.0),
-        torch.bfloat16: (8e-3, 0.0),
-    },
-    "add_rms_norm": {
-        torch.float32: (1e-5, 1e-5),
-        torch.float16: (1e-3, 0.0),
-        torch.bfloat16: (8e-3, 0.0),
-    },
-    "apply_rotary": {
-        torch.float32: (1e-5, 1e-5),
-        torch.float16: (1e-3, 0.0),
-        torch.bfloat16: (8e-3, 0.0),
-    },
+    # against the float32 oracle reference.varlen_attention_naive
+    "varlen_attention": {torch.float32: (1e-4, 0.0), **_LOW_PRECISION_FLOOR},
+    "add_layer_norm": _ELEMENTWISE,
+    "add_rms_norm": _ELEMENTWISE,
+    "apply_rotary": _ELEMENTWISE,
     "segment_pool": {  # keyed by the dtype of `hidden`; the output is float32 for every input dtype
         torch.float32: (1e-5, 1e-5),
         torch.float16: (1e-4, 0.0),

@@ -132,7 +132,7 @@ class Engine:
         self._check_sizes(self._knobs)
         self.stats = Stats()
         self._backend = resolve_backend(self._knobs.attention_backend, self.device)
-        self.runner.plan_cpu_paths(self.runner.cpu_workers(self._knobs.cpu_workers, self._backend))
+        self.runner.plan_cpu_paths(self._workers)
 
     # ----------------------------------------------------------------------------------------------- loading
     def _build_model(self):
@@ -176,9 +176,14 @@ class Engine:
             "dtype": str(self.runner.dtype).removeprefix("torch."), "device": str(self.device),
             "attention_backend": self._backend, "chunked_prefill": k.chunked_prefill, "instruction": k.instruction,
             "include_instruction": self.include_instruction, "append_eos": self.append_eos,
-            "cpu_workers": self.runner.cpu_workers(k.cpu_workers, self._backend), "layer": self.layer,
+            "cpu_workers": self._workers, "layer": self.layer,
             "adapters": self.adapter_names, "cpu_paths": self.cpu_paths,
         }
+
+    @property
+    def _workers(self) -> int:
+        """The CPU workers a packed step is shared among under the knobs in force (``Runner.cpu_workers``)."""
+        return self.runner.cpu_workers(self._knobs.cpu_workers, self._backend)
 
     @property
     def cpu_paths(self) -> dict[str, str]:
@@ -223,8 +228,8 @@ class Engine:
         if new.adapters != self._knobs.adapters:  # computed before anything is swapped: an error changes nothing
             adapters, merged = self._merge_adapters(new.adapters)
         dtype = resolve_dtype(new.dtype, self.device)
-        replan = dtype != self.runner.dtype or (self.runner.cpu_workers(new.cpu_workers, backend)
-                                                != self.runner.cpu_workers(self._knobs.cpu_workers, self._backend))
+        workers = self.runner.cpu_workers(new.cpu_workers, backend)
+        replan = dtype != self.runner.dtype or workers != self._workers
         self._dirty = True  # from here to the end, an interrupt is repaired by the next call (``_repair``)
         if adapters is not None:
             self.runner.set_merged(merged)
@@ -232,7 +237,7 @@ class Engine:
         self.runner.set_dtype(dtype)
         self._knobs, self._backend = new, backend
         if replan:
-            self.runner.plan_cpu_paths(self.runner.cpu_workers(new.cpu_workers, backend))
+            self.runner.plan_cpu_paths(workers)
         self._dirty = False
         return self
 
@@ -247,7 +252,7 @@ class Engine:
         self._adapters = adapters
         self.runner.dtype = None  # recast every weight from its source
         self.runner.set_dtype(resolve_dtype(k.dtype, self.device))
-        self.runner.plan_cpu_paths(self.runner.cpu_workers(k.cpu_workers, self._backend))
+        self.runner.plan_cpu_paths(self._workers)
         self._dirty = False
 
     def validate(self, **knobs) -> Knobs:

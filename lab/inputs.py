@@ -61,13 +61,18 @@ def check_texts(texts, what: str = "texts") -> list[str]:
         if not isinstance(t, str):
             hint = "; decode it first (.decode('utf-8'))" if isinstance(t, (bytes, bytearray)) else ""
             raise TypeError(f"{what}[{i}] is {type(t).__name__}, not str; every item must be a string{hint}")
-        try:
-            t.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{what}[{i}] cannot be encoded as UTF-8 ({e.reason} at character {e.start}: "
-                             f"{t[max(0, e.start - 10) : e.start + 1]!r}); a lone surrogate usually means a "
-                             "wrongly decoded file: re-read it with errors='replace'") from None
+        check_encodable(t, f"{what}[{i}]")
     return list(texts)
+
+
+def check_encodable(text: str, where: str) -> None:
+    """``text`` is valid Unicode (encodable as UTF-8); a ``ValueError`` naming ``where`` and the character if not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} cannot be encoded as UTF-8 ({e.reason} at character {e.start}: "
+                         f"{text[max(0, e.start - 10) : e.start + 1]!r}); a lone surrogate usually means a "
+                         "wrongly decoded file: re-read it with errors='replace'") from None
 
 
 class InputProcessor:

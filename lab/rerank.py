@@ -37,12 +37,13 @@ import numpy as np
 import torch
 
 from lab.call import Pass
+from lab.heads import ACTIVATIONS as HEAD_ACTIVATIONS
 from lab.heads import ClassifierHead, Pooler, YesNoHead, activate
-from lab.inputs import InputProcessor, Request, check_texts
+from lab.inputs import InputProcessor, Request, check_encodable, check_texts
 from lab.pooling import pooling_method
 
 MODES = ("cross-encoder", "llm", "bi-encoder")
-ACTIVATIONS = ("default", "sigmoid", "softmax", "tanh", None)
+ACTIVATIONS = ("default", *HEAD_ACTIVATIONS)  # "default": the mode's own (module doc)
 SIMILARITIES = ("cosine", "dot")
 
 # sentence-transformers stores a CrossEncoder's activation as a torch class path; the ones we apply ourselves
@@ -69,11 +70,7 @@ def check_pairs(pairs) -> tuple[list[str], list[str]]:
         for j, part in enumerate(("query", "document")):
             if not isinstance(p[j], str):
                 raise TypeError(f"pairs[{i}]'s {part} is {type(p[j]).__name__}, not str")
-            try:
-                p[j].encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"pairs[{i}]'s {part} cannot be encoded as UTF-8 ({e.reason} at character "
-                                 f"{e.start}); a lone surrogate usually means a wrongly decoded file") from None
+            check_encodable(p[j], f"pairs[{i}]'s {part}")
         queries.append(str(p[0]))
         documents.append(str(p[1]))
     return queries, documents
