@@ -23,17 +23,19 @@ import numpy as np
 import torch
 
 from lab import rerank as scoring
+from lab import st_compat
 from lab.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
 from lab.attention import resolve_backend
 from lab.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.executor import Executor
-from lab.heads import EmbeddingHead, Pooler
+from lab.heads import EmbeddingHead, Pooler, TokensHead
 from lab.inputs import InputProcessor, Request, check_texts
 from lab.knobs import Knobs, resolve_device, resolve_dtype
 from lab.models import model_class
 from lab.models.hf_fallback import HFFallbackModel
 from lab.models.loading import ModelSpec, load_tokenizer, read_folder, read_state_dict
 from lab.pooling import pooling_method
+from lab.quantize import check_precision, quantize_embeddings
 from lab.runner import Runner
 from lab.runtime import tune_cpu_allocator
 from lab.scheduler import WAVE_SIZE, prefetch_waves
@@ -174,7 +176,8 @@ class Engine:
             "pooling": self.pooling, "normalize": self.normalize, "truncate_dim": k.truncate_dim,
             "max_length": self.max_length, "causal": self.causal,
             "dtype": str(self.runner.dtype).removeprefix("torch."), "device": str(self.device),
-            "attention_backend": self._backend, "chunked_prefill": k.chunked_prefill, "instruction": k.instruction,
+            "attention_backend": self._backend, "chunked_prefill": k.chunked_prefill,
+            "instruction": self._instruction(),
             "include_instruction": self.include_instruction, "append_eos": self.append_eos,
             "cpu_workers": self._workers, "layer": self.layer,
             "adapters": self.adapter_names, "cpu_paths": self.cpu_paths,
@@ -389,11 +392,26 @@ class Engine:
     def _processor(self) -> InputProcessor:
         return InputProcessor(self.tokenizer, self.max_length, append_eos=self.append_eos)
 
-    def _instruction(self, instruction) -> str | None:
+    def _instruction(self, instruction=_UNSET, prompt_name: str | None = None) -> str | None:
+        """The call's instruction: ``prompt_name``'s prompt, else ``instruction``, else the knob, else the model's
+        default prompt (``default_prompt_name``), as sentence-transformers resolves prompts."""
+        if prompt_name is not None:
+            if instruction is not _UNSET:
+                raise ValueError("pass either instruction= (the text) or prompt_name= (a key of the model's "
+                                 "prompts), not both")
+            return st_compat.resolve_prompt(self.spec.prompts, None, None, prompt_name)
         instr = self._knobs.instruction if instruction is _UNSET else instruction
         if instr is not None and not isinstance(instr, str):
             raise TypeError(f"instruction must be a string or None, got {type(instr).__name__}")
+        if instr is None and instruction is _UNSET:
+            return st_compat.resolve_prompt(self.spec.prompts, self.spec.default_prompt_name, None, None)
         return instr
+
+    @property
+    def prompts(self) -> dict[str, str]:
+        """The prompts ``prompt_name=`` names: sentence-transformers' empty ``query`` / ``document`` updated with
+        the model folder's (``config_sentence_transformers.json``)."""
+        return dict(self.spec.prompts)
 
     @property
     def include_instruction(self) -> bool:
@@ -403,31 +421,81 @@ class Engine:
             return self._knobs.include_instruction
         return bool(self.spec.include_prompt)
 
-    def tokenize(self, texts: list[str], *, instruction=_UNSET) -> list[Request]:
+    def tokenize(self, texts: list[str], *, instruction=_UNSET, prompt_name: str | None = None) -> list[Request]:
         """The requests ``embed(texts, instruction=...)`` runs: token ids after truncation, ``pool_start`` (the
         instruction's tokens, attended to but not pooled) and whether each input was cut."""
         texts = check_texts(texts)
-        return self._embed_pass(texts, self._instruction(instruction)).tokenize(texts, 0)
+        return self._embed_pass(texts, self._instruction(instruction, prompt_name)).tokenize(texts, 0)
 
-    def _embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None) -> Pass:
-        """The pass ``embed`` runs over ``texts`` (``pooling``: a method name, default the engine's)."""
-        proc, include = self._processor(), self.include_instruction
+    def _embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None, *,
+                    head=None, include: bool | None = None) -> Pass:
+        """The pass ``embed`` runs over ``texts`` (``pooling``: a method name, default the engine's; ``head``:
+        default the engine's ``EmbeddingHead``; ``include``: pool the instruction, default
+        ``include_instruction``)."""
+        proc = self._processor()
+        include = self.include_instruction if include is None else include
         method = pooling_method(pooling or self.pooling)
-        head = EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
+        if head is None:
+            head = EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim,
+                                 normalize=self.normalize)
 
         def tokenize(chunk: list[str], first: int) -> list[Request]:
             return proc.process(chunk, first_index=first, instruction=instruction, include_instruction=include)
 
         return Pass(texts, tokenize, Pooler(method, head), shared_prefix=bool(instruction and not include))
 
-    def embed(self, texts: list[str], *, instruction=_UNSET, show_progress: bool | None = None) -> np.ndarray:
+    def embed(self, texts: list[str], *, instruction=_UNSET, prompt_name: str | None = None,
+              precision: str = "float32", show_progress: bool | None = None) -> np.ndarray:
         """Embed ``texts`` -> ``(len(texts), dim)`` float32, in input order.
 
-        ``instruction`` overrides the engine's instruction for this call (``None`` for none).
-        ``show_progress``: a tqdm bar; ``None`` shows one for more than 4096 texts.
+        ``instruction`` overrides the engine's instruction for this call (``None`` for none); ``prompt_name``
+        uses one of the model folder's prompts instead (``prompts``; with neither and no ``instruction`` knob, its
+        ``default_prompt_name``'s). ``precision``: ``float32``, or ``int8`` / ``uint8`` / ``binary`` /
+        ``ubinary`` as ``lab.quantize.quantize_embeddings`` (sentence-transformers' rules; int8 ranges from this
+        call's embeddings). ``show_progress``: a tqdm bar; ``None`` shows one for more than 4096 texts.
         """
         texts = check_texts(texts)
-        return self._run([self._embed_pass(texts, self._instruction(instruction))], "embed", show_progress)[0]
+        check_precision(precision, rows=len(texts))
+        instruction = self._instruction(instruction, prompt_name)
+        emb = self._run([self._embed_pass(texts, instruction)], "embed", show_progress)[0]
+        return emb if precision == "float32" else quantize_embeddings(emb, precision)
+
+    def encode(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,
+               show_progress_bar: bool | None = None, output_value: str = "sentence_embedding",
+               precision: str = "float32", convert_to_numpy: bool = True, convert_to_tensor: bool = False,
+               device=None, normalize_embeddings: bool = False, truncate_dim: int | None = None, pool=None,
+               chunk_size: int | None = None, **kwargs):
+        """``SentenceTransformer.encode``: same arguments, same results (a single string gives one 1-D vector).
+        ``inputs=`` (sentence-transformers >= 5's name) is accepted for ``sentences``. See ``lab.st_compat``."""
+        args = {k: v for k, v in locals().items() if k not in ("self", "kwargs")}
+        if "inputs" in kwargs:
+            if sentences is not None:
+                raise TypeError("encode() got both sentences and inputs; pass one")
+            args["sentences"] = kwargs.pop("inputs")
+        return st_compat.encode(self._encode_run, prompts=self.spec.prompts, engine_device=self.device,
+                                dim=self.model.hidden_size,
+                                default_prompt_name=self.spec.default_prompt_name,
+                                default_truncate_dim=self._knobs.truncate_dim, kwargs=kwargs, **args)
+
+    def encode_query(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
+        """``encode`` with the model's ``query`` prompt (unless another is given), as sentence-transformers."""
+        name = st_compat.query_prompt_name(self.spec.prompts, prompt, prompt_name)
+        return self.encode(sentences, prompt_name=name, prompt=prompt, **kwargs)
+
+    def encode_document(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
+        """``encode`` with the model's ``document`` / ``passage`` / ``corpus`` prompt (the first it has, unless
+        another is given), as sentence-transformers."""
+        name = st_compat.document_prompt_name(self.spec.prompts, prompt, prompt_name)
+        return self.encode(sentences, prompt_name=name, prompt=prompt, **kwargs)
+
+    def _encode_run(self, texts: list[str], prompt: str | None, tokens: bool, show_progress: bool | None):
+        """``encode``'s forward: sentence embeddings before truncation (pooled, normalized when the model
+        normalizes), or every token's hidden state (prompt and specials included) for ``tokens``."""
+        if tokens:
+            p = self._embed_pass(texts, prompt, "tokens", head=TokensHead(), include=True)
+        else:
+            p = self._embed_pass(texts, prompt, head=EmbeddingHead(self.model.hidden_size, normalize=self.normalize))
+        return self._run([p], "encode", show_progress)[0]
 
     # ------------------------------------------------------------------------------------------- the pipeline
     def _settings(self) -> ExecSettings:

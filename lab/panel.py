@@ -3,7 +3,8 @@
 Every widget change is applied at once through ``engine.configure`` (live, no weight reload; on error nothing
 changes and the panel shows the message instead of a traceback). "Run" embeds the sentences (one per line) and shows
 the cosine-similarity heatmap and the call's stats. Child widgets are attributes, so a test or a notebook cell can
-drive the panel without a browser: set ``.value`` and call ``.click()``.
+drive the panel without a browser: set ``.value`` and call ``.click()``; in a browser each carries the CSS class
+``lab-panel-<name>`` (``lab-panel-run-button``, ``lab-panel-stats-view``, ...), which ``tests/test_browser.py`` uses.
 
     >>> p = build_panel(engine)                    # or engine.panel()
     >>> p.pooling.value = "cls"; p.run_button.click()
@@ -73,6 +74,9 @@ class KnobPanel(widgets.VBox):
         self.resolved_view = widgets.HTML(value=_resolved_html(engine))
         self.plot = widgets.Output()
 
+        for name in ("pooling", "bidirectional", "chunked_prefill", "max_batch_tokens", "dtype", "instruction",
+                     "sentences", "run_button", "error", "stats_view", "resolved_view", "plot"):
+            getattr(self, name).add_class(f"lab-panel-{name.replace('_', '-')}")  # stable selectors in a browser
         self._knob_widgets = (self.pooling, self.bidirectional, self.chunked_prefill, self.max_batch_tokens,
                               self.dtype, self.instruction)
         for w in self._knob_widgets:

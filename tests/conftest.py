@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -67,3 +68,12 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-30)
+
+
+def link_copy(src: Path, dst: Path, skip: set[str]) -> Path:
+    """``dst`` with a symlink to every entry of ``src`` (weights included) except those in ``skip``."""
+    dst.mkdir()
+    for entry in src.iterdir():
+        if entry.name not in skip:
+            (dst / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    return dst

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import cosine_rows
+from tests.conftest import cosine_rows, link_copy
 
 pytest.importorskip("sentence_transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:.*longer than max_length.*:UserWarning")
@@ -55,15 +55,6 @@ def _pooling_dir(folder: Path) -> str:
     return next(m["path"] for m in modules if m["type"].endswith("Pooling"))
 
 
-def _link_copy(src: Path, dst: Path, skip: set[str]) -> Path:
-    """``dst`` with a symlink to every entry of ``src`` (weights included) except those in ``skip``."""
-    dst.mkdir()
-    for entry in src.iterdir():
-        if entry.name not in skip:
-            (dst / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
-    return dst
-
-
 @pytest.fixture(scope="module")
 def folders(minilm_path, tmp_path_factory) -> dict[str, str]:
     src = Path(minilm_path)
@@ -72,7 +63,7 @@ def folders(minilm_path, tmp_path_factory) -> dict[str, str]:
     assert "include_prompt" not in pool_cfg  # the original leaves it to sentence-transformers' default (True)
     root = tmp_path_factory.mktemp("prompt_models")
 
-    excluded = _link_copy(src, root / "exclude_prompt", skip={pool_dir})
+    excluded = link_copy(src, root / "exclude_prompt", skip={pool_dir})
     (excluded / pool_dir).mkdir()
     for entry in (src / pool_dir).iterdir():
         if entry.name != "config.json":
@@ -80,7 +71,7 @@ def folders(minilm_path, tmp_path_factory) -> dict[str, str]:
     (excluded / pool_dir / "config.json").write_text(json.dumps({**pool_cfg, "include_prompt": False}, indent=2))
 
     # no modules.json / Pooling config: a plain transformers folder (both sides fall back to mean pooling)
-    bare = _link_copy(src, root / "bare", skip={pool_dir, "modules.json", "sentence_bert_config.json",
+    bare = link_copy(src, root / "bare", skip={pool_dir, "modules.json", "sentence_bert_config.json",
                                               "config_sentence_transformers.json"})
     return {"original": str(src), "exclude_prompt": str(excluded), "bare": str(bare)}
 

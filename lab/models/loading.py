@@ -41,7 +41,10 @@ class ModelSpec:
     include_prompt: bool | None = None  # the Pooling config's (True when it does not say); None: no Pooling config
     normalize: bool = False
     max_seq_length: int | None = None
-    prompts: dict[str, str] = field(default_factory=dict)
+    # prompt name -> text: sentence-transformers' (>= 5) defaults, empty ``query`` and ``document`` prompts, updated
+    # with config_sentence_transformers.json's ``prompts``
+    prompts: dict[str, str] = field(default_factory=lambda: {"query": "", "document": ""})
+    default_prompt_name: str | None = None  # config_sentence_transformers.json's: the prompt used when none is named
     gguf_file: Path | None = None
 
     @property
@@ -165,7 +168,16 @@ def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
         spec.max_seq_length = json.loads(sbert.read_text()).get("max_seq_length")
     st_cfg = p / "config_sentence_transformers.json"
     if st_cfg.exists():
-        spec.prompts = json.loads(st_cfg.read_text()).get("prompts") or {}
+        cfg = _read_json(st_cfg, dict, "a JSON object (sentence-transformers' model config)")
+        prompts = cfg.get("prompts") or {}
+        if not isinstance(prompts, dict) or not all(
+                isinstance(k, str) and isinstance(v, str | None) for k, v in prompts.items()):
+            raise ValueError(f"{st_cfg}: 'prompts' must map prompt names to prompt strings, got {prompts!r}")
+        spec.prompts.update({k: v or "" for k, v in prompts.items()})
+        spec.default_prompt_name = cfg.get("default_prompt_name")
+        if spec.default_prompt_name is not None and spec.default_prompt_name not in spec.prompts:
+            raise ValueError(f"{st_cfg}: default_prompt_name {spec.default_prompt_name!r} is not one of its prompts "
+                             f"{sorted(spec.prompts)}; add it to 'prompts' or remove default_prompt_name")
 
 
 def read_state_dict(spec: ModelSpec) -> dict[str, torch.Tensor]:
