@@ -11,10 +11,14 @@ embeds a list of texts. Speed is compared as a ratio in the same run, never asse
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import os
 import platform
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -190,6 +194,27 @@ def throughput_by_length(systems, texts_by_length: dict[int, list[str]], **kwarg
     return pd.concat(frames, ignore_index=True)
 
 
+@contextlib.contextmanager
+def _without_profiler_banner():
+    """Drop the ``USDT: ... SyncActivityProfilerHandler ... profiler_start / profiler_stop`` lines torch's profiler
+    (2.13) prints on the process's stderr (file descriptor 2, below Python) around every profile; other lines written
+    there meanwhile are passed on. A notebook would otherwise show two of them per measurement."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().decode(errors="replace").splitlines(keepends=True)
+            rest = "".join(line for line in lines if "SyncActivityProfilerHandler" not in line)
+            if rest:
+                sys.stderr.write(rest)
+
+
 def peak_memory(fn: Callable[[], object]) -> tuple[object, int]:
     """``(fn(), peak bytes)``: the highest total of torch tensor memory allocated during the call, above what was
     allocated before it, from the torch profiler's memory events (CPU and GPU). Weights and tensors alive before
@@ -197,7 +222,7 @@ def peak_memory(fn: Callable[[], object]) -> tuple[object, int]:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities, profile_memory=True) as prof:
+    with _without_profiler_banner(), profile(activities=activities, profile_memory=True) as prof:
         result = fn()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     current = peak = 0

@@ -47,8 +47,9 @@ class Stats:
     path: str = "packed"
     backend: str = "torch"
     adapters: tuple[str, ...] = ()  # names of the LoRA adapters merged into the weights that ran
+    split: int = 0  # inputs past max_length split into windows (long_inputs="chunk"; each window is a sequence)
 
-    COUNTS = ("sequences", "tokens", "batches", "padded_tokens", "truncated", "tokens_computed", "chunks")
+    COUNTS = ("sequences", "tokens", "batches", "padded_tokens", "truncated", "tokens_computed", "chunks", "split")
 
     def add(self, other: Stats, *, concurrent: bool = False) -> None:
         """Count ``other``'s work in this one: counters add up; ``shared_prefix`` is the longest; ``state_bytes``
@@ -66,7 +67,7 @@ class Stats:
         return (
             f"{self.sequences} sequences, {self.tokens} tokens in {self.batches} batches, "
             f"{self.seconds:.3f} s ({self.tokens_per_s:,.0f} tokens/s); padded {self.padded_tokens}, "
-            f"truncated {self.truncated}; {self.path} / {self.backend}"
+            f"truncated {self.truncated}{f', split {self.split}' if self.split else ''}; {self.path} / {self.backend}"
             + (f"; adapters {', '.join(self.adapters)}" if self.adapters else "")
         )
 
@@ -121,7 +122,7 @@ class Call:
     inputs), counts what was served, and on success warns about truncation once per ``max_length`` per engine
     (``warned`` is the engine's own set; the count is always in ``stats.truncated``)."""
 
-    def __init__(self, stats: Stats, *, total: int, desc: str, show_progress: bool | None, warned: set[int],
+    def __init__(self, stats: Stats, *, total: int, desc: str, show_progress: bool | None, warned: set,
                  max_length: int):
         self.stats, self.total, self.desc = stats, total, desc
         self.show = total > WAVE_SIZE if show_progress is None else bool(show_progress)
@@ -154,6 +155,14 @@ class Call:
         s = self.stats
         s.seconds = time.perf_counter() - self.t0
         s.tokens_per_s = s.tokens / s.seconds if s.seconds > 0 else 0.0
+        if s.split and ("split", self.max_length) not in self.warned:
+            self.warned.add(("split", self.max_length))
+            warnings.warn(
+                f"{s.split} input(s) were longer than max_length={self.max_length} tokens and were split into windows "
+                "whose pooled vectors were averaged (long_inputs='chunk'; counted in stats.split; this warning is "
+                "shown once per max_length)",
+                stacklevel=4,
+            )
         if s.truncated and self.max_length not in self.warned:
             self.warned.add(self.max_length)
             warnings.warn(

@@ -23,14 +23,14 @@ import numpy as np
 import torch
 
 from lab import rerank as scoring
-from lab import st_compat
+from lab import st_compat, windows
 from lab.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
 from lab.attention import resolve_backend
 from lab.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.executor import Executor
 from lab.heads import EmbeddingHead, Pooler, TokensHead
 from lab.inputs import InputProcessor, Request, check_texts
-from lab.knobs import Knobs, resolve_device, resolve_dtype
+from lab.knobs import Knobs, knobs_doc, resolve_device, resolve_dtype
 from lab.models import model_class
 from lab.models.hf_fallback import HFFallbackModel
 from lab.models.loading import ModelSpec, load_tokenizer, read_folder, read_state_dict
@@ -52,36 +52,8 @@ class Engine:
         model: a local model folder (transformers / sentence-transformers layout) or a ``.gguf`` file; or a PEFT
             adapter folder whose ``base_model_name_or_path`` is a local folder (that base loads, the adapter first
             in ``adapters``).
-        pooling: ``cls``, ``mean``, ``max``, ``lasttoken`` or ``weightedmean``; ``None`` = the model's own
-            (sentence-transformers Pooling config; ``lasttoken`` for decoders; else ``mean``).
-        normalize: L2-normalize embeddings; ``None`` = whether the model folder has a Normalize module.
-        truncate_dim: matryoshka dimension (applied before normalize).
-        max_length: longest input in tokens (longer ones are truncated and counted in ``stats.truncated``);
-            ``None`` = sentence_bert_config's ``max_seq_length``, else the tokenizer's / model's limit.
-        max_batch_tokens, max_num_seqs: the scheduler's budget per packed step.
-        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16``, ``float16``.
-        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` (fixed at load).
-        bidirectional: ``None`` = the model's own attention; ``True``/``False`` override (LLM2Vec-style).
-        chunked_prefill: tokens per chunk for long inputs under causal attention (``None`` = off); runs layer by
-            layer, holding hidden states + one layer's K/V per long input (``lab.kv_path``).
-        instruction: text prepended to every input, attended to; pooled or not as ``include_instruction`` says.
-        include_instruction: pool the instruction's tokens too; ``None`` = the model's Pooling config
-            (sentence-transformers' ``include_prompt``, which pools them unless it says false), else ``False``.
-        append_eos: append EOS when the tokenizer does not (``None`` = on for decoders with lasttoken pooling).
-        prefix_cache: reuse the shared instruction prefix's K/V under causal attention.
-        attention_backend: ``auto`` (triton on CUDA, torch on CPU), ``torch`` or ``triton``.
-        cpu_workers: on CPU, split each packed step across this many worker threads, each running its share of
-            the sequences with ``torch.get_num_threads() // cpu_workers`` intra-op threads (``None`` = one worker
-            per intra-op thread; ``1`` = the whole step on all threads). See ``lab.runner``.
-        layer: pool the hidden states after this layer, running only the layers up to it (a shorter forward, not a
-            slice of the full one): 1-based, ``0`` = the embedding output, negative counts from the end (``-1`` =
-            the last), ``None`` = the last. Equals transformers' ``output_hidden_states=True`` ->
-            ``hidden_states[layer]``. Decoders (pre-norm): the final RMSNorm is applied only at the last layer, as
-            in transformers (below it, the un-normed residual stream); encoders (post-norm): each layer's output.
-        adapters: PEFT LoRA folders (``adapter_config.json`` + ``adapter_model.safetensors``) merged into the
-            weights in this order, each on top of the last (``lab.adapters``); live: ``configure(adapters=[...])``
-            re-merges from the float32 master copy and ``[]`` restores the base weights exactly. Packed models
-            only; DoRA, trained biases and LoRA on embeddings / ``lm_head`` are refused.
+
+    Every other argument is a knob (``lab.knobs.KNOB_DOCS``, listed below and in the README's knob table).
     """
 
     def __init__(
@@ -106,6 +78,7 @@ class Engine:
         cpu_workers: int | None = None,
         adapters: list[str] | tuple[str, ...] = (),
         layer: int | None = None,
+        long_inputs: str = "truncate",
     ):
         args = locals()  # every knob is a keyword argument of the same name (a KeyError here says which is not)
         knobs = {f.name: args[f.name] for f in fields(Knobs)}
@@ -179,7 +152,7 @@ class Engine:
             "attention_backend": self._backend, "chunked_prefill": k.chunked_prefill,
             "instruction": self._instruction(),
             "include_instruction": self.include_instruction, "append_eos": self.append_eos,
-            "cpu_workers": self._workers, "layer": self.layer,
+            "cpu_workers": self._workers, "layer": self.layer, "long_inputs": k.long_inputs,
             "adapters": self.adapter_names, "cpu_paths": self.cpu_paths,
         }
 
@@ -457,8 +430,44 @@ class Engine:
         texts = check_texts(texts)
         check_precision(precision, rows=len(texts))
         instruction = self._instruction(instruction, prompt_name)
-        emb = self._run([self._embed_pass(texts, instruction)], "embed", show_progress)[0]
+        if self._knobs.long_inputs == "chunk":
+            emb = self._embed_split(texts, instruction, show_progress)
+        else:
+            emb = self._run([self._embed_pass(texts, instruction)], "embed", show_progress)[0]
         return emb if precision == "float32" else quantize_embeddings(emb, precision)
+
+    def _embed_split(self, texts: list[str], instruction: str | None, show_progress: bool | None) -> np.ndarray:
+        """``embed`` under ``long_inputs="chunk"``: every input tokenized first; those past ``max_length`` become
+        windows (``lab.windows.split_long``), pooled, averaged per input, then the embedding head."""
+        raw = self._embed_pass(texts, instruction, head=EmbeddingHead(self.model.hidden_size))
+        fr = windows.frame(self._processor(), instruction, self.include_instruction)
+        split = windows.split_long(self._processor(), texts, raw.tokenize(texts, 0), fr)
+        p = Pass(split.requests, lambda chunk, first: chunk, raw.pooler, shared_prefix=raw.shared_prefix)
+        rows = self._run([p], "embed", show_progress, split=split.split)[0]
+        head = EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
+        return head(split.combine(rows, len(texts))).numpy()
+
+    def embed_chunks(self, docs: list[str], chunk_tokens: int = 128, *, late: bool = True, overlap: int | None = None,
+                     instruction=_UNSET, show_progress: bool | None = None):
+        """Late chunking: ``(embeddings (M, dim) float32, chunks)``, ``chunks`` a DataFrame with ``doc, chunk,
+        char_start, char_end, n_tokens, text``, one row per chunk of ``chunk_tokens`` tokens of each document.
+
+        ``late=True``: each chunk's vector is the model's pooling over that chunk's token span, taken from ONE
+        forward over the whole document, so every chunk sees its document (then the head: matryoshka, normalize).
+        Documents past ``max_length`` run as macro-windows overlapping by ``overlap`` tokens (default
+        ``chunk_tokens``); each chunk is pooled from the window that holds it with the most context on its narrower
+        side. ``late=False`` embeds each chunk's text on its own (the baseline). Empty documents have no chunks.
+        See ``lab.windows``."""
+        docs = check_texts(docs, "docs")
+        proc, instruction = self._processor(), self._instruction(instruction)
+        plan = windows.plan_chunks(proc, docs, windows.frame(proc, instruction, True), chunk_tokens, overlap)
+        table = plan.chunks[["doc", "chunk", "char_start", "char_end", "n_tokens", "text"]].copy()
+        if not late:
+            return self.embed(table["text"].tolist(), instruction=instruction, show_progress=show_progress), table
+        p = Pass(plan.windows, lambda chunk, first: chunk, Pooler(pooling_method("tokens"), TokensHead()))
+        rows = self._run([p], "embed_chunks", show_progress)[0]
+        head = EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
+        return head(windows.pool_chunks(plan, rows, self.pooling)).numpy(), table
 
     def encode(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,
                show_progress_bar: bool | None = None, output_value: str = "sentence_embedding",
@@ -504,13 +513,13 @@ class Engine:
                             max_batch_tokens=k.max_batch_tokens, max_num_seqs=k.max_num_seqs,
                             chunked_prefill=k.chunked_prefill, prefix_cache=k.prefix_cache)
 
-    def _run(self, passes: list[Pass], desc: str, show_progress: bool | None) -> list:
+    def _run(self, passes: list[Pass], desc: str, show_progress: bool | None, *, split: int = 0) -> list:
         """Run ``passes`` in one call: each pass's outputs in its input order. ``stats`` are published only when
         every pass finished (a failed or interrupted call leaves the engine, its stats included, as it was)."""
         self._repair()
         settings = self._settings()
         stats = Stats(path="packed" if self.model.packed else "transformers-fallback (padded)",
-                      backend=self._backend, adapters=tuple(self.adapter_names))
+                      backend=self._backend, adapters=tuple(self.adapter_names), split=split)
         results = []
         with Call(stats, total=sum(len(p.items) for p in passes), desc=desc, show_progress=show_progress,
                   warned=self._warned_lengths, max_length=self.max_length) as call, torch.inference_mode():
@@ -576,3 +585,6 @@ class Engine:
         bn = b / np.clip(np.linalg.norm(b, axis=1, keepdims=True), 1e-12, None)
         return an @ bn.T
 
+
+if Engine.__doc__:  # the knobs' help from their one table (lab.knobs.KNOB_DOCS); absent under python -OO
+    Engine.__doc__ = f"{Engine.__doc__.rstrip()}\n\n    Knobs:\n{knobs_doc()}\n"

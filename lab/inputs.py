@@ -82,8 +82,8 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.append_eos = append_eos and tokenizer.eos_token_id is not None
-        self._layout: tuple[int, int] | None | bool = False  # _special_layout, probed on first need
-        self._n_prefix: int | None = None  # _prefix_specials, probed on first need
+        self._layout: tuple[int, int] | None | bool = False  # special_layout, probed on first need
+        self._n_prefix: int | None = None  # prefix_specials, probed on first need
 
     def _encode(self, texts: list[str], pairs: list[str] | None, max_length: int) -> dict:
         kw = {"truncation": True, "max_length": max_length, "return_attention_mask": False, "verbose": False}
@@ -97,7 +97,7 @@ class InputProcessor:
         enc = self._encode(texts, pairs, limit + 1)
         ids, types = enc["input_ids"], enc.get("token_type_ids")
         cut = [i for i, x in enumerate(ids) if len(x) > limit]
-        specials = self._special_layout() if cut and pairs is None else None
+        specials = self.special_layout() if cut and pairs is None else None
         if specials is not None and limit > sum(specials):  # drop the last text token, keep the specials
             n_suffix = specials[1]
             for i in cut:
@@ -121,7 +121,7 @@ class InputProcessor:
             truncated[i] = True
         return ids, types, truncated
 
-    def _special_layout(self) -> tuple[int, int] | None:
+    def special_layout(self) -> tuple[int, int] | None:
         """``(n_prefix, n_suffix)``: special tokens the tokenizer puts before and after a single text, when cutting
         the ``limit + 1`` encoding by its last text token equals encoding at ``limit`` (right-side truncation);
         else ``None``. Saves tokenizing every over-long input twice."""
@@ -146,13 +146,13 @@ class InputProcessor:
         # it puts before (e.g. [CLS], <s>) are, even when the instruction tokenizes to nothing (whitespace), as
         # sentence-transformers' prompt_length counts them
         n_suffix = 0
-        while n_suffix < min(len(bare_text) - self._prefix_specials(), len(with_special)) and (
+        while n_suffix < min(len(bare_text) - self.prefix_specials(), len(with_special)) and (
             bare_text[len(bare_text) - 1 - n_suffix] == with_special[len(with_special) - 1 - n_suffix]
         ):
             n_suffix += 1
         return len(with_special) - n_suffix
 
-    def _prefix_specials(self) -> int:
+    def prefix_specials(self) -> int:
         """Special tokens the tokenizer puts before a single text (probed once; 0 if the probe is inconclusive)."""
         if self._n_prefix is None:
             tok, probe = self.tokenizer, "hello world"

@@ -20,6 +20,92 @@ from lab.kernels.reference import POOLING_METHODS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LONG_INPUTS = ("truncate", "chunk")
+
+KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, the README table, the panel
+    "pooling": (
+        "``cls``, ``mean``, ``max``, ``lasttoken`` or ``weightedmean``; ``None`` = the model's own "
+        "(sentence-transformers Pooling config; ``lasttoken`` for decoders; else ``mean``)."
+    ),
+    "normalize": (
+        "L2-normalize embeddings; ``None`` = whether the model folder has a Normalize module."
+    ),
+    "truncate_dim": (
+        "matryoshka dimension (applied before normalize)."
+    ),
+    "max_length": (
+        "longest input in tokens (longer ones are truncated and counted in ``stats.truncated``, or split as "
+        "``long_inputs`` says); ``None`` = sentence_bert_config's ``max_seq_length``, else the tokenizer's / "
+        "model's limit."
+    ),
+    "max_batch_tokens": (
+        "the scheduler's token budget per packed step."
+    ),
+    "max_num_seqs": (
+        "the most sequences in one packed step."
+    ),
+    "dtype": (
+        "``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16``, ``float16``."
+    ),
+    "device": (
+        "``auto``, ``cpu``, ``cuda``, ``cuda:N`` (fixed at load)."
+    ),
+    "bidirectional": (
+        "``None`` = the model's own attention; ``True``/``False`` override (LLM2Vec-style)."
+    ),
+    "chunked_prefill": (
+        "tokens per chunk for long inputs under causal attention (``None`` = off); runs layer by layer, holding hidden "
+        "states + one layer's K/V per long input (``lab.kv_path``)."
+    ),
+    "instruction": (
+        "text prepended to every input, attended to; pooled or not as ``include_instruction`` says."
+    ),
+    "include_instruction": (
+        "pool the instruction's tokens too; ``None`` = the model's Pooling config (sentence-transformers' "
+        "``include_prompt``, which pools them unless it says false), else ``False``."
+    ),
+    "append_eos": (
+        "append EOS when the tokenizer does not (``None`` = on for decoders with lasttoken pooling)."
+    ),
+    "prefix_cache": (
+        "reuse the shared instruction prefix's K/V under causal attention."
+    ),
+    "attention_backend": (
+        "``auto`` (triton on CUDA, torch on CPU), ``torch`` or ``triton``."
+    ),
+    "cpu_workers": (
+        "on CPU, split each packed step across this many worker threads, each running its share of the sequences with "
+        "``torch.get_num_threads() // cpu_workers`` intra-op threads (``None`` = one worker per intra-op thread; ``1`` "
+        "= the whole step on all threads). See ``lab.runner``."
+    ),
+    "layer": (
+        "pool the hidden states after this layer, running only the layers up to it (a shorter forward, not a slice of "
+        "the full one): 1-based, ``0`` = the embedding output, negative counts from the end (``-1`` = the last), "
+        "``None`` = the last. Equals transformers' ``output_hidden_states=True`` -> ``hidden_states[layer]``. Decoders "
+        "(pre-norm): the final RMSNorm is applied only at the last layer, as in transformers (below it, the un-normed "
+        "residual stream); encoders (post-norm): each layer's output."
+    ),
+    "adapters": (
+        "PEFT LoRA folders (``adapter_config.json`` + ``adapter_model.safetensors``) merged into the weights in this "
+        "order, each on top of the last (``lab.adapters``); live: ``configure(adapters=[...])`` re-merges from the "
+        "float32 master copy and ``[]`` restores the base weights exactly. Packed models only; DoRA, trained biases "
+        "and LoRA on embeddings / ``lm_head`` are refused."
+    ),
+    "long_inputs": (
+        "what happens to an input past ``max_length``: ``truncate`` (cut, counted in ``stats.truncated``) or ``chunk`` "
+        "(split into ``max_length`` windows, each pooled, averaged weighted by pooled tokens, then the head: "
+        "matryoshka, normalize; counted in ``stats.split``; ``lab.windows``)."
+    ),
+}
+
+
+def knobs_doc(indent: str = "        ") -> str:
+    """``KNOB_DOCS`` as a docstring section (what ``Engine.__doc__`` ends with), wrapped at 119 columns."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(f"{name}: {text}", 119, initial_indent=indent, subsequent_indent=indent + "    ",
+                                   break_on_hyphens=False) for name, text in KNOB_DOCS.items())
+
 
 
 @dataclass(frozen=True)
@@ -44,6 +130,7 @@ class Knobs:
     cpu_workers: int | None = None
     adapters: tuple[str, ...] = ()  # PEFT LoRA folders merged in this order (lab.adapters)
     layer: int | None = None  # pool the hidden states after this layer (None = last; 0 = embeddings; -1 = last)
+    long_inputs: str = "truncate"  # inputs past max_length: "truncate" or "chunk" (lab.windows)
 
     def replace(self, **changes) -> Knobs:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
@@ -94,6 +181,8 @@ class Knobs:
             raise ValueError(
                 f"unknown attention_backend {self.attention_backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}"
             )
+        if self.long_inputs not in LONG_INPUTS:
+            raise ValueError(f"unknown long_inputs {self.long_inputs!r}; valid: {', '.join(map(repr, LONG_INPUTS))}")
         if self.instruction is not None and not isinstance(self.instruction, str):
             raise TypeError(f"instruction must be a string or None, got {type(self.instruction).__name__}")
         if self.chunked_prefill is not None and self.bidirectional:
