@@ -33,6 +33,7 @@ from lab.knobs import Knobs, resolve_device, resolve_dtype
 from lab.models import model_class
 from lab.models.hf_fallback import HFFallbackModel
 from lab.models.loading import ModelSpec, load_tokenizer, read_folder, read_state_dict
+from lab.outputs import output_pooler
 from lab.pooling import pooling_method
 from lab.runner import Runner
 from lab.runtime import tune_cpu_allocator
@@ -409,25 +410,39 @@ class Engine:
         texts = check_texts(texts)
         return self._embed_pass(texts, self._instruction(instruction)).tokenize(texts, 0)
 
-    def _embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None) -> Pass:
-        """The pass ``embed`` runs over ``texts`` (``pooling``: a method name, default the engine's)."""
+    def _embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None,
+                    output="dense") -> Pass:
+        """The pass ``embed`` runs over ``texts`` (``pooling``: a method name, default the engine's; ``output``:
+        as ``embed``'s, checked here)."""
         proc, include = self._processor(), self.include_instruction
         method = pooling_method(pooling or self.pooling)
         head = EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
+        pooler = output_pooler(output, Pooler(method, head), model=self.model, spec=self.spec,
+                               tokenizer=self.tokenizer)
 
         def tokenize(chunk: list[str], first: int) -> list[Request]:
             return proc.process(chunk, first_index=first, instruction=instruction, include_instruction=include)
 
-        return Pass(texts, tokenize, Pooler(method, head), shared_prefix=bool(instruction and not include))
+        return Pass(texts, tokenize, pooler, shared_prefix=bool(instruction and not include))
 
-    def embed(self, texts: list[str], *, instruction=_UNSET, show_progress: bool | None = None) -> np.ndarray:
-        """Embed ``texts`` -> ``(len(texts), dim)`` float32, in input order.
+    def embed(self, texts: list[str], *, output="dense", instruction=_UNSET, show_progress: bool | None = None):
+        """Embed ``texts``, in input order. ``output`` (``lab.outputs``):
 
+        - ``"dense"`` (default): ``(len(texts), dim)`` float32;
+        - ``"tokens"``: a list of ``(L_i, hidden)`` float32 arrays, the final hidden states of the tokens ``mean``
+          pooling averages (so ``tokens[i].mean(0)`` is the mean-pooled vector before normalize);
+        - ``"sparse"``: a ``scipy.sparse.csr_matrix`` ``(len(texts), vocab_size)`` float32 of lexical weights
+          (SPLADE models; bge-m3's ``sparse_linear``);
+        - ``"colbert"``: a list of ``(L_i - 1, d)`` float32 arrays, bge-m3's normalized ColBERT vectors;
+        - a tuple of these: a dict of them by name, all from one forward per step.
+
+        An output the model cannot give is an error naming the heads it has, raised before any work.
         ``instruction`` overrides the engine's instruction for this call (``None`` for none).
         ``show_progress``: a tqdm bar; ``None`` shows one for more than 4096 texts.
         """
         texts = check_texts(texts)
-        return self._run([self._embed_pass(texts, self._instruction(instruction))], "embed", show_progress)[0]
+        p = self._embed_pass(texts, self._instruction(instruction), output=output)
+        return self._run([p], "embed", show_progress)[0]
 
     # ------------------------------------------------------------------------------------------- the pipeline
     def _settings(self) -> ExecSettings:
@@ -447,7 +462,7 @@ class Engine:
         with Call(stats, total=sum(len(p.items) for p in passes), desc=desc, show_progress=show_progress,
                   warned=self._warned_lengths, max_length=self.max_length) as call, torch.inference_mode():
             for p in passes:
-                out = OutputBuffer(len(p.items), p.pooler.head.shape)
+                out = OutputBuffer(len(p.items), p.pooler.shape)
                 for requests in prefetch_waves(p.items, p.tokenize, WAVE_SIZE):
                     for reqs, rows in self.executor.run(requests, p.pooler, settings, stats,
                                                         shared_prefix=p.shared_prefix):
@@ -481,8 +496,9 @@ class Engine:
               prompt=None, similarity: str = "cosine", show_progress: bool | None = None) -> np.ndarray:
         """Scores of ``(query, document)`` pairs, in input order: ``(N,)`` float32, ``(N, num_labels)`` for a
         multi-label cross-encoder. ``mode``: ``cross-encoder`` | ``llm`` | ``bi-encoder`` (default
-        ``score_mode``); ``activation``: ``default`` (CrossEncoder.predict's; P(yes); raw similarity), ``None``
-        (raw), ``sigmoid``, ``softmax``, ``tanh``; ``prompt``: a ``lab.rerank.YesNoPrompt`` for ``llm``;
+        ``score_mode``) | ``late-interaction`` (ColBERT MaxSim) | ``sparse`` (lexical weights) | ``m3`` (bge-m3's
+        weighted dense + sparse + ColBERT); ``activation``: ``default`` (CrossEncoder.predict's; P(yes); raw
+        similarity), ``None`` (raw), ``sigmoid``, ``softmax``, ``tanh``; ``prompt``: a ``lab.rerank.YesNoPrompt`` for ``llm``;
         ``similarity``: ``cosine`` or ``dot`` for ``bi-encoder``. See ``lab.rerank``."""
         job = scoring.score_job(self, pairs, mode=mode, activation=activation, instruction=self._instruction(
             instruction), prompt=prompt, similarity=similarity, embed_pass=self._embed_pass)
