@@ -20,7 +20,7 @@ from typing import Self
 
 import numpy as np
 
-from lab.heads import Pooler
+from lab.heads import Pooler, SparseShape
 from lab.inputs import Request
 from lab.scheduler import WAVE_SIZE
 
@@ -99,21 +99,47 @@ class Pass:
 
 
 class OutputBuffer:
-    """The outputs of one pass in input order: a float32 array ``(N, *shape)``, or a list of N arrays when the
-    head's outputs are ragged (``shape`` ``None``)."""
+    """The outputs of one pass in input order, by ``shape`` (a pooler's, ``Pooler.shape``): a float32 array
+    ``(N, *shape)``; a list of N arrays when the outputs are ragged (``None``: per-token outputs); a
+    ``scipy.sparse.csr_matrix`` ``(N, cols)`` for a ``SparseShape`` (steps arrive as csr blocks of their rows); or
+    a dict of these for a dict of shapes (several outputs of one forward, ``lab.outputs``)."""
 
-    def __init__(self, n: int, shape: tuple[int, ...] | None):
-        self.rows = np.empty((n, *shape), dtype=np.float32) if shape is not None else [None] * n
+    def __init__(self, n: int, shape):
+        self.n, self.shape = n, shape
+        if isinstance(shape, dict):
+            self.rows = {name: OutputBuffer(n, s) for name, s in shape.items()}
+        elif isinstance(shape, SparseShape):
+            self.rows = []  # (input positions, csr block) per step
+        else:
+            self.rows = np.empty((n, *shape), dtype=np.float32) if shape is not None else [None] * n
 
     def place(self, requests: list[Request], out) -> None:
-        """Write ``out`` (aligned with ``requests``: a tensor or a list) at the requests' input positions."""
-        if isinstance(self.rows, np.ndarray):
+        """Write ``out`` (aligned with ``requests``: a tensor, a list, a csr matrix, or a dict of these) at the
+        requests' input positions."""
+        if isinstance(self.shape, dict):
+            for name, buf in self.rows.items():
+                buf.place(requests, out[name])
+        elif isinstance(self.shape, SparseShape):
+            self.rows.append((np.asarray([r.index for r in requests], dtype=np.int64), out))
+        elif isinstance(self.rows, np.ndarray):
             self.rows[[r.index for r in requests]] = out.cpu().numpy()
         else:
             for r, row in zip(requests, out):
                 self.rows[r.index] = row.cpu().numpy()
 
     def result(self):
+        if isinstance(self.shape, dict):
+            return {name: buf.result() for name, buf in self.rows.items()}
+        if isinstance(self.shape, SparseShape):
+            from scipy import sparse
+
+            if not self.rows:
+                return sparse.csr_matrix((self.n, self.shape.cols), dtype=np.float32)
+            where = np.concatenate([i for i, _ in self.rows])
+            stacked = sparse.vstack([m for _, m in self.rows], format="csr", dtype=np.float32)
+            order = np.empty_like(where)
+            order[where] = np.arange(len(where))
+            return stacked[order]
         return self.rows
 
 

@@ -22,20 +22,21 @@ from dataclasses import asdict, fields
 import numpy as np
 import torch
 
+from lab import outputs, st_compat, windows
 from lab import rerank as scoring
-from lab import st_compat, windows
 from lab.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
 from lab.attention import resolve_backend
 from lab.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.executor import Executor
 from lab.heads import EmbeddingHead, Pooler, TokensHead
 from lab.inputs import InputProcessor, Request, check_texts
-from lab.knobs import Knobs, knobs_doc, resolve_device, resolve_dtype
+from lab.knobs import Knobs, ModelLimits, check_for_model, knobs_doc, resolve_device, resolve_dtype
 from lab.models import model_class
 from lab.models.hf_fallback import HFFallbackModel
 from lab.models.loading import ModelSpec, load_tokenizer, read_folder, read_state_dict
+from lab.outputs import output_pooler
 from lab.pooling import pooling_method
-from lab.quantize import check_precision, quantize_embeddings
+from lab.quantize import check_precision
 from lab.runner import Runner
 from lab.runtime import tune_cpu_allocator
 from lab.scheduler import WAVE_SIZE, prefetch_waves
@@ -102,9 +103,7 @@ class Engine:
         if self._knobs.adapters:
             self._adapters, merged = self._merge_adapters(self._knobs.adapters)
             self.runner.set_merged(merged)
-        self._check_causal_support(self._knobs)
-        self._check_layer(self._knobs)
-        self._check_sizes(self._knobs)
+        self._check_for_model(self._knobs)
         self.stats = Stats()
         self._backend = resolve_backend(self._knobs.attention_backend, self.device)
         self.runner.plan_cpu_paths(self._workers)
@@ -238,50 +237,17 @@ class Engine:
         if "device" in knobs and knobs["device"] != self._knobs.device:
             raise ValueError("device cannot change live (it moves every weight); create a new Engine instead")
         new = self._knobs.replace(**knobs)
-        self._check_causal_support(new)
-        self._check_layer(new)
-        self._check_sizes(new)
+        self._check_for_model(new)
         resolve_backend(new.attention_backend, self.device)
         resolve_dtype(new.dtype, self.device)
         return new
 
-    def _check_sizes(self, k: Knobs) -> None:
-        """``truncate_dim`` within the embedding size; ``max_length`` within the positions the model has (encoders;
-        decoders past ``max_position_embeddings`` get a warning) and long enough for the special tokens."""
-        hidden = self.model.hidden_size
-        if k.truncate_dim is not None and k.truncate_dim > hidden:
-            raise ValueError(f"truncate_dim={k.truncate_dim} exceeds the embedding size {hidden}; valid: 1..{hidden}")
-        if k.max_length is None:
-            return
-        positions = self.model.max_positions or self.spec.config.get("max_position_embeddings")
-        if positions and k.max_length > positions:
-            if not self.model.is_decoder:
-                raise ValueError(f"max_length={k.max_length} but this model has {positions} positions; valid: "
-                                 f"1..{positions} (or None for the model's own limit)")
-            warnings.warn(f"max_length={k.max_length} is past this decoder's max_position_embeddings={positions}: "
-                          "RoPE beyond the trained length usually degrades embeddings", stacklevel=4)
-        specials = len(self.tokenizer("", add_special_tokens=True)["input_ids"])
-        if k.max_length <= specials:
-            raise ValueError(f"max_length={k.max_length} leaves no room for text: the tokenizer adds {specials} "
-                             f"special token(s) to every input; use max_length >= {specials + 1}")
-
-    def _check_causal_support(self, k: Knobs) -> None:
-        causal = self._causal_for(k)
-        if k.chunked_prefill is not None and not causal:
-            raise ValueError(
-                "chunked_prefill needs causal attention, but this model runs bidirectionally: bidirectional "
-                "attention needs the whole sequence at once. Set bidirectional=False or chunked_prefill=None"
-            )
-
-    def _check_layer(self, k: Knobs) -> None:
-        """``layer`` within the model's layers (its type is checked by ``Knobs``)."""
-        if k.layer is None:
-            return
-        n = self.model.num_layers
-        if n is None:
-            raise ValueError(f"layer={k.layer} but this model does not report its number of layers; use layer=None")
-        if not -n <= k.layer <= n:
-            raise ValueError(f"layer={k.layer} but this model has {n} layers; valid: 0..{n}, -{n}..-1, or None")
+    def _check_for_model(self, k: Knobs) -> None:
+        """The knob values that depend on this model (sizes, layers, attention), checked by ``lab.knobs``."""
+        check_for_model(k, ModelLimits(
+            hidden=self.model.hidden_size, is_decoder=bool(self.model.is_decoder), num_layers=self.model.num_layers,
+            positions=self.model.max_positions or self.spec.config.get("max_position_embeddings"),
+            specials=len(self.tokenizer("", add_special_tokens=True)["input_ids"]), causal=self._causal_for(k)))
 
     def _layer_for(self, k: Knobs) -> int | None:
         n = self.model.num_layers
@@ -401,40 +367,59 @@ class Engine:
         return self._embed_pass(texts, self._instruction(instruction, prompt_name)).tokenize(texts, 0)
 
     def _embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None, *,
-                    head=None, include: bool | None = None) -> Pass:
+                    head=None, include: bool | None = None, output="dense") -> Pass:
         """The pass ``embed`` runs over ``texts`` (``pooling``: a method name, default the engine's; ``head``:
         default the engine's ``EmbeddingHead``; ``include``: pool the instruction, default
-        ``include_instruction``)."""
+        ``include_instruction``; ``output``: as ``embed``'s, checked here)."""
         proc = self._processor()
         include = self.include_instruction if include is None else include
         method = pooling_method(pooling or self.pooling)
         if head is None:
             head = EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim,
                                  normalize=self.normalize)
+        pooler = output_pooler(output, Pooler(method, head), model=self.model, spec=self.spec,
+                               tokenizer=self.tokenizer)
 
         def tokenize(chunk: list[str], first: int) -> list[Request]:
             return proc.process(chunk, first_index=first, instruction=instruction, include_instruction=include)
 
-        return Pass(texts, tokenize, Pooler(method, head), shared_prefix=bool(instruction and not include))
+        return Pass(texts, tokenize, pooler, shared_prefix=bool(instruction and not include))
 
-    def embed(self, texts: list[str], *, instruction=_UNSET, prompt_name: str | None = None,
-              precision: str = "float32", show_progress: bool | None = None) -> np.ndarray:
-        """Embed ``texts`` -> ``(len(texts), dim)`` float32, in input order.
+    def embed(self, texts: list[str], *, output="dense", instruction=_UNSET, prompt_name: str | None = None,
+              precision: str = "float32", show_progress: bool | None = None):
+        """Embed ``texts``, in input order. ``output`` (``lab.outputs``):
 
+        - ``"dense"`` (default): ``(len(texts), dim)`` float32;
+        - ``"tokens"``: a list of ``(L_i, hidden)`` float32 arrays, the final hidden states of the tokens ``mean``
+          pooling averages (so ``tokens[i].mean(0)`` is the mean-pooled vector before normalize);
+        - ``"sparse"``: a ``scipy.sparse.csr_matrix`` ``(len(texts), vocab_size)`` float32 of lexical weights
+          (SPLADE models; bge-m3's ``sparse_linear``);
+        - ``"colbert"``: a list of ``(L_i - 1, d)`` float32 arrays, bge-m3's normalized ColBERT vectors;
+        - a tuple of these: a dict of them by name, all from one forward per step.
+
+        An output the model cannot give is an error naming the heads it has, raised before any work.
         ``instruction`` overrides the engine's instruction for this call (``None`` for none); ``prompt_name``
         uses one of the model folder's prompts instead (``prompts``; with neither and no ``instruction`` knob, its
         ``default_prompt_name``'s). ``precision``: ``float32``, or ``int8`` / ``uint8`` / ``binary`` /
         ``ubinary`` as ``lab.quantize.quantize_embeddings`` (sentence-transformers' rules; int8 ranges from this
-        call's embeddings). ``show_progress``: a tqdm bar; ``None`` shows one for more than 4096 texts.
+        call's own vectors, shared by all of a list's matrices) for dense, token and ColBERT vectors.
+        ``show_progress``: a tqdm bar; ``None`` shows one for more than 4096 texts.
         """
         texts = check_texts(texts)
-        check_precision(precision, rows=len(texts))
+        names = outputs.parse_output(output)[0]
+        check_precision(precision, rows=len(texts) if names == ("dense",) else None)
+        if precision != "float32" and "sparse" in names:
+            raise ValueError("precision applies to dense, token and ColBERT vectors, not to sparse weights; ask for "
+                             "output='sparse' separately with precision='float32'")
+        if self._knobs.long_inputs == "chunk" and names != ("dense",):
+            raise ValueError(f"long_inputs='chunk' averages one dense vector per window; output={output!r} needs "
+                             "long_inputs='truncate' (or embed_chunks for vectors per span of a long document)")
         instruction = self._instruction(instruction, prompt_name)
         if self._knobs.long_inputs == "chunk":
-            emb = self._embed_split(texts, instruction, show_progress)
+            out = self._embed_split(texts, instruction, show_progress)
         else:
-            emb = self._run([self._embed_pass(texts, instruction)], "embed", show_progress)[0]
-        return emb if precision == "float32" else quantize_embeddings(emb, precision)
+            out = self._run([self._embed_pass(texts, instruction, output=output)], "embed", show_progress)[0]
+        return outputs.quantize_output(out, precision)
 
     def _embed_split(self, texts: list[str], instruction: str | None, show_progress: bool | None) -> np.ndarray:
         """``embed`` under ``long_inputs="chunk"``: every input tokenized first; those past ``max_length`` become
@@ -524,7 +509,7 @@ class Engine:
         with Call(stats, total=sum(len(p.items) for p in passes), desc=desc, show_progress=show_progress,
                   warned=self._warned_lengths, max_length=self.max_length) as call, torch.inference_mode():
             for p in passes:
-                out = OutputBuffer(len(p.items), p.pooler.head.shape)
+                out = OutputBuffer(len(p.items), p.pooler.shape)
                 for requests in prefetch_waves(p.items, p.tokenize, WAVE_SIZE):
                     for reqs, rows in self.executor.run(requests, p.pooler, settings, stats,
                                                         shared_prefix=p.shared_prefix):
@@ -558,8 +543,9 @@ class Engine:
               prompt=None, similarity: str = "cosine", show_progress: bool | None = None) -> np.ndarray:
         """Scores of ``(query, document)`` pairs, in input order: ``(N,)`` float32, ``(N, num_labels)`` for a
         multi-label cross-encoder. ``mode``: ``cross-encoder`` | ``llm`` | ``bi-encoder`` (default
-        ``score_mode``); ``activation``: ``default`` (CrossEncoder.predict's; P(yes); raw similarity), ``None``
-        (raw), ``sigmoid``, ``softmax``, ``tanh``; ``prompt``: a ``lab.rerank.YesNoPrompt`` for ``llm``;
+        ``score_mode``) | ``late-interaction`` (ColBERT MaxSim) | ``sparse`` (lexical weights) | ``m3`` (bge-m3's
+        weighted dense + sparse + ColBERT); ``activation``: ``default`` (CrossEncoder.predict's; P(yes); raw
+        similarity), ``None`` (raw), ``sigmoid``, ``softmax``, ``tanh``; ``prompt``: a ``lab.rerank.YesNoPrompt`` for ``llm``;
         ``similarity``: ``cosine`` or ``dot`` for ``bi-encoder``. See ``lab.rerank``."""
         job = scoring.score_job(self, pairs, mode=mode, activation=activation, instruction=self._instruction(
             instruction), prompt=prompt, similarity=similarity, embed_pass=self._embed_pass)

@@ -10,7 +10,10 @@ Given one wave of ``Request`` objects and a ``Pooler`` (method x head), the exec
 
 Both paths share a step among the CPU workers (``Runner.run_shared``), both
 drive the model through its one forward (``lab.models.base.PackedModel``), and both yield ``(requests, outputs)``
-with outputs aligned to those requests, after the head. Every step's work is counted in the caller's ``Stats``.
+with outputs aligned to those requests, after the head. A method may return a tuple (several outputs of one
+forward, ``lab.outputs``): the workers' shares are merged per item. The ``rows()`` shortcut applies only when the
+method reads one row per sequence (for several outputs: when every one of them reads the same row). Every step's
+work is counted in the caller's ``Stats``.
 Adding an execution path: a class like ``KVPath`` that yields ``(requests, pooled)``, chosen in ``Executor.run``.
 
     >>> ex = Executor(runner)
@@ -52,13 +55,13 @@ class Executor:
             kv = KVPath(self.runner, s, pooler.method, self.workers(s))
             for reqs, pooled, delta in kv.run(requests, shared_prefix=shared_prefix):
                 stats.add(delta)
-                yield reqs, pooler.head(pooled)
+                yield reqs, pooler.outputs(pooled, reqs)
             return
         for batch in plan_batches(requests, s.max_batch_tokens, s.max_num_seqs):
             pooled, delta = self.packed_step(batch, pooler.method, s)
             delta.batches = 1
             stats.add(delta)
-            yield batch, pooler.head(pooled)
+            yield batch, pooler.outputs(pooled, batch)
 
     def workers(self, s: ExecSettings) -> int:
         return self.runner.cpu_workers(s.workers, s.backend)

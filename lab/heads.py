@@ -7,9 +7,13 @@
   (``sigmoid`` gives the yes probability, ``softmax`` over the two logits): LLM rerankers.
 - ``TokensHead``: per-token rows as they are (``pooling="tokens"``).
 
-A ``Pooler`` pairs a method with a head; the executor runs the method per packed step and the head on its output.
-Every head returns float32. Adding a head: a class with ``__call__(pooled)`` and ``shape`` (the per-row shape of
-its output, ``None`` for ragged per-token outputs), used in a ``Pooler``.
+Sparse lexical vectors and ColBERT vectors have their heads in ``lab.outputs``, which also pairs several methods
+and heads into one pooler over the same forward.
+
+A ``Pooler`` pairs a method with a head; the executor runs the method per packed step and the head on its output
+(``Pooler.outputs``). Every head returns float32. Adding a head: a class with ``__call__(pooled)`` and ``shape``
+(the per-row shape of its output, ``None`` for ragged per-token outputs, a ``SparseShape`` for sparse rows), used
+in a ``Pooler``.
 
     >>> pooler = Pooler(pooling_method("mean"), EmbeddingHead(dim=384, truncate_dim=128, normalize=True))
 """
@@ -100,8 +104,26 @@ class YesNoHead:
 
 
 @dataclass(frozen=True)
+class SparseShape:
+    """The shape of a head whose rows are sparse: ``cols`` columns (a vocabulary), gathered into a
+    ``scipy.sparse.csr_matrix`` ``(N, cols)``."""
+
+    cols: int
+
+
+@dataclass(frozen=True)
 class Pooler:
     """Method x head: the method reduces each packed step's rows, the head turns the result into outputs."""
 
     method: PoolingMethod
     head: EmbeddingHead | TokensHead | ClassifierHead | YesNoHead
+
+    @property
+    def shape(self):
+        """The per-row shape of the outputs (``OutputBuffer`` reads it): the head's."""
+        return self.head.shape
+
+    def outputs(self, pooled, requests: list) -> object:
+        """The outputs of one step's ``pooled`` rows, aligned with ``requests`` (the step's ``Request`` objects,
+        which heads reading token ids use; ``lab.outputs``)."""
+        return self.head(pooled)

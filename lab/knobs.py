@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
@@ -191,6 +192,45 @@ class Knobs:
                 "sequence at once (every token attends to later tokens). Use chunked_prefill=None, or "
                 "bidirectional=False for causal chunked prefill"
             )
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a loaded model allows, for the knob checks that depend on it (``check_for_model``)."""
+
+    hidden: int  # embedding size
+    positions: int | None  # position embeddings (None: not stated)
+    is_decoder: bool
+    num_layers: int | None
+    specials: int  # special tokens the tokenizer adds to every input
+    causal: bool  # the attention the knobs ask for on this model
+
+
+def check_for_model(k: Knobs, m: ModelLimits) -> None:
+    """``truncate_dim`` within the embedding size; ``max_length`` within the positions the model has (encoders;
+    decoders past them get a warning) and longer than the special tokens; ``layer`` within the layers;
+    ``chunked_prefill`` only under causal attention. Errors name the valid values."""
+    if k.truncate_dim is not None and k.truncate_dim > m.hidden:
+        raise ValueError(f"truncate_dim={k.truncate_dim} exceeds the embedding size {m.hidden}; valid: 1..{m.hidden}")
+    if k.max_length is not None:
+        if m.positions and k.max_length > m.positions:
+            if not m.is_decoder:
+                raise ValueError(f"max_length={k.max_length} but this model has {m.positions} positions; valid: "
+                                 f"1..{m.positions} (or None for the model's own limit)")
+            warnings.warn(f"max_length={k.max_length} is past this decoder's max_position_embeddings={m.positions}: "
+                          "RoPE beyond the trained length usually degrades embeddings", stacklevel=5)
+        if k.max_length <= m.specials:
+            raise ValueError(f"max_length={k.max_length} leaves no room for text: the tokenizer adds {m.specials} "
+                             f"special token(s) to every input; use max_length >= {m.specials + 1}")
+    if k.layer is not None:
+        n = m.num_layers
+        if n is None:
+            raise ValueError(f"layer={k.layer} but this model does not report its number of layers; use layer=None")
+        if not -n <= k.layer <= n:
+            raise ValueError(f"layer={k.layer} but this model has {n} layers; valid: 0..{n}, -{n}..-1, or None")
+    if k.chunked_prefill is not None and not m.causal:
+        raise ValueError("chunked_prefill needs causal attention, but this model runs bidirectionally: bidirectional "
+                         "attention needs the whole sequence at once. Set bidirectional=False or chunked_prefill=None")
 
 
 def normalize_adapters(adapters) -> tuple[str, ...]:

@@ -17,6 +17,11 @@ Which mode runs (``default_mode``; ``mode=`` overrides it):
   Pairs share the prompt's head, which the prefix cache computes once under causal attention.
 - ``bi-encoder``: anything else. Queries and documents are embedded apart (each distinct text once) and scored by
   cosine similarity (or ``similarity="dot"``), so every embedding model can rerank too.
+- ``late-interaction``, ``sparse``, ``m3`` (chosen with ``mode=``; models with the heads, ``lab.outputs``): queries
+  and documents embedded apart as for ``bi-encoder``, one forward per side, scored by ColBERT MaxSim
+  (FlagEmbedding's ``colbert_score``), by the dot product of lexical weights on shared token ids, or by bge-m3's
+  weighted sum of the dense dot product, the sparse and the ColBERT score (``M3Embedder.compute_score``'s
+  ``colbert+sparse+dense`` with its default weights, ``lab.outputs.M3_WEIGHTS``).
 
 ``activation``: ``"default"`` (above; the bi-encoder's default is the raw similarity), ``None`` for raw scores
 (head logits, ``logit_yes - logit_no``, or the similarity), ``"sigmoid"``, ``"softmax"`` (over labels), ``"tanh"``.
@@ -40,9 +45,10 @@ from lab.call import Pass
 from lab.heads import ACTIVATIONS as HEAD_ACTIVATIONS
 from lab.heads import ClassifierHead, Pooler, YesNoHead, activate
 from lab.inputs import InputProcessor, Request, check_encodable, check_texts
+from lab.outputs import SCORE_OUTPUTS, check_outputs, pair_scores
 from lab.pooling import pooling_method
 
-MODES = ("cross-encoder", "llm", "bi-encoder")
+MODES = ("cross-encoder", "llm", "bi-encoder", *SCORE_OUTPUTS)
 ACTIVATIONS = ("default", *HEAD_ACTIVATIONS)  # "default": the mode's own (module doc)
 SIMILARITIES = ("cosine", "dot")
 
@@ -117,6 +123,8 @@ def resolve_mode(engine, mode: str | None) -> str:
         why = ("it is not a decoder LLM" if not engine.is_decoder else "this checkpoint has no LM head weights")
         raise ValueError(f"mode='llm' needs a decoder with LM logits, but {why} ({engine.spec.architecture}); "
                          f"use mode={default_mode(engine)!r}")
+    if mode in SCORE_OUTPUTS:
+        check_outputs(SCORE_OUTPUTS[mode], engine.model, engine.spec, purpose=f"mode={mode!r}")
     return mode
 
 
@@ -290,9 +298,10 @@ class ScoreJob:
 
 def score_job(engine, pairs, *, mode: str | None = None, activation="default", instruction: str | None = None,
               prompt: YesNoPrompt | None = None, similarity: str = "cosine",
-              embed_pass: Callable[[list[str], str | None], Pass]) -> ScoreJob:
+              embed_pass: Callable[..., Pass]) -> ScoreJob:
     """The passes and the combination that score ``pairs`` (``Engine.score``): everything is checked here, before
-    any model work. ``embed_pass(texts, instruction)`` is the engine's embedding pass (bi-encoder mode)."""
+    any model work. ``embed_pass(texts, instruction, output=...)`` is the engine's embedding pass (bi-encoder,
+    late-interaction, sparse and m3 modes)."""
     queries, documents = check_pairs(pairs)
     mode = resolve_mode(engine, mode)
     if activation not in ACTIVATIONS:
@@ -320,9 +329,11 @@ def score_job(engine, pairs, *, mode: str | None = None, activation="default", i
         return ScoreJob([Pass(index, tokenize, Pooler(pooling_method("lasttoken"), head), shared_prefix=True)],
                         lambda outs: outs[0])
     if activation == "softmax":
-        raise ValueError("activation='softmax' needs several scores per pair; a bi-encoder gives one")
-    return _bi_encoder_job(queries, documents, instruction, similarity, None if activation == "default" else
-                           activation, embed_pass)
+        raise ValueError(f"activation='softmax' needs several scores per pair; mode={mode!r} gives one")
+    activation = None if activation == "default" else activation
+    if mode in SCORE_OUTPUTS:
+        return _outputs_job(mode, queries, documents, instruction, activation, embed_pass)
+    return _bi_encoder_job(queries, documents, instruction, similarity, activation, embed_pass)
 
 
 def _cross_encoder_job(engine, queries, documents, index, activation, instruction) -> ScoreJob:
@@ -358,6 +369,21 @@ def _bi_encoder_job(queries, documents, instruction, similarity, activation, emb
         return activate((a * b).sum(-1), activation).numpy()
 
     return ScoreJob([embed_pass(uq, instruction), embed_pass(ud, None)], combine)
+
+
+def _outputs_job(mode, queries, documents, instruction, activation, embed_pass) -> ScoreJob:
+    """``late-interaction`` / ``sparse`` / ``m3``: the outputs the mode reads (``lab.outputs.SCORE_OUTPUTS``),
+    one forward per side over the distinct texts (queries with ``instruction``), scored per pair."""
+    uq, ud = list(dict.fromkeys(queries)), list(dict.fromkeys(documents))
+    qi, di = {t: i for i, t in enumerate(uq)}, {t: i for i, t in enumerate(ud)}
+    outputs = SCORE_OUTPUTS[mode]
+
+    def combine(outs: list) -> np.ndarray:
+        q, d = outs  # dicts of outputs by name
+        scores = pair_scores(mode, q, d, [qi[x] for x in queries], [di[x] for x in documents])
+        return activate(torch.from_numpy(scores), activation).numpy()
+
+    return ScoreJob([embed_pass(uq, instruction, output=outputs), embed_pass(ud, None, output=outputs)], combine)
 
 
 def rerank(engine, query: str, documents, *, top_k: int | None = None, **score_kwargs):

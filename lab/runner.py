@@ -122,8 +122,8 @@ class Runner:
         """``fn(items)`` -> ``(outputs aligned with items, Stats)``, with the items shared among ``workers`` CPU
         worker threads when ``lab.scheduler.split_for_workers`` can share them evenly by their ``length`` (module
         doc): each worker runs ``fn`` on its share under inference mode, and the shares' outputs are put back in
-        item order (tensors scattered into one, lists into one list) and their stats added up. Every share
-        finishes before this returns or raises, so no worker is still running when the caller moves on."""
+        item order (``_merge``) and their stats added up. Every share finishes before this returns or raises, so no
+        worker is still running when the caller moves on."""
         parts = split_for_workers([x.length for x in items], workers)
         if parts is None:
             with torch.inference_mode():
@@ -135,17 +135,7 @@ class Runner:
         total = Stats()
         for _, delta in results:
             total.add(delta, concurrent=True)
-        first = results[0][0]
-        if isinstance(first, torch.Tensor):
-            out = first.new_empty((len(items), *first.shape[1:]))
-            for part, (rows, _) in zip(parts, results):
-                out[part] = rows
-            return out, total
-        out = [None] * len(items)
-        for part, (rows, _) in zip(parts, results):
-            for i, row in zip(part, rows):
-                out[i] = row
-        return out, total
+        return _merge(parts, [rows for rows, _ in results], len(items)), total
 
     def cpu_workers(self, workers: int | None, backend: str) -> int:
         """Workers a step may be split across: the knob's value (``None`` = ``torch.get_num_threads()``) on CPU
@@ -166,6 +156,24 @@ class Runner:
                                             initializer=torch.set_num_threads, initargs=(shape[1],))
             self._pool_shape = shape
         return self._pool
+
+
+def _merge(parts: list[list[int]], outs: list, n: int):
+    """The workers' outputs (``outs[w]`` aligned with the items ``parts[w]``) put back in item order: tensors
+    scattered into one, lists into one list, tuples (several outputs of one forward) item by item."""
+    first = outs[0]
+    if isinstance(first, tuple):
+        return tuple(_merge(parts, [o[k] for o in outs], n) for k in range(len(first)))
+    if isinstance(first, torch.Tensor):
+        out = first.new_empty((n, *first.shape[1:]))
+        for part, rows in zip(parts, outs):
+            out[part] = rows
+        return out
+    out = [None] * n
+    for part, rows in zip(parts, outs):
+        for i, row in zip(part, rows):
+            out[i] = row
+    return out
 
 
 def _inference(fn: Callable[[list], T], items: list) -> T:

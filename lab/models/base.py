@@ -122,6 +122,19 @@ class PackedModel(nn.Module):
         """Language-model logits ``(N, V)`` of hidden states ``(N, hidden)``, or only the columns ``token_ids``."""
         raise ValueError(f"{type(self).__name__} has no language-model head")
 
+    @property
+    def token_heads(self) -> tuple[str, ...]:
+        """Per-token heads loaded with the checkpoint, by name (``token_head`` runs them): ``mlm`` (masked-LM
+        logits, what SPLADE reads), ``sparse_linear`` (bge-m3's lexical weight), ``colbert_linear`` (bge-m3's
+        ColBERT projection). Empty when the checkpoint has none."""
+        return ()
+
+    def token_head(self, name: str, hidden: torch.Tensor) -> torch.Tensor:
+        """Head ``name`` of ``token_heads`` on hidden states ``(N, hidden)``: ``mlm`` -> ``(N, vocab)`` logits,
+        ``sparse_linear`` -> ``(N, 1)``, ``colbert_linear`` -> ``(N, d)``; raw outputs in the weights' dtype (the
+        activations and reductions around them are the outputs layer's, ``lab.outputs``)."""
+        raise ValueError(f"{type(self).__name__} has no per-token head {name!r}")
+
     # -------------------------------------------------------------------------------------------- adapters
     def hf_linear_map(self) -> dict[str, tuple[str, slice] | None]:
         """Each transformers Linear -> our parameter and its rows (LoRA merges through it; ``lab.adapters``)."""

@@ -1,4 +1,6 @@
-"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa) over packed tokens, plus their sequence-classification heads.
+"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa) over packed tokens, plus the heads their checkpoints carry:
+sequence classification (cross-encoders), the masked-LM head (``*ForMaskedLM``; SPLADE reads its logits) and
+bge-m3's ``sparse_linear`` / ``colbert_linear`` projections.
 
 Our own implementation, checked against transformers' ``BertModel`` / ``XLMRobertaModel`` on the same weights.
 The model sees flat tokens ``(T,)``, their positions within each sequence and an ``AttnMeta``; it never sees how
@@ -120,6 +122,10 @@ class BertModel(PackedModel):
             BertLayer(hidden, heads, config["intermediate_size"], self.eps, act, i, self.plan)
             for i in range(self.num_layers)
         )
+        # per-token heads (``token_heads``), set by ``load_hf_state_dict`` when the checkpoint has them
+        self.mlm: MaskedLMHead | None = None
+        self.sparse_linear: Linear | None = None
+        self.colbert_linear: Linear | None = None
 
     @classmethod
     def from_hf_config(cls, config: dict) -> BertModel:
@@ -206,13 +212,33 @@ class BertModel(PackedModel):
                 new[f"layers.{i}.up.{kind}"] = _take(sd, f"{p}intermediate.dense.{kind}")
                 new[f"layers.{i}.down.{kind}"] = _take(sd, f"{p}output.dense.{kind}")
                 new[f"layers.{i}.out_norm.{kind}"] = _take(sd, f"{p}output.LayerNorm.{kind}")
+        self.classifier = self.mlm = self.sparse_linear = self.colbert_linear = None
+        mlm = MaskedLMHead.from_state_dict(sd, self.config)
+        m3 = {name: _m3_linear(sd, name) for name in ("sparse_linear", "colbert_linear")}
         warn_unexpected(sd, self.model_type, ignore=_UNUSED_PREFIXES)
-        self.classifier = None
         self.load_state_dict(new, strict=True)
+        dtype = self.word_embeddings.weight.dtype
         if has_classification_head(raw):
             head = SequenceClassificationHead(self.config)
             head.load_hf_state_dict(raw)
-            self.classifier = head.to(self.word_embeddings.weight.dtype)
+            self.classifier = head.to(dtype)
+        self.mlm = None if mlm is None else mlm.to(dtype)
+        self.sparse_linear, self.colbert_linear = (None if m is None else m.to(dtype) for m in m3.values())
+
+    # ------------------------------------------------------------------------------------------ per-token heads
+    @property
+    def token_heads(self) -> tuple[str, ...]:
+        """The per-token heads this checkpoint loaded (``PackedModel.token_heads``)."""
+        return tuple(n for n in ("mlm", "sparse_linear", "colbert_linear") if getattr(self, n) is not None)
+
+    def token_head(self, name: str, hidden: torch.Tensor) -> torch.Tensor:
+        """``mlm``: masked-LM logits ``(N, vocab)``; ``sparse_linear`` ``(N, 1)`` / ``colbert_linear`` ``(N, d)``:
+        bge-m3's projections, all of hidden states ``(N, hidden)`` in the weights' dtype."""
+        if name not in self.token_heads:
+            raise ValueError(f"this checkpoint has no {name!r} head; it has: {', '.join(self.token_heads) or 'none'}")
+        if name == "mlm":
+            return self.mlm(hidden, self.word_embeddings.weight)
+        return getattr(self, name)(hidden)
 
     def hf_linear_map(self) -> dict[str, tuple[str, slice] | None]:
         """Each transformers Linear (named as ``load_hf_state_dict`` reads it, prefixes stripped) -> our parameter
@@ -282,6 +308,67 @@ class SequenceClassificationHead(nn.Module):
         self.load_state_dict(
             {f"{ours}.{k}": _take(sd, f"{theirs}.{k}") for ours, theirs in names.items() for k in ("weight", "bias")}
         )
+
+
+# transformers' names of a masked-LM head per layout: dense, LayerNorm, bias, decoder
+_MLM_NAMES = {
+    "bert": ("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions",
+             "cls.predictions.decoder"),
+    "roberta": ("lm_head.dense", "lm_head.layer_norm", "lm_head", "lm_head.decoder"),
+}
+
+
+class MaskedLMHead(nn.Module):
+    """The masked-LM head of ``BertForMaskedLM`` (``cls.predictions``) and ``RobertaForMaskedLM`` /
+    ``XLMRobertaForMaskedLM`` (``lm_head``): dense -> activation (BERT: ``hidden_act``; RoBERTa: exact GELU) ->
+    LayerNorm -> decoder + bias. The decoder is the word embeddings (tied, the usual case) unless the config unties
+    them and the checkpoint has its own. ``(N, hidden)`` -> ``(N, vocab)`` logits."""
+
+    def __init__(self, hidden: int, vocab: int, eps: float, act: str, own_decoder: bool):
+        super().__init__()
+        self.dense = Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden, eps=eps)
+        self.bias = nn.Parameter(torch.zeros(vocab))
+        self.decoder = nn.Parameter(torch.zeros(vocab, hidden)) if own_decoder else None
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.act(self.dense(hidden)))
+        return linear(x, word_embeddings if self.decoder is None else self.decoder, self.bias)
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, torch.Tensor], config: dict) -> MaskedLMHead | None:
+        """The head of a ``*ForMaskedLM`` state dict (prefixes stripped), or ``None`` when it has none."""
+        layout = next((k for k, names in _MLM_NAMES.items() if f"{names[0]}.weight" in sd), None)
+        if layout is None:
+            return None
+        dense, norm, bias, decoder = _MLM_NAMES[layout]
+        tied = config.get("tie_word_embeddings", True)
+        own = sd.get(f"{decoder}.weight")  # a tied checkpoint may store a copy of the word embeddings here
+        if not tied and own is None:
+            raise KeyError(f"weight '{decoder}.weight' missing from the checkpoint, but config.json unties the "
+                           "word embeddings (tie_word_embeddings=false): the masked-LM head has no decoder")
+        act = config.get("hidden_act", "gelu") if layout == "bert" else "gelu"
+        head = cls(config["hidden_size"], config["vocab_size"], config.get("layer_norm_eps", 1e-12), act, not tied)
+        b = sd.get(f"{bias}.bias")
+        b = _take(sd, f"{decoder}.bias") if b is None else b  # older checkpoints keep it on the decoder
+        weights = {"bias": b, **{f"{ours}.{k}": _take(sd, f"{theirs}.{k}") for ours, theirs in
+                                 (("dense", dense), ("norm", norm)) for k in ("weight", "bias")}}
+        if not tied:
+            weights["decoder"] = own
+        head.load_state_dict(weights, strict=True)
+        return head
+
+
+def _m3_linear(sd: dict[str, torch.Tensor], name: str) -> Linear | None:
+    """bge-m3's ``sparse_linear`` / ``colbert_linear`` (``sparse_linear.pt`` / ``colbert_linear.pt`` beside the
+    weights, read under these prefixes by ``lab.models.loading.read_state_dict``), or ``None``."""
+    w = sd.get(f"{name}.weight")
+    if w is None:
+        return None
+    layer = Linear(w.shape[1], w.shape[0], bias=f"{name}.bias" in sd)
+    layer.load_state_dict({"weight": w, **({"bias": sd[f"{name}.bias"]} if layer.bias is not None else {})})
+    return layer
 
 
 def has_classification_head(sd_keys) -> bool:

@@ -46,6 +46,9 @@ class ModelSpec:
     prompts: dict[str, str] = field(default_factory=lambda: {"query": "", "document": ""})
     default_prompt_name: str | None = None  # config_sentence_transformers.json's: the prompt used when none is named
     gguf_file: Path | None = None
+    # a sentence-transformers SparseEncoder's SpladePooling: {"pooling_strategy": max|sum, "activation_function":
+    # relu|log1p_relu}; None without one
+    splade: dict[str, str] | None = None
 
     @property
     def name(self) -> str:
@@ -150,7 +153,10 @@ def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
                 raise ValueError(  # noqa: TRY004 (a bad file, not a bad argument)
                     f"{modules}: every entry must be an object with 'type' and 'path', got {m!r}")
             kind = m.get("type", "")
-            if kind.endswith("Pooling"):
+            if kind.endswith("SpladePooling"):
+                spec.splade = _read_splade(p / m.get("path", "") / "config.json")
+                spec.include_prompt = True  # SpladePooling pools every attended token, a prompt's too
+            elif kind.endswith("Pooling"):
                 cfg_path = p / m.get("path", "") / "config.json"
                 if cfg_path.exists():
                     pcfg = _read_json(cfg_path, dict, "a JSON object (the Pooling config)")
@@ -180,8 +186,27 @@ def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
                              f"{sorted(spec.prompts)}; add it to 'prompts' or remove default_prompt_name")
 
 
+_SPLADE_CHOICES = {"pooling_strategy": ("max", "sum"), "activation_function": ("relu", "log1p_relu")}
+
+
+def _read_splade(cfg_path: Path) -> dict[str, str]:
+    """A SpladePooling config with sentence-transformers' defaults (max, relu) filled in; unknown values refused."""
+    cfg = _read_json(cfg_path, dict, "a JSON object (the SpladePooling config)") if cfg_path.exists() else {}
+    out = {}
+    for key, choices in _SPLADE_CHOICES.items():
+        out[key] = cfg.get(key) or choices[0]
+        if out[key] not in choices:
+            raise ValueError(f"{cfg_path}: {key}={out[key]!r} is not supported; valid: {', '.join(choices)}")
+    return out
+
+
+# bge-m3's per-token heads, saved beside the weights by FlagEmbedding as torch state dicts of one Linear each
+M3_HEAD_FILES = ("sparse_linear", "colbert_linear")
+
+
 def read_state_dict(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """All weights of the folder on CPU, in their stored dtype."""
+    """All weights of the folder on CPU, in their stored dtype; bge-m3's ``sparse_linear.pt`` /
+    ``colbert_linear.pt`` beside them (through ``torch.load(weights_only=True)``) under those prefixes."""
     sd: dict[str, torch.Tensor] = {}
     if spec.weight_format == "safetensors":
         from safetensors.torch import load_file
@@ -195,6 +220,14 @@ def read_state_dict(spec: ModelSpec) -> dict[str, torch.Tensor]:
         )
         for f in spec.weights:
             sd.update(torch.load(f, map_location="cpu", weights_only=True))
+    for name in M3_HEAD_FILES:
+        f = spec.path / f"{name}.pt"
+        if f.exists():
+            head = torch.load(f, map_location="cpu", weights_only=True)
+            if not isinstance(head, dict) or not all(isinstance(v, torch.Tensor) for v in head.values()):
+                raise ValueError(f"{f} should hold a state dict of tensors (a Linear's weight and bias), got "
+                                 f"{type(head).__name__}")
+            sd.update({f"{name}.{k}": v for k, v in head.items()})
     return sd
 
 
