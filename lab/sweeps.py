@@ -108,6 +108,7 @@ def evaluate(
     overwrite: bool = False,
     encode_kwargs: Mapping[str, Any] | None = None,
     show_progress: bool = True,
+    retrieval_modes: Iterable[str] = (),
 ) -> pd.DataFrame:
     """Evaluate ``engine`` on ``tasks`` for every variant of ``sweep``; see the module docstring.
 
@@ -119,6 +120,11 @@ def evaluate(
             (``$LAB_MTEB_CACHE`` overrides).
         instructions / use_task_instructions: prompts per task / prompt type, see ``as_mteb_model``.
         overwrite: re-run even when the cache holds results.
+        retrieval_modes: on every retrieval task, also score these ``lab.retrieval`` modes (``sparse``,
+            ``late-interaction``, ``tokens-maxsim``, ``m3``, ``late-chunking``, ``chunks``; ``dense`` recomputes
+            mteb's with our nDCG) with nDCG@10 on the task's own qrels: rows whose variant ends in ``,mode=<mode>``,
+            metric ``ndcg_at_10`` (mteb does not score these representations; they are named apart). Checked
+            against the model's heads before anything runs.
 
     Returns:
         DataFrame with columns model, variant, one column per knob, task, split, subset, metric, score (mteb's
@@ -141,6 +147,7 @@ def evaluate(
                 validate(**combo)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"sweep variant {variant_name(combo)}: {e}") from None
+    modes = _check_modes(engine, retrieval_modes)
     result_cache = resolve_cache(cache)
     rows: list[dict[str, Any]] = []
     bar = tqdm(total=len(combos) * len(task_list), desc="evaluate", disable=not show_progress)
@@ -163,6 +170,8 @@ def evaluate(
                     )
                     for task_result in result.task_results:
                         rows.extend({**base, **r} for r in score_rows(task_result, task.metadata.main_score))
+                    if modes and task.metadata.type == "Retrieval":
+                        rows.extend({**base, **r} for r in _mode_rows(engine, task, modes, variant_name(combo)))
                     bar.update()
     finally:
         bar.close()
@@ -171,6 +180,32 @@ def evaluate(
             engine.configure(**restore)
     columns = [*FIXED_COLUMNS, *original, *RESULT_COLUMNS]
     return pd.DataFrame(rows, columns=columns)
+
+
+def _check_modes(engine, modes: Iterable[str]) -> tuple[str, ...]:
+    """``retrieval_modes`` known and servable by the engine's model (its outputs), before any work."""
+    from lab.outputs import available_outputs
+    from lab.retrieval import MODE_OUTPUTS, MODES
+
+    modes = tuple(modes)
+    have = set(available_outputs(engine.model, engine.spec))
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown retrieval mode {mode!r}; valid: {', '.join(MODES)}")
+        missing = [o for o in MODE_OUTPUTS.get(mode, ()) if o not in have]
+        if missing:
+            raise ValueError(f"retrieval mode {mode!r} needs output(s) {missing}, which this model cannot give "
+                             f"(it has {sorted(have)})")
+    return modes
+
+
+def _mode_rows(engine, task, modes: tuple[str, ...], variant: str) -> list[dict[str, Any]]:
+    from lab.retrieval import evaluate_retrieval, load_retrieval
+
+    corpus, queries, qrels = load_retrieval(task)
+    df = evaluate_retrieval(engine, corpus, queries, qrels, modes=modes, task=task.metadata.name)
+    return [{"variant": f"{variant},mode={r.mode}", "task": r.task, "split": "test", "subset": "default",
+             "metric": r.metric, "score": r.score, "main": True} for r in df.itertuples()]
 
 
 class _DropSuperseded(logging.Filter):
