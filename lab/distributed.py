@@ -17,6 +17,7 @@ recorded once, which Ray Data's writers do not track; a ``ray.data.Dataset`` is 
     >>> reng = RayEngine(path, num_actors=2)      # a new local cluster; address="auto" joins `ray start --head`
     >>> E = reng.embed(texts)                     # Engine(path).embed(texts), same rows, same order
     >>> summary = embed_dataset(path, "corpus.jsonl", "out/", num_actors=8, shard_texts=2048)
+    >>> ids, E = read_embeddings("out/")           # every finished shard, in source order (lab.shards)
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ from lab.call import Stats
 from lab.inputs import check_texts
 from lab.knobs import Knobs
 from lab.scheduler import WAVE_SIZE
-from lab.shards import Manifest, job_record, read_source, write_shard
+from lab.shards import Manifest, job_record, read_embeddings, read_source, write_shard
 
-__all__ = ["ChunkResult", "RayEngine", "RayStats", "embed_dataset", "split_by_tokens"]
+__all__ = ["ChunkResult", "RayEngine", "RayStats", "embed_dataset", "read_embeddings", "split_by_tokens"]
 
 IN_FLIGHT = 2  # calls queued per actor: the next one is there when the last returns
 CHUNK_TEXTS = WAVE_SIZE  # texts per call in RayEngine.embed (progress, and what a restart redoes)
@@ -146,6 +147,8 @@ class RayEngine:
         max_restarts: how often Ray restarts an actor that died; its calls are retried as often.
         load_timeout: seconds to wait for every actor's Engine to load before giving up (naming the resources).
         **knobs: Engine knobs (``pooling``, ``dtype``, ...), as in ``Engine(...)``; ``configure`` changes them live.
+            Leave ``device`` at ``auto`` (or ``cuda``) on GPUs: Ray gives each actor one GPU, which it sees as
+            ``cuda:0``.
     """
 
     def __init__(self, model_path, num_actors: int = 2, threads_per_actor: int = 1, address: str | None = None, *,

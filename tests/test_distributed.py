@@ -145,6 +145,15 @@ class TestRayEngine:
             reng.configure(pooling=None)
         assert cosine_rows(reng.embed(texts), reference).min() >= COS
 
+    def test_instruction_per_call(self, reng, local, texts, reference):
+        instruction = "Represent this sentence for searching relevant passages: "
+        emb = reng.embed(texts[:40], instruction=instruction)
+        local.configure(pooling=None)
+        assert cosine_rows(emb, local.embed(texts[:40], instruction=instruction)).min() >= COS
+        assert cosine_rows(emb, reference[:40]).min() < 0.99  # the instruction was attended to
+        lengths = reng.token_lengths(texts[:40], instruction=instruction)
+        assert list(lengths) == [r.length for r in local.tokenize(texts[:40], instruction=instruction)]
+
     def test_empty_and_bad_input(self, reng):
         assert reng.embed([]).shape == (0, 384)
         with pytest.raises(TypeError, match="single str"):
