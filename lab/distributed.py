@@ -382,7 +382,7 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
             (an exception raised in it stops the job; the finished shards stay).
 
     Returns a DataFrame over every finished shard: shard, actor, pid, rows, tokens, seconds (inside the actor),
-    file, finished, and ``computed`` (done by this call, not an earlier one). Ctrl-C stops the job; the shards
+    node, file, finished, and ``computed`` (done by this call, not an earlier one). Ctrl-C stops the job; the shards
     written so far are complete and recorded, and the next run resumes after them.
     """
     if not isinstance(shard_texts, int) or isinstance(shard_texts, bool) or shard_texts < 1:

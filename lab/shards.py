@@ -2,11 +2,12 @@
 written atomically, and the manifest that lists the finished ones.
 
 ``lab.distributed.embed_dataset`` runs the job on Ray actors; this module holds everything that touches files and
-needs no Ray. Shard ``k`` holds source rows ``[k * shard_texts, (k + 1) * shard_texts)``. Each shard is written to
-a temporary file in the output folder and renamed into place (``os.replace``), so a crash never leaves a half-written
-``shard-*.parquet``; the manifest is rewritten the same way after every shard, and a shard counts as finished only
-when the manifest lists it and its file holds that many rows. A re-run skips finished shards and refuses a folder
-that holds another job (other rows, shard size, model or result-changing knobs).
+needs no Ray (but to read a ``ray.data.Dataset``). Shard ``k`` holds source rows ``[k * shard_texts, (k + 1) *
+shard_texts)``. Each shard is written to a temporary file in the output folder and renamed into place
+(``os.replace``), so a crash never leaves a half-written ``shard-*.parquet``; the manifest is rewritten the same way
+after every shard, and a shard counts as finished only when the manifest lists it and its file holds that many rows.
+A re-run skips finished shards and refuses a folder that holds another job (other rows, shard size, model or
+result-changing knobs).
 
     >>> src = read_source("corpus.jsonl")                     # rows with an "id" and a string "text"
     >>> man = Manifest.open("out/", job_record(src, shard_texts=2048, model=path, knobs={}))
@@ -69,8 +70,8 @@ def read_source(source) -> Source:
             return read_jsonl_source(path)
         if name.endswith(".parquet"):
             return read_parquet_source(path)
-        raise ValueError(f"source {path}: unknown file type; use a .jsonl, .jsonl.gz or .parquet file with an 'id' and "
-                         "a 'text' per row, a list of strings, or a ray.data.Dataset")
+        raise ValueError(f"source {path}: unknown file type; use a .jsonl, .jsonl.gz or .parquet file with an 'id' "
+                         "and a 'text' per row, a list of strings, or a ray.data.Dataset")
     if callable(getattr(source, "iter_batches", None)):
         return read_dataset_source(source)
     if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
@@ -246,8 +247,8 @@ class Manifest:
         atomic_write(self.out_dir / MANIFEST, json.dumps(data, indent=1).encode("utf-8"))
 
     def summary(self) -> pd.DataFrame:
-        """One row per finished shard: shard, actor, pid, rows, tokens, seconds, file, finished (epoch s)."""
-        cols = ["shard", "actor", "pid", "rows", "tokens", "seconds", "file", "finished"]
+        """One row per finished shard: shard, actor, pid, rows, tokens, seconds, node, file, finished (epoch s)."""
+        cols = ["shard", "actor", "pid", "rows", "tokens", "seconds", "node", "file", "finished"]
         rows = [{"shard": k, **{c: v.get(c) for c in cols[1:]}} for k, v in sorted(self.shards.items())]
         return pd.DataFrame(rows, columns=cols)
 
