@@ -202,9 +202,10 @@ class Table:
         from lab.models.probes import cpu_info
 
         info = cpu_info()
-        self.common = dict(run=run, device=device, torch=torch.__version__, transformers=transformers.__version__,
-                           machine=f"{platform.machine()} {os.cpu_count()} cpus", threads=torch.get_num_threads(),
-                           cpu_model=info["cpu_model"], cpu_flags=info["cpu_flags"])
+        self.common = {"run": run, "device": device, "torch": torch.__version__,
+                       "transformers": transformers.__version__,
+                       "machine": f"{platform.machine()} {os.cpu_count()} cpus", "threads": torch.get_num_threads(),
+                       "cpu_model": info["cpu_model"], "cpu_flags": info["cpu_flags"]}
 
     def add(self, section: str, system: str, metric: str, value=None, *, secs: list[float] | None = None,
             tokens: int | None = None, cpu: list[float] | None = None, **kw) -> dict:
@@ -305,7 +306,7 @@ def bench_throughput(args, path: str, table: Table) -> None:
         for pooling in args.poolings:
             eng.configure(dtype=dtype, pooling=pooling)
             base.configure(dtype=dtype, pooling=pooling, append_eos=eng.append_eos)
-            common = dict(dtype=dtype, pooling=pooling, texts=len(texts))
+            common = {"dtype": dtype, "pooling": pooling, "texts": len(texts)}
             # identical tokens: the Engine's own processor vs the baseline's tokenization
             reqs = eng.tokenize(texts)
             same = [list(r.ids) for r in reqs] == base.tokenize(texts)
@@ -436,8 +437,8 @@ def bench_memory(args, path: str, table: Table) -> None:
     MB = 1 << 20
     for length in args.lengths:
         for chunk in args.chunks:
-            spec = dict(path=path, length=length, chunk=chunk, dtype=args.memory_dtype, device=args.device,
-                        threads=torch.get_num_threads())
+            spec = {"path": path, "length": length, "chunk": chunk, "dtype": args.memory_dtype, "device": args.device,
+                    "threads": torch.get_num_threads()}
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--memory-point", json.dumps(spec)],
                                   capture_output=True, text=True, cwd=str(ROOT), check=False)
             line = next((ln for ln in proc.stdout.splitlines()[::-1] if ln.startswith("RESULT ")), None)
@@ -447,8 +448,8 @@ def bench_memory(args, path: str, table: Table) -> None:
                           note=(proc.stderr.strip().splitlines() or ["?"])[-1][:200])
                 continue
             r = json.loads(line.removeprefix("RESULT "))
-            common = dict(dtype=args.memory_dtype, pooling="mean", texts=1,
-                          setting=f"length={length}, chunked_prefill={chunk}")
+            common = {"dtype": args.memory_dtype, "pooling": "mean", "texts": 1,
+                      "setting": f"length={length}, chunked_prefill={chunk}"}
             table.add("memory", "engine", "time", secs=[r["seconds"]], cpu=[r["cpu_seconds"]], tokens=r["tokens"],
                       unit="s", **common,
                       note=f"{r['chunks']} pieces")
@@ -496,7 +497,7 @@ def bench_prefix(args, path: str, table: Table) -> None:
         eng.configure(pooling=pooling)
         reqs = eng.tokenize(kept, instruction=INSTRUCTION)
         fractions = [r.pool_start / r.length for r in reqs]
-        common = dict(dtype=args.prefix_dtype, pooling=pooling, texts=len(kept))
+        common = {"dtype": args.prefix_dtype, "pooling": pooling, "texts": len(kept)}
         stats = {}
 
         def run(cache: bool, stats=stats):
@@ -653,9 +654,9 @@ def parse_args(argv=None):
     ap.add_argument("--memory-point", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     small = args.smoke
-    defaults = dict(docs=(6, 128), repeats=(1, 3), batch_sizes=([16], [16, 32]), max_length=(256, 512),
-                    lengths=([256, 512, 1024], [1024, 2048, 4096, 8192]), chunks=(["none", "128", "512"],
-                    ["none", "256", "1024"]), queries=(32, None))
+    defaults = {"docs": (6, 128), "repeats": (1, 3), "batch_sizes": ([16], [16, 32]), "max_length": (256, 512),
+                "lengths": ([256, 512, 1024], [1024, 2048, 4096, 8192]), "chunks": (["none", "128", "512"],
+                ["none", "256", "1024"]), "queries": (32, None)}
     for k, (s, f) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, s if small else f)

@@ -118,10 +118,10 @@ def write(rows: list[dict], out: Path) -> list[Path]:
     lines = [
         "# Causal vs bidirectional attention, no training: STSBenchmark test",
         "",
-        f"Model `{r0['model']}`, {r0['pairs']} pairs ({r0['run']}), {r0['sentences']} distinct sentences, "
-        f"{r0['dtype']} on {r0['device']}; cosine similarity vs gold, Spearman x100 (MTEB's main score for STS). "
-        "One Engine, switched with `configure(pooling=..., bidirectional=...)`. lasttoken pooling appends EOS "
-        "(the Engine's default for decoders).",
+        (f"Model `{r0['model']}`, {r0['pairs']} pairs ({r0['run']}), {r0['sentences']} distinct sentences, "
+         f"{r0['dtype']} on {r0['device']}; cosine similarity vs gold, Spearman x100 (MTEB's main score for STS). "
+         "One Engine, switched with `configure(pooling=..., bidirectional=...)`. lasttoken pooling appends EOS "
+         "(the Engine's default for decoders)."),
         "",
         "| pooling | " + " | ".join(table.columns) + " |",
         "|---|" + "---:|" * len(table.columns),
