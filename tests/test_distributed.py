@@ -2,8 +2,8 @@
 contacted): RayEngine against a local Engine, knobs on every actor, stats, the mteb encoder, embed_dataset from each
 kind of source, an actor killed mid-run, interrupt and resume, bad rows and a model that cannot load.
 
-The actors run all-MiniLM-L6-v2 on one thread each; texts are a few hundred STSBenchmark sentences plus edge cases,
-so the whole file stays near two minutes on 2 cores. No timings are asserted.
+The actors run all-MiniLM-L6-v2 on one thread each; texts are a few hundred STSBenchmark sentences plus edge cases.
+The file took 1.5 to 2.5 minutes on 2 cores that other work kept busy (load average ~5); no timings are asserted.
 """
 
 from __future__ import annotations
