@@ -126,12 +126,20 @@ def evaluate_retrieval(engine, corpus: Mapping[str, str], queries: Mapping[str, 
 
 
 def load_retrieval(task, *, split: str = "test", max_docs: int | None = None, seed: int = 0):
-    """``(corpus, queries, qrels)`` dicts of an mteb retrieval task (a name resolved like ``lab.evaluate``'s, e.g. the
-    local SciFact, or a task object). Corpus texts are ``title + " " + text``. ``max_docs``: keep every document a
+    """``(corpus, queries, qrels)`` dicts of an mteb retrieval task (a task object, or a name: the local copy in
+    ``evals/data`` first, e.g. SciFact, else mteb's). Corpus texts are ``title + " " + text``. ``max_docs``: keep every document a
     qrel names plus a seeded random sample of the others, up to ``max_docs`` (a smaller, easier corpus: say so)."""
-    from lab.sweeps import resolve_tasks
+    t = task
+    if isinstance(task, str):  # the local copy (evals/tasks.py) when the checkout is there, else mteb's
+        from lab._repo import import_evals
 
-    t = resolve_tasks([task])[0]
+        local = import_evals("tasks")
+        if local is not None:
+            t = local.get_tasks([task])[0]
+        else:
+            import mteb
+
+            t = mteb.get_task(task)
     t.load_data()
     data = t.dataset["default"][split] if "default" in t.dataset else t.dataset[split]
     corpus = {r["id"]: f"{r.get('title') or ''} {r['text']}".strip() for r in data["corpus"]}

@@ -19,9 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED = ["01_quickstart", "02_pooling_and_bidirectional", "03_chunked_prefill", "04_mteb", "05_throughput",
-            "06_llm2vec"]
-# committed with the outputs of a full run, so a reader sees the results without running anything
-WITH_OUTPUTS = {"01_quickstart", "02_pooling_and_bidirectional", "05_throughput", "06_llm2vec"}
+            "06_llm2vec", "07_outputs"]
 CELL_TIMEOUT_S = int(os.environ.get("LAB_NOTEBOOK_TIMEOUT", "600"))  # generous: a 2-core CI machine shared with other jobs
 
 
@@ -31,20 +29,20 @@ def test_the_notebooks_exist():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_is_stored_as_intended(path):
-    """Outputs of a full run, with no error among them, where the notebook is meant to show them; else none."""
+    """Committed with the outputs of a full run (so a reader sees the results without running anything): every
+    cell run, no error output, at least one plot, no smoke-mode run, under 1 MB."""
     nbformat = pytest.importorskip("nbformat")
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    if path.stem in WITH_OUTPUTS:
-        assert all(c.execution_count is not None for c in code), f"{path.name}: run every cell before committing"
-        errors = [o for c in code for o in c.outputs if o.output_type == "error"]
-        assert not errors, f"{path.name}: committed with an error output: {errors[0].get('ename')}"
-        assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs), f"{path.name}: no plot"
-        assert path.stat().st_size < 1_000_000, f"{path.name} is {path.stat().st_size} bytes; keep it under 1 MB"
-    else:
-        for cell in code:
-            assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip the outputs"
+    assert all(c.execution_count is not None for c in code), f"{path.name}: run every cell before committing"
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"{path.name}: committed with an error output: {errors[0].get('ename')}"
+    assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs), f"{path.name}: no plot"
+    text = "".join(o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream")
+    assert "smoke mode: False" in text, f"{path.name}: committed from a smoke run (LAB_SMOKE=1); run it in full"
+    assert "profiler_start" not in text, f"{path.name}: torch profiler noise in the outputs"
+    assert path.stat().st_size < 1_000_000, f"{path.name} is {path.stat().st_size} bytes; keep it under 1 MB"
     assert nb.metadata.kernelspec.name == "python3"
 
 

