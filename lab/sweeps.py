@@ -188,6 +188,8 @@ def _check_modes(engine, modes: Iterable[str]) -> tuple[str, ...]:
     from lab.retrieval import MODE_OUTPUTS, MODES
 
     modes = tuple(modes)
+    if not modes:
+        return modes
     have = set(available_outputs(engine.model, engine.spec))
     for mode in modes:
         if mode not in MODES:

@@ -10,6 +10,7 @@ down however the test ends. It needs Chromium and ChromeDriver (Debian's ``chrom
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -123,6 +124,14 @@ def test_panel_runs_in_jupyterlab(jupyter, browser):
         imgs = browser.find_elements(By.CSS_SELECTOR, ".lab-panel-plot img")
         return imgs[0].get_attribute("src") if imgs else None
 
+    # the notebook's session and kernel exist before the page opens: JupyterLab attaches to them instead of asking
+    # which kernel to start (it asks when the kernelspecs have not loaded yet as it opens the notebook)
+    req = urllib.request.Request(
+        f"{base}/api/sessions", method="POST", headers={"Authorization": f"token {token}",
+                                                         "Content-Type": "application/json"},
+        data=json.dumps({"path": "01_quickstart.ipynb", "type": "notebook", "name": "01_quickstart.ipynb",
+                         "kernel": {"name": "python3"}}).encode())
+    urllib.request.urlopen(req, timeout=60).close()
     browser.get(f"{base}/lab/tree/01_quickstart.ipynb?token={token}")
     wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")))
     wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator[data-status='idle']")))
