@@ -366,6 +366,10 @@ class Engine:
         texts = check_texts(texts)
         return self._embed_pass(texts, self._instruction(instruction, prompt_name)).tokenize(texts, 0)
 
+    def _embedding_head(self) -> EmbeddingHead:
+        """The engine's embedding head: matryoshka ``truncate_dim``, then normalize as the knobs say."""
+        return EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
+
     def _embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None, *,
                     head=None, include: bool | None = None, output="dense") -> Pass:
         """The pass ``embed`` runs over ``texts`` (``pooling``: a method name, default the engine's; ``head``:
@@ -375,8 +379,7 @@ class Engine:
         include = self.include_instruction if include is None else include
         method = pooling_method(pooling or self.pooling)
         if head is None:
-            head = EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim,
-                                 normalize=self.normalize)
+            head = self._embedding_head()
         pooler = output_pooler(output, Pooler(method, head), model=self.model, spec=self.spec,
                                tokenizer=self.tokenizer)
 
@@ -425,12 +428,12 @@ class Engine:
         """``embed`` under ``long_inputs="chunk"``: every input tokenized first; those past ``max_length`` become
         windows (``lab.windows.split_long``), pooled, averaged per input, then the embedding head."""
         raw = self._embed_pass(texts, instruction, head=EmbeddingHead(self.model.hidden_size))
-        fr = windows.frame(self._processor(), instruction, self.include_instruction)
-        split = windows.split_long(self._processor(), texts, raw.tokenize(texts, 0), fr)
+        proc = self._processor()
+        fr = windows.frame(proc, instruction, self.include_instruction)
+        split = windows.split_long(proc, texts, raw.tokenize(texts, 0), fr)
         p = Pass(split.requests, lambda chunk, first: chunk, raw.pooler, shared_prefix=raw.shared_prefix)
         rows = self._run([p], "embed", show_progress, split=split.split)[0]
-        head = EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
-        return head(split.combine(rows, len(texts))).numpy()
+        return self._embedding_head()(split.combine(rows, len(texts))).numpy()
 
     def embed_chunks(self, docs: list[str], chunk_tokens: int = 128, *, late: bool = True, overlap: int | None = None,
                      instruction=_UNSET, show_progress: bool | None = None):
@@ -451,8 +454,7 @@ class Engine:
             return self.embed(table["text"].tolist(), instruction=instruction, show_progress=show_progress), table
         p = Pass(plan.windows, lambda chunk, first: chunk, Pooler(pooling_method("tokens"), TokensHead()))
         rows = self._run([p], "embed_chunks", show_progress)[0]
-        head = EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
-        return head(windows.pool_chunks(plan, rows, self.pooling)).numpy(), table
+        return self._embedding_head()(windows.pool_chunks(plan, rows, self.pooling)).numpy(), table
 
     def encode(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,
                show_progress_bar: bool | None = None, output_value: str = "sentence_embedding",

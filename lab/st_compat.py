@@ -72,7 +72,7 @@ def document_prompt_name(prompts: dict[str, str], prompt: str | None, prompt_nam
     return prompt_name
 
 
-def _check_options(*, batch_size, output_value, precision, device, engine_device, pool, kwargs) -> None:
+def _check_options(*, batch_size, output_value, device, engine_device, pool, kwargs) -> None:
     if kwargs:
         raise TypeError(f"encode() got arguments it does not take: {sorted(kwargs)} (the engine's knobs are set with "
                         "Engine(...) or engine.configure(...))")
@@ -81,7 +81,6 @@ def _check_options(*, batch_size, output_value, precision, device, engine_device
                          "compatibility; the engine schedules by max_batch_tokens)")
     if output_value not in OUTPUT_VALUES:
         raise ValueError(f"output_value must be one of {', '.join(map(repr, OUTPUT_VALUES))}, got {output_value!r}")
-    check_precision(precision)
     if pool is not None or isinstance(device, list | tuple):
         raise ValueError("multi-process encoding (pool= or a list of devices) is not supported: the engine already "
                          "shares each packed step among its CPU workers (knob cpu_workers); to spread work over "
@@ -119,12 +118,13 @@ def encode(
     """``SentenceTransformer.encode`` over ``run(texts, prompt, token_embeddings, show_progress)``, which returns
     the model's sentence embeddings (``(N, dim)`` float32: pooled, normalized when the model normalizes) or its
     token embeddings (a list of ``(L_i, dim)`` float32 tensors). See the module docstring for what maps to what."""
-    _check_options(batch_size=batch_size, output_value=output_value, precision=precision, device=device,
-                   engine_device=engine_device, pool=pool, kwargs=kwargs or {})
+    _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
+                   pool=pool, kwargs=kwargs or {})
     text = resolve_prompt(prompts, default_prompt_name, prompt, prompt_name)
     single = isinstance(sentences, str)
     sentences = check_texts([sentences] if single else sentences, "sentences")
     tokens = output_value == "token_embeddings"
+    check_precision(precision, rows=None if tokens else len(sentences))
     if tokens:
         convert_to_tensor = convert_to_numpy = False  # a list of per-text tensors, as sentence-transformers returns
     if convert_to_tensor:
@@ -138,7 +138,6 @@ def encode(
     if not sentences:  # sentence-transformers' empty results
         return [] if not (convert_to_numpy or convert_to_tensor) else (
             torch.tensor([]) if convert_to_tensor else np.array([]))
-    check_precision(precision, rows=None if tokens else len(sentences))
     out = run(sentences, text, tokens, show_progress_bar)
     if tokens:  # tensors, or numpy arrays once quantized (as sentence-transformers returns them)
         mats = [torch.as_tensor(np.asarray(m)) for m in out]

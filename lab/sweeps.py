@@ -184,20 +184,14 @@ def evaluate(
 
 def _check_modes(engine, modes: Iterable[str]) -> tuple[str, ...]:
     """``retrieval_modes`` known and servable by the engine's model (its outputs), before any work."""
-    from lab.outputs import available_outputs
+    from lab.outputs import check_outputs
     from lab.retrieval import MODE_OUTPUTS, MODES
 
     modes = tuple(modes)
-    if not modes:
-        return modes
-    have = set(available_outputs(engine.model, engine.spec))
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown retrieval mode {mode!r}; valid: {', '.join(MODES)}")
-        missing = [o for o in MODE_OUTPUTS.get(mode, ()) if o not in have]
-        if missing:
-            raise ValueError(f"retrieval mode {mode!r} needs output(s) {missing}, which this model cannot give "
-                             f"(it has {sorted(have)})")
+        check_outputs(MODE_OUTPUTS.get(mode, ()), engine.model, engine.spec, purpose=f"retrieval mode {mode!r}")
     return modes
 
 
