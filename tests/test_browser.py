@@ -134,6 +134,18 @@ def test_panel_runs_in_jupyterlab(jupyter, browser):
     urllib.request.urlopen(req, timeout=60).close()
     browser.get(f"{base}/lab/tree/01_quickstart.ipynb?token={token}")
     wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")))
+    # a fresh JupyterLab may still ask which kernel to start: once its list names Python 3, accept it
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator[data-status='idle']"):
+            break
+        dialogs = browser.find_elements(By.CSS_SELECTOR, ".jp-Dialog")
+        if dialogs and "Python 3" in dialogs[0].text:
+            accept = dialogs[0].find_elements(By.CSS_SELECTOR, "button.jp-mod-accept")
+            if accept:
+                accept[0].click()
+                break
+        time.sleep(0.5)
     wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator[data-status='idle']")))
     # Run -> Run All Cells (the panel cell is the notebook's last)
     browser.find_element(By.XPATH, "//div[contains(@class,'lm-MenuBar-itemLabel') and text()='Run']").click()
