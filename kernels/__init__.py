@@ -19,13 +19,45 @@ import), so ``import lab.kernels`` and ``lab.kernels.reference`` work where trit
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
 
+
+def _yield_to_the_kernels_library() -> bool:
+    """Step aside when this folder was imported as a top-level ``kernels`` (the repository root on ``sys.path``).
+
+    Python puts the current directory first on ``sys.path`` (``python -m ...``, ``python -c``, a notebook kernel
+    started here), so from the repository root ``import kernels`` finds this folder before Hugging Face's
+    ``kernels`` library, which transformers (>= 5.25 depends on it) imports at start-up. Then the library is
+    loaded from the rest of ``sys.path`` and put in ``sys.modules`` in our place, so the import returns it.
+    Without the library installed this module stays empty (no ``__version__``), which transformers reads as
+    "not available". Returns whether this module is shadowing the library's name.
+    """
+    if __name__ != "kernels":
+        return False
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", rest)
+    if spec is not None and spec.loader is not None:
+        library = importlib.util.module_from_spec(spec)
+        sys.modules["kernels"] = library  # the import system returns whatever sits here once we finish
+        try:
+            spec.loader.exec_module(library)
+        except BaseException:
+            sys.modules.pop("kernels", None)
+            raise
+    return True
+
+
+_SHADOWING = _yield_to_the_kernels_library()
 TRITON_MODULES = ("attention", "pooling", "norms", "rotary")
 __all__ = ["attention", "norms", "pooling", "reference", "rotary", "tolerances"]
 
 
 def __getattr__(name: str):
     """``lab.kernels.attention`` and friends as attributes, imported on first use."""
-    if name in __all__:
+    if name in __all__ and not _SHADOWING:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -82,6 +82,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
 
     q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` -> ``(T, Hq, D)``.
     """
+    if meta.key_lens is not None:
+        return visible_keys_attention(q, k, v, meta)
     kw = {}
     kv = meta.kv
     if kv is not None:
@@ -95,3 +97,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     return ops(meta).varlen_attention(
         q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=meta.causal, seqlens=meta.seqlens, **kw
     )
+
+
+def visible_keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """Bidirectional attention where every token of sequence ``i`` attends to its first ``meta.key_lens[i]`` tokens
+    only (ColBERT's query expansion: ``[MASK]`` tokens read the query, nobody reads them). Torch on every backend:
+    sequences of one (length, visible keys) shape are stacked into one ``scaled_dot_product_attention`` call.
+
+    q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` -> ``(T, Hq, D)``; no cached prefix, no causal mask."""
+    if meta.causal or (meta.kv is not None and meta.kv.has_prefix):
+        raise ValueError("attention over a leading part of each sequence is bidirectional and prefix-free only")
+    hq, hkv = q.shape[1], k.shape[1]
+    out = torch.empty_like(q)
+    starts = meta.cu_seqlens[:-1].tolist()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (n, kl) in enumerate(zip(meta.seqlens, meta.key_lens)):
+        if n:
+            groups.setdefault((n, max(1, min(kl, n))), []).append(starts[i])
+    for (n, kl), firsts in groups.items():
+        rows = (torch.tensor(firsts, device=q.device)[:, None] + torch.arange(n, device=q.device)).reshape(-1)
+        qg = q[rows].view(len(firsts), n, hq, -1).transpose(1, 2)  # (G, Hq, n, D)
+        kg, vg = (x[rows].view(len(firsts), n, hkv, -1)[:, :kl].transpose(1, 2) for x in (k, v))
+        if hq != hkv:
+            kg, vg = kg.repeat_interleave(hq // hkv, dim=1), vg.repeat_interleave(hq // hkv, dim=1)
+        og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg)
+        out[rows] = og.transpose(1, 2).reshape(len(firsts) * n, hq, -1)
+    return out

@@ -50,6 +50,9 @@ class AttnMeta:
         seqlens: host copy of the B lengths (grouping on CPU without a device sync).
         backend: ``"torch"`` or ``"triton"``: which kernels the layers call.
         kv: cached prefix keys/values and capture of this step's, or ``None`` for a plain prefill.
+        key_lens: per sequence, how many of its leading tokens every token of it may attend to (``None``: all of
+            them). ColBERT's query expansion without ``attend``: the appended ``[MASK]`` tokens are queries only,
+            never keys (``lab.multivector``).
     """
 
     cu_seqlens: torch.Tensor
@@ -58,11 +61,12 @@ class AttnMeta:
     seqlens: list[int]
     backend: str = "torch"
     kv: KVStep | None = None
+    key_lens: list[int] | None = None
 
     @classmethod
     def from_lengths(
         cls, lengths: list[int], *, causal: bool, device: torch.device | str = "cpu", backend: str = "torch",
-        kv: KVStep | None = None,
+        kv: KVStep | None = None, key_lens: list[int] | None = None,
     ) -> AttnMeta:
         cu = [0]
         for n in lengths:
@@ -74,6 +78,7 @@ class AttnMeta:
             seqlens=list(lengths),
             backend=backend,
             kv=kv,
+            key_lens=None if key_lens is None or list(key_lens) == list(lengths) else list(key_lens),
         )
 
     @property
@@ -145,8 +150,10 @@ class PackedBatch:
     def build(
         cls, ids: list, *, causal: bool, device: torch.device, backend: str = "torch", token_type_ids=None,
         pool_start: list[int] | None = None, position_offsets: list[int] | None = None, kv: KVStep | None = None,
+        key_lens: list[int | None] | None = None,
     ) -> PackedBatch:
-        """Pack per-sequence arrays of token ids (numpy int64) into flat tensors with their metadata."""
+        """Pack per-sequence arrays of token ids (numpy int64) into flat tensors with their metadata (``key_lens``:
+        ``AttnMeta``'s, ``None`` entries meaning the whole sequence)."""
         import numpy as np
 
         lengths = [len(x) for x in ids]
@@ -165,6 +172,8 @@ class PackedBatch:
             input_ids=torch.from_numpy(flat).to(device),
             positions=torch.from_numpy(pos).to(device),
             token_type_ids=types,
-            meta=AttnMeta.from_lengths(lengths, causal=causal, device=device, backend=backend, kv=kv),
+            meta=AttnMeta.from_lengths(
+                lengths, causal=causal, device=device, backend=backend, kv=kv,
+                key_lens=None if key_lens is None else [n if k is None else k for n, k in zip(lengths, key_lens)]),
             pool_start=ps,
         )

@@ -22,7 +22,7 @@ from dataclasses import asdict, fields
 import numpy as np
 import torch
 
-from lab import outputs, st_compat, windows
+from lab import multivector, outputs, st_compat, windows
 from lab import rerank as scoring
 from lab.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
 from lab.attention import resolve_backend
@@ -371,20 +371,28 @@ class Engine:
         return EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
 
     def _embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None, *,
-                    head=None, include: bool | None = None, output="dense") -> Pass:
+                    head=None, include: bool | None = None, output="dense", task: str | None = None) -> Pass:
         """The pass ``embed`` runs over ``texts`` (``pooling``: a method name, default the engine's; ``head``:
         default the engine's ``EmbeddingHead``; ``include``: pool the instruction, default
-        ``include_instruction``; ``output``: as ``embed``'s, checked here)."""
-        proc = self._processor()
-        include = self.include_instruction if include is None else include
+        ``include_instruction``; ``output``: as ``embed``'s, checked here; ``task``: a ColBERT folder's,
+        ``lab.multivector``, which then sets the lengths, the query expansion and pools the prompt)."""
+        mv = self.spec.multi_vector if "colbert" in outputs.parse_output(output)[0] else None
+        proc = self._processor() if mv is None else InputProcessor(
+            self.tokenizer, multivector.max_length(mv, task, self.max_length, self._knobs.max_length),
+            append_eos=self.append_eos)
+        include = True if mv is not None else self.include_instruction if include is None else include
         method = pooling_method(pooling or self.pooling)
         if head is None:
             head = self._embedding_head()
         pooler = output_pooler(output, Pooler(method, head), model=self.model, spec=self.spec,
-                               tokenizer=self.tokenizer)
+                               tokenizer=self.tokenizer, task=task)
+        expand = mv is not None and task == "query" and mv.query_expansion is not None
+        if expand:
+            fill = multivector.check_expansion(mv, self.tokenizer, causal=self.causal)
 
         def tokenize(chunk: list[str], first: int) -> list[Request]:
-            return proc.process(chunk, first_index=first, instruction=instruction, include_instruction=include)
+            reqs = proc.process(chunk, first_index=first, instruction=instruction, include_instruction=include)
+            return multivector.expand(reqs, mv, fill) if expand else reqs
 
         return Pass(texts, tokenize, pooler, shared_prefix=bool(instruction and not include))
 
@@ -421,7 +429,8 @@ class Engine:
         if self._knobs.long_inputs == "chunk":
             out = self._embed_split(texts, instruction, show_progress)
         else:
-            out = self._run([self._embed_pass(texts, instruction, output=output)], "embed", show_progress)[0]
+            p = self._embed_pass(texts, instruction, output=output, task=multivector.task_of(prompt_name))
+            out = self._run([p], "embed", show_progress)[0]
         return outputs.quantize_output(out, precision)
 
     def _embed_split(self, texts: list[str], instruction: str | None, show_progress: bool | None) -> np.ndarray:

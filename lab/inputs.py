@@ -28,6 +28,7 @@ class Request:
     token_type_ids: np.ndarray | None = None
     pool_start: int = 0  # tokens before this are an instruction: attended, not pooled
     truncated: bool = False
+    key_len: int | None = None  # only the first key_len tokens are attended to (None: all; lab.multivector)
 
     @property
     def length(self) -> int:

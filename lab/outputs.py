@@ -13,7 +13,9 @@ Each output is a pooling method x head pair (``lab.pooling`` / ``lab.heads``) ov
   token ``relu(sparse_linear(h))``, the largest weight of each token id, the tokenizer's cls / eos / pad / unk
   tokens dropped, as FlagEmbedding's ``M3Embedder`` lexical weights;
 - ``colbert``: bge-m3's ColBERT vectors, ``colbert_linear(h)`` L2-normalized per token, a list of ``(L_i, d)``
-  float32 arrays; the first token (CLS) is dropped, as FlagEmbedding does.
+  float32 arrays; the first token (CLS) is dropped, as FlagEmbedding does. From a sentence-transformers
+  ``MultiVectorEncoder`` folder: its Dense, skiplist and Normalize, with the task's lengths and query expansion
+  (``lab.multivector``).
 
 Several outputs (``output=("dense", "sparse", "colbert")``) make an ``OutputPooler``: its method (``Several``)
 applies each output's method to the step's hidden states in turn, inside the CPU worker that ran the step, and the
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lab import multivector
 from lab.batch import AttnMeta
 from lab.heads import Pooler, SparseShape
 from lab.pooling import PoolingMethod, pooling_method
@@ -82,7 +85,7 @@ def available_outputs(model, spec) -> tuple[str, ...]:
     out = ["dense", "tokens"]
     if (spec.splade is not None and "mlm" in heads) or "sparse_linear" in heads:
         out.append("sparse")
-    if "colbert_linear" in heads:
+    if "colbert_linear" in heads or spec.multi_vector is not None:
         out.append("colbert")
     return tuple(out)
 
@@ -96,7 +99,10 @@ def describe_heads(model, spec) -> str:
                                          " (no SpladePooling module in modules.json, so not a SPLADE model)"))
     elif spec.splade is not None:
         has.append("a SpladePooling module but no masked-LM head weights")
-    has += [f"bge-m3's {h} ({h}.pt)" for h in ("sparse_linear", "colbert_linear") if h in heads]
+    if spec.multi_vector is not None:
+        has.append("a sentence-transformers MultiVectorEncoder (ColBERT) pipeline")
+    else:
+        has += [f"bge-m3's {h} ({h}.pt)" for h in ("sparse_linear", "colbert_linear") if h in heads]
     outputs = ", ".join(available_outputs(model, spec))
     return (f"{spec.name} ({spec.architecture or 'unknown architecture'}) has "
             + (", ".join(has) if has else "no per-token heads") + f"; its outputs: {outputs}")
@@ -105,7 +111,8 @@ def describe_heads(model, spec) -> str:
 _NEEDS = {
     "sparse": "a sparse head: SPLADE (a *ForMaskedLM folder whose sentence-transformers modules include "
               "SpladePooling) or bge-m3 (sparse_linear.pt beside the weights)",
-    "colbert": "a ColBERT head: bge-m3's colbert_linear.pt beside the weights",
+    "colbert": "a ColBERT head: bge-m3's colbert_linear.pt beside the weights, or a sentence-transformers "
+               "MultiVectorEncoder folder (a MultiVectorMask module in modules.json)",
 }
 
 
@@ -260,22 +267,26 @@ class OutputPooler(Pooler):
         return self.head(pooled, requests)
 
 
-def output_pooler(output, dense: Pooler, *, model, spec, tokenizer) -> Pooler:
-    """The pooler ``embed(texts, output=...)`` runs: ``dense`` itself for ``"dense"``, else an ``OutputPooler``.
-    Every check runs here, before any model work."""
+def output_pooler(output, dense: Pooler, *, model, spec, tokenizer, task: str | None = None) -> Pooler:
+    """The pooler ``embed(texts, output=...)`` runs: ``dense`` itself for ``"dense"``, else an ``OutputPooler``
+    (``task``: a multi-vector folder's, ``lab.multivector``). Every check runs here, before any model work."""
     names, several = parse_output(output)
     check_outputs(names, model, spec)
     if names == ("dense",) and not several:
         return dense
-    outputs = [_output(name, dense, model, spec, tokenizer) for name in names]
+    outputs = [_output(name, dense, model, spec, tokenizer, task) for name in names]
     return OutputPooler(Several([o.method for o in outputs]), OutputHeads(names, outputs, several))
 
 
-def _output(name: str, dense: Pooler, model, spec, tokenizer) -> Output:
+def _output(name: str, dense: Pooler, model, spec, tokenizer, task: str | None) -> Output:
     if name == "dense":
         return Output(dense.method, lambda pooled, requests: dense.head(pooled), dense.head.shape)
     if name == "tokens":
         return Output(pooling_method("tokens"), lambda pooled, requests: pooled, None)
+    if name == "colbert" and spec.multi_vector is not None:
+        mv = spec.multi_vector
+        return Output(PerToken(multivector.token_fn(model, mv)),
+                      multivector.ColbertRows(multivector.skip_ids(mv, tokenizer, task), mv.normalize), None)
     if name == "colbert":
         return Output(PerToken(lambda h: F.normalize(model.token_head("colbert_linear", h).float(), dim=-1)),
                       colbert_rows, None)

@@ -116,7 +116,9 @@ class Runner:
         """The flat inputs of ``requests`` on this runner's device."""
         return PackedBatch.build([r.ids for r in requests], causal=causal, device=self.device, backend=backend,
                                  token_type_ids=[r.token_type_ids for r in requests],
-                                 pool_start=[r.pool_start for r in requests])
+                                 pool_start=[r.pool_start for r in requests],
+                                 key_lens=[r.key_len for r in requests] if any(r.key_len is not None
+                                                                               for r in requests) else None)
 
     def run_shared(self, fn: Callable[[list], tuple[object, Stats]], items: list, workers: int):
         """``fn(items)`` -> ``(outputs aligned with items, Stats)``, with the items shared among ``workers`` CPU

@@ -60,6 +60,10 @@ def jupyter(tmp_path_factory):
     news = root / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
     news.parent.mkdir(parents=True)
     news.write_text('{"fetchNews": "false"}')  # no "official Jupyter news?" toast over the screenshot
+    # start the notebook's own kernel (python3) without asking: no "Select Kernel" dialog, whenever kernelspecs load
+    tracker = root / "settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+    tracker.parent.mkdir(parents=True)
+    tracker.write_text('{"autoStartDefaultKernel": true}')
     env = {**os.environ, "LAB_SMOKE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "JUPYTER_CONFIG_DIR": str(root / "config"), "JUPYTER_RUNTIME_DIR": str(root / "runtime")}
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
@@ -134,19 +138,19 @@ def test_panel_runs_in_jupyterlab(jupyter, browser):
     urllib.request.urlopen(req, timeout=60).close()
     browser.get(f"{base}/lab/tree/01_quickstart.ipynb?token={token}")
     wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")))
-    # a fresh JupyterLab may still ask which kernel to start: once its list names Python 3, accept it
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator[data-status='idle']"):
-            break
+    # Should JupyterLab still ask which kernel to start (a modal that would swallow the clicks below), accept its
+    # choice once it names Python 3; go on when the kernel is idle and no dialog is open, twice in a row
+    settled, deadline = 0, time.monotonic() + WAIT_S
+    while settled < 2 and time.monotonic() < deadline:
         dialogs = browser.find_elements(By.CSS_SELECTOR, ".jp-Dialog")
-        if dialogs and "Python 3" in dialogs[0].text:
+        idle = browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator[data-status='idle']")
+        if dialogs:
             accept = dialogs[0].find_elements(By.CSS_SELECTOR, "button.jp-mod-accept")
-            if accept:
+            if accept and "Python 3" in dialogs[0].text:
                 accept[0].click()
-                break
-        time.sleep(0.5)
-    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator[data-status='idle']")))
+        settled = settled + 1 if idle and not dialogs else 0
+        time.sleep(1)
+    assert settled == 2, "the notebook's kernel never became idle with no dialog open"
     # Run -> Run All Cells (the panel cell is the notebook's last)
     browser.find_element(By.XPATH, "//div[contains(@class,'lm-MenuBar-itemLabel') and text()='Run']").click()
     wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, "li[data-command='runmenu:run-all']"))).click()

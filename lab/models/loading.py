@@ -29,6 +29,22 @@ _ST_POOLING_KEYS = (
 )
 
 
+@dataclass(frozen=True)
+class MultiVectorSpec:
+    """A sentence-transformers ``MultiVectorEncoder`` (ColBERT) folder: Transformer, optional token-level Dense,
+    MultiVectorMask, optional Normalize, and the Transformer's per-task lengths and query expansion
+    (``lab.multivector`` applies them)."""
+
+    dense: Path | None  # the Dense module's folder (a projection of every token), None without one
+    activation: str  # the Dense's activation: "identity" or "tanh"
+    normalize: bool  # a token-level Normalize module follows
+    skiplist_words: tuple[str, ...]  # MultiVectorMask: tokens left out of scoring ...
+    skiplist_tasks: tuple[str, ...]  # ... for these tasks ("document" also covers no task)
+    query_expansion: dict | None  # {"strategy": "fixed" | "min", "attend": bool, "token": str | None, "length": int}
+    query_length: int | None
+    document_length: int | None
+
+
 @dataclass
 class ModelSpec:
     """What a model folder holds and what sentence-transformers would default to."""
@@ -49,6 +65,7 @@ class ModelSpec:
     # a sentence-transformers SparseEncoder's SpladePooling: {"pooling_strategy": max|sum, "activation_function":
     # relu|log1p_relu}; None without one
     splade: dict[str, str] | None = None
+    multi_vector: MultiVectorSpec | None = None  # a sentence-transformers MultiVectorEncoder (ColBERT) folder
 
     @property
     def name(self) -> str:
@@ -169,6 +186,8 @@ def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
                     spec.include_prompt = bool(pcfg.get("include_prompt", True))
             elif kind.endswith("Normalize"):
                 spec.normalize = True
+        if any(str(m.get("type", "")).endswith("MultiVectorMask") for m in entries):
+            spec.multi_vector = _read_multi_vector(p, entries)
     sbert = p / "sentence_bert_config.json"
     if sbert.exists():
         spec.max_seq_length = json.loads(sbert.read_text()).get("max_seq_length")
@@ -200,6 +219,69 @@ def _read_splade(cfg_path: Path) -> dict[str, str]:
     return out
 
 
+_MV_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
+_QUERY_EXPANSION_KEYS = {"strategy", "attend", "token", "length"}
+
+
+def _read_multi_vector(p: Path, entries: list) -> MultiVectorSpec:
+    """A MultiVectorEncoder folder's modules (``MultiVectorSpec``); what we cannot reproduce is refused by name."""
+    dense, activation, normalize, mask = None, "identity", False, {}
+    for m in entries:
+        kind, folder = str(m.get("type", "")), p / str(m.get("path", ""))
+        cfg_path = folder / "config.json"
+        cfg = _read_json(cfg_path, dict, "a JSON object (the module's config)") if kind and cfg_path.exists() else {}
+        if kind.endswith("Dense"):
+            if cfg.get("module_input_name", "token_embeddings") != "token_embeddings":
+                raise ValueError(f"{cfg_path}: a Dense over {cfg.get('module_input_name')!r} in a multi-vector model "
+                                 "is not supported; only a projection of every token (token_embeddings)")
+            name = cfg.get("activation_function", "torch.nn.modules.linear.Identity")
+            if name not in _MV_ACTIVATIONS:
+                raise ValueError(f"{cfg_path}: activation_function {name!r} is not supported; valid: "
+                                 f"{', '.join(_MV_ACTIVATIONS)}")
+            dense, activation = folder, _MV_ACTIVATIONS[name]
+        elif kind.endswith("Normalize"):
+            normalize = True
+        elif kind.endswith("MultiVectorMask"):
+            mask = cfg
+        elif not kind.endswith("Transformer"):
+            raise ValueError(f"{p / 'modules.json'}: module {kind!r} in a multi-vector model is not supported "
+                             "(Transformer, Dense, MultiVectorMask and Normalize are)")
+    if mask.get("keep_only_token_ids"):
+        raise ValueError(f"{p}: MultiVectorMask keep_only_token_ids (image-patch documents) is not supported")
+    tcfg = _read_json(p / "sentence_bert_config.json", dict, "a JSON object (the Transformer module's config)") \
+        if (p / "sentence_bert_config.json").exists() else {}
+    qe = tcfg.get("query_expansion")
+    if qe is not None:
+        if (not isinstance(qe, dict) or set(qe) - _QUERY_EXPANSION_KEYS or qe.get("strategy") not in ("fixed", "min")
+                or not isinstance(qe.get("length"), int) or qe["length"] < 1):
+            raise ValueError(f"{p / 'sentence_bert_config.json'}: query_expansion {qe!r} is not valid: expected "
+                             "{'strategy': 'fixed' | 'min', 'attend': bool, 'token': str | None, 'length': int >= 1}")
+        qe = {"strategy": qe["strategy"], "attend": bool(qe.get("attend", False)), "token": qe.get("token"),
+              "length": qe["length"]}
+    tasks = mask.get("skiplist_tasks") or ["document"]
+    return MultiVectorSpec(
+        dense=dense, activation=activation, normalize=normalize,
+        skiplist_words=tuple(mask.get("skiplist_words") or ()),
+        skiplist_tasks=(tasks,) if isinstance(tasks, str) else tuple(tasks),
+        query_expansion=qe, query_length=tcfg.get("query_length"), document_length=tcfg.get("document_length"))
+
+
+def _read_multi_vector_dense(folder: Path) -> dict[str, torch.Tensor]:
+    """The Dense module's ``linear.weight`` (and ``linear.bias``) as the model's ``colbert_linear`` head."""
+    st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
+    if st.exists():
+        from safetensors.torch import load_file
+
+        sd = load_file(str(st))
+    elif pt.exists():
+        sd = torch.load(pt, map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"no weights in {folder}: expected model.safetensors (the Dense module's linear)")
+    if "linear.weight" not in sd:
+        raise ValueError(f"{folder}: expected the tensor 'linear.weight', found {sorted(sd)[:4]}")
+    return {f"colbert_linear.{k.removeprefix('linear.')}": v for k, v in sd.items() if k.startswith("linear.")}
+
+
 # bge-m3's per-token heads, saved beside the weights by FlagEmbedding as torch state dicts of one Linear each
 M3_HEAD_FILES = ("sparse_linear", "colbert_linear")
 
@@ -228,6 +310,8 @@ def read_state_dict(spec: ModelSpec) -> dict[str, torch.Tensor]:
                 raise ValueError(f"{f} should hold a state dict of tensors (a Linear's weight and bias), got "
                                  f"{type(head).__name__}")
             sd.update({f"{name}.{k}": v for k, v in head.items()})
+    if spec.multi_vector is not None and spec.multi_vector.dense is not None:
+        sd.update(_read_multi_vector_dense(spec.multi_vector.dense))
     return sd
 
 
