@@ -405,7 +405,8 @@ class Engine:
           pooling averages (so ``tokens[i].mean(0)`` is the mean-pooled vector before normalize);
         - ``"sparse"``: a ``scipy.sparse.csr_matrix`` ``(len(texts), vocab_size)`` float32 of lexical weights
           (SPLADE models; bge-m3's ``sparse_linear``);
-        - ``"colbert"``: a list of ``(L_i - 1, d)`` float32 arrays, bge-m3's normalized ColBERT vectors;
+        - ``"colbert"``: a list of ``(L_i - 1, d)`` float32 arrays, bge-m3's normalized ColBERT vectors; from a
+          ColBERT folder (``lab.multivector``) its vectors, ``prompt_name`` ``query`` / ``document`` the task;
         - a tuple of these: a dict of them by name, all from one forward per step.
 
         An output the model cannot give is an error naming the heads it has, raised before any work.
@@ -466,12 +467,14 @@ class Engine:
         return self._embedding_head()(windows.pool_chunks(plan, rows, self.pooling)).numpy(), table
 
     def encode(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,
-               show_progress_bar: bool | None = None, output_value: str = "sentence_embedding",
-               precision: str = "float32", convert_to_numpy: bool = True, convert_to_tensor: bool = False,
+               show_progress_bar: bool | None = None, output_value=st_compat.MODEL_DEFAULT,
+               precision: str = "float32", convert_to_numpy: bool | None = None, convert_to_tensor: bool = False,
                device=None, normalize_embeddings: bool = False, truncate_dim: int | None = None, pool=None,
                chunk_size: int | None = None, **kwargs):
-        """``SentenceTransformer.encode``: same arguments, same results (a single string gives one 1-D vector).
-        ``inputs=`` (sentence-transformers >= 5's name) is accepted for ``sentences``. See ``lab.st_compat``."""
+        """``SentenceTransformer.encode``: same arguments, same results (a single string gives one 1-D vector;
+        ``convert_to_numpy=None``: numpy). On a ColBERT folder, ``MultiVectorEncoder.encode`` (with its ``task``):
+        a list of per-token tensors. ``inputs=`` (sentence-transformers >= 5's name) is accepted for ``sentences``.
+        See ``lab.st_compat``."""
         args = {k: v for k, v in locals().items() if k not in ("self", "kwargs")}
         if "inputs" in kwargs:
             if sentences is not None:
@@ -480,23 +483,29 @@ class Engine:
         return st_compat.encode(self._encode_run, prompts=self.spec.prompts, engine_device=self.device,
                                 dim=self.model.hidden_size,
                                 default_prompt_name=self.spec.default_prompt_name,
-                                default_truncate_dim=self._knobs.truncate_dim, kwargs=kwargs, **args)
+                                default_truncate_dim=self._knobs.truncate_dim, kwargs=kwargs,
+                                multi_vector=self.spec.multi_vector is not None, **args)
 
     def encode_query(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
         """``encode`` with the model's ``query`` prompt (unless another is given), as sentence-transformers."""
         name = st_compat.query_prompt_name(self.spec.prompts, prompt, prompt_name)
-        return self.encode(sentences, prompt_name=name, prompt=prompt, **kwargs)
+        return self.encode(sentences, prompt_name=name, prompt=prompt, **st_compat.task_kw(self.spec, "query", kwargs))
 
     def encode_document(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
         """``encode`` with the model's ``document`` / ``passage`` / ``corpus`` prompt (the first it has, unless
         another is given), as sentence-transformers."""
         name = st_compat.document_prompt_name(self.spec.prompts, prompt, prompt_name)
-        return self.encode(sentences, prompt_name=name, prompt=prompt, **kwargs)
+        return self.encode(sentences, prompt_name=name, prompt=prompt,
+                           **st_compat.task_kw(self.spec, "document", kwargs))
 
-    def _encode_run(self, texts: list[str], prompt: str | None, tokens: bool, show_progress: bool | None):
+    def _encode_run(self, texts: list[str], prompt: str | None, kind: str, show_progress: bool | None,
+                    task: str | None = None):
         """``encode``'s forward: sentence embeddings before truncation (pooled, normalized when the model
-        normalizes), or every token's hidden state (prompt and specials included) for ``tokens``."""
-        if tokens:
+        normalizes), every token's hidden state (prompt and specials included) for ``kind="token_embeddings"``, or
+        a ColBERT folder's vectors for ``kind="colbert"`` (``task``: ``lab.multivector``)."""
+        if kind == "colbert":
+            p = self._embed_pass(texts, prompt, output="colbert", task=task)
+        elif kind == "token_embeddings":
             p = self._embed_pass(texts, prompt, "tokens", head=TokensHead(), include=True)
         else:
             p = self._embed_pass(texts, prompt, head=EmbeddingHead(self.model.hidden_size, normalize=self.normalize))

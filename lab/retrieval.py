@@ -82,8 +82,12 @@ def score_matrix(engine, mode: str, queries: list[str], docs: list[str], *, chun
         return engine.similarity(engine.embed(queries, **q_kw), engine.embed(docs))
     if mode == "sparse":
         return (engine.embed(queries, output="sparse", **q_kw) @ engine.embed(docs, output="sparse").T).toarray()
-    if mode == "late-interaction":
-        return maxsim_matrix(engine.embed(queries, output="colbert", **q_kw), engine.embed(docs, output="colbert"))
+    if mode == "late-interaction":  # a ColBERT folder's queries and documents run as its tasks (lab.multivector)
+        mv = getattr(getattr(engine, "spec", None), "multi_vector", None) is not None
+        d_kw = {"prompt_name": "document"} if mv else {}
+        q_kw = q_kw or ({"prompt_name": "query"} if mv else {})
+        return maxsim_matrix(engine.embed(queries, output="colbert", **q_kw), engine.embed(docs, output="colbert",
+                                                                                       **d_kw))
     if mode == "tokens-maxsim":
         q = [_unit(t) for t in engine.embed(queries, output="tokens", **q_kw)]
         return maxsim_matrix(q, [_unit(t) for t in engine.embed(docs, output="tokens")])

@@ -19,6 +19,11 @@ What maps to what (checked against sentence-transformers on the same folder, ``t
   (multi-process encoding) are refused: the engine shares each step among its CPU workers already, and
   ``lab.distributed`` spreads work over processes or machines.
 - A single string returns one vector (1-D), as sentence-transformers does (``embed`` always returns 2-D).
+- A ColBERT folder (``lab.multivector``) answers as ``MultiVectorEncoder.encode`` does: a list of ``(L_i, d)``
+  tensors (numpy arrays with ``convert_to_numpy=True``; one matrix for a single string), ``task`` (``query`` /
+  ``document``, set by ``encode_query`` / ``encode_document``), ``normalize_embeddings`` per token and
+  ``truncate_dim`` (cut, then L2-normalized per token); ``convert_to_tensor``, ``precision`` and
+  ``output_value`` other than ``token_embeddings`` are refused (``tests/test_multivector.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +37,20 @@ import torch.nn.functional as F
 from lab.inputs import check_texts
 from lab.quantize import check_precision, quantize_embeddings
 
-__all__ = ["OUTPUT_VALUES", "encode", "resolve_prompt"]
+__all__ = ["OUTPUT_VALUES", "encode", "resolve_prompt", "task_kw"]
 
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")
+
+
+class _ModelDefault:
+    """``encode``'s ``output_value`` when not given: the model type's default (``sentence_embedding``;
+    ``token_embeddings`` for a ColBERT folder, as ``MultiVectorEncoder.encode``)."""
+
+    def __repr__(self) -> str:
+        return "<the model's default>"
+
+
+MODEL_DEFAULT = _ModelDefault()
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document's prompt names, first present wins
 
 
@@ -72,15 +88,20 @@ def document_prompt_name(prompts: dict[str, str], prompt: str | None, prompt_nam
     return prompt_name
 
 
-def _check_options(*, batch_size, output_value, device, engine_device, pool, kwargs) -> None:
+def task_kw(spec, task: str, kwargs: dict) -> dict:
+    """``encode_query`` / ``encode_document``'s arguments: a ColBERT folder's calls carry their ``task``."""
+    return {"task": task, **kwargs} if spec.multi_vector is not None else kwargs
+
+
+def _check_options(*, batch_size, output_value, device, engine_device, pool, kwargs, values=OUTPUT_VALUES) -> None:
     if kwargs:
         raise TypeError(f"encode() got arguments it does not take: {sorted(kwargs)} (the engine's knobs are set with "
                         "Engine(...) or engine.configure(...))")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r} (it is accepted for "
                          "compatibility; the engine schedules by max_batch_tokens)")
-    if output_value not in OUTPUT_VALUES:
-        raise ValueError(f"output_value must be one of {', '.join(map(repr, OUTPUT_VALUES))}, got {output_value!r}")
+    if output_value not in values:
+        raise ValueError(f"output_value must be one of {', '.join(map(repr, values))}, got {output_value!r}")
     if pool is not None or isinstance(device, list | tuple):
         raise ValueError("multi-process encoding (pool= or a list of devices) is not supported: the engine already "
                          "shares each packed step among its CPU workers (knob cpu_workers); to spread work over "
@@ -92,7 +113,7 @@ def _check_options(*, batch_size, output_value, device, engine_device, pool, kwa
                              f"create Engine(path, device={str(want)!r}) to run there")
 
 def encode(
-    run: Callable[[list[str], str | None, bool, bool | None], object],
+    run: Callable[..., object],
     *,
     sentences,
     prompts: dict[str, str],
@@ -104,9 +125,9 @@ def encode(
     prompt: str | None = None,
     batch_size: int = 32,
     show_progress_bar: bool | None = None,
-    output_value: str = "sentence_embedding",
+    output_value=MODEL_DEFAULT,
     precision: str = "float32",
-    convert_to_numpy: bool = True,
+    convert_to_numpy: bool | None = None,
     convert_to_tensor: bool = False,
     device=None,
     normalize_embeddings: bool = False,
@@ -114,12 +135,30 @@ def encode(
     pool=None,
     chunk_size: int | None = None,  # multi-process only: accepted, unused (pool is refused)
     kwargs: dict | None = None,
+    multi_vector: bool = False,
 ):
-    """``SentenceTransformer.encode`` over ``run(texts, prompt, token_embeddings, show_progress)``, which returns
-    the model's sentence embeddings (``(N, dim)`` float32: pooled, normalized when the model normalizes) or its
-    token embeddings (a list of ``(L_i, dim)`` float32 tensors). See the module docstring for what maps to what."""
+    """``SentenceTransformer.encode`` over ``run(texts, prompt, output_value, show_progress)``, which returns the
+    model's sentence embeddings (``(N, dim)`` float32: pooled, normalized when the model normalizes) or its token
+    embeddings (a list of ``(L_i, dim)`` float32 tensors); ``MultiVectorEncoder.encode`` for a ColBERT folder
+    (``multi_vector``). See the module docstring for what maps to what."""
+    kwargs = dict(kwargs or {})
+    if output_value is MODEL_DEFAULT:
+        output_value = "token_embeddings" if multi_vector else "sentence_embedding"
+    if multi_vector:
+        task = kwargs.pop("task", None)
+        if task not in (None, "query", "document"):
+            raise ValueError(f"task must be 'query', 'document' or None, got {task!r}")
+        if convert_to_tensor or precision != "float32":
+            raise ValueError("a multi-vector (ColBERT) model returns a list of per-token matrices: there is no "
+                             "convert_to_tensor (nothing to stack) and no precision (quantize the matrices with "
+                             "lab.quantize.quantize_embeddings); drop the argument")
+        _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
+                       pool=pool, kwargs=kwargs, values=("token_embeddings",))
+        return _encode_colbert(run, sentences, resolve_prompt(prompts, default_prompt_name, prompt, prompt_name),
+                               task, show_progress_bar, bool(convert_to_numpy), normalize_embeddings, truncate_dim)
+    convert_to_numpy = True if convert_to_numpy is None else convert_to_numpy
     _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
-                   pool=pool, kwargs=kwargs or {})
+                   pool=pool, kwargs=kwargs)
     text = resolve_prompt(prompts, default_prompt_name, prompt, prompt_name)
     single = isinstance(sentences, str)
     sentences = check_texts([sentences] if single else sentences, "sentences")
@@ -138,7 +177,7 @@ def encode(
     if not sentences:  # sentence-transformers' empty results
         return [] if not (convert_to_numpy or convert_to_tensor) else (
             torch.tensor([]) if convert_to_tensor else np.array([]))
-    out = run(sentences, text, tokens, show_progress_bar)
+    out = run(sentences, text, output_value, show_progress_bar)
     if tokens:  # tensors, or numpy arrays once quantized (as sentence-transformers returns them)
         mats = [torch.as_tensor(np.asarray(m)) for m in out]
         if precision != "float32":
@@ -155,3 +194,20 @@ def encode(
     elif not convert_to_numpy:
         result = list(torch.as_tensor(result))
     return result[0] if single else result
+
+
+def _encode_colbert(run, sentences, prompt, task, show_progress_bar, convert_to_numpy, normalize, truncate_dim):
+    """``MultiVectorEncoder.encode``'s results from ``run(texts, prompt, "colbert", show_progress, task)``."""
+    single = isinstance(sentences, str)
+    sentences = check_texts([sentences] if single else sentences, "sentences")
+    if truncate_dim is not None and (isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int)
+                                     or truncate_dim < 1):
+        raise ValueError(f"truncate_dim must be a positive integer, got {truncate_dim!r}")
+    mats = [torch.as_tensor(m) for m in run(sentences, prompt, "colbert", show_progress_bar, task)] if sentences \
+        else []
+    if normalize:
+        mats = [F.normalize(m, p=2, dim=-1) for m in mats]
+    if truncate_dim is not None:
+        mats = [F.normalize(m[..., :truncate_dim], p=2, dim=-1) for m in mats]
+    out = [m.numpy() for m in mats] if convert_to_numpy else mats
+    return out[0] if single else out

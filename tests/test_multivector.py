@@ -1,8 +1,9 @@
-"""ColBERT folders of sentence-transformers (``MultiVectorEncoder``): ``embed(output="colbert")`` (``lab.multivector``).
+"""ColBERT folders of sentence-transformers (``MultiVectorEncoder``) and PyLate: ``embed(output="colbert")``
+(``lab.multivector``).
 
 Oracle: sentence-transformers' own ``MultiVectorEncoder.encode_query`` / ``encode_document`` / ``encode`` on tiny
 random folders it saved (Transformer with per-task lengths and query expansion, token-level Dense, MultiVectorMask
-with a punctuation skiplist, Normalize). Inputs are shuffled, odd-sized, with one-token and empty texts; small token
+with a punctuation skiplist, Normalize), and on a PyLate (<= 3) save of the same weights that it loads itself. Inputs are shuffled, odd-sized, with one-token and empty texts; small token
 budgets force several packed steps; CPU workers share the steps.
 """
 
@@ -65,10 +66,34 @@ VARIANTS = {
 }
 
 
+def _as_pylate(native, out):
+    """A PyLate (<= 3) save of the same weights: [Transformer, pylate Dense] only, the ColBERT knobs at the top level
+    of config_sentence_transformers.json, prefixes that are vocabulary tokens text would split ([unused0])."""
+    import json
+    import shutil
+
+    shutil.copytree(native, out)
+    for extra in ("2_MultiVectorMask", "3_Normalize"):
+        shutil.rmtree(out / extra)
+    (out / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]))
+    (out / "1_Dense" / "config.json").write_text(json.dumps(
+        {"in_features": 48, "out_features": 16, "bias": False,
+         "activation_function": "torch.nn.modules.linear.Identity"}))
+    (out / "config_sentence_transformers.json").write_text(json.dumps({
+        "model_type": "ColBERT", "query_prefix": "[unused0]", "document_prefix": "[unused1]", "query_length": 10,
+        "document_length": 20, "attend_to_expansion_tokens": False, "similarity_fn_name": "MaxSim"}))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": False}))
+    return out
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, minilm_path):
     root = tmp_path_factory.mktemp("mv")
-    return {name: _save_mv(root / name, minilm_path, **kw) for name, kw in VARIANTS.items()}
+    out = {name: _save_mv(root / name, minilm_path, **kw) for name, kw in VARIANTS.items()}
+    out["pylate"] = _as_pylate(out["fixed"], root / "pylate")
+    return out
 
 
 def _reference(path, texts, task):
@@ -95,7 +120,7 @@ def _close(ours, ref, atol):
         np.testing.assert_allclose(o, r, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [*VARIANTS, "pylate"])
 @pytest.mark.parametrize("task", ["query", "document", None])
 def test_colbert_matches_multi_vector_encoder(folders, variant, task):
     texts = list(QUERIES if task == "query" else DOCS)
@@ -166,3 +191,50 @@ def test_unsupported_multi_vector_folders_are_refused(folders, tmp_path):
 def test_colbert_on_a_plain_encoder_names_the_fix(minilm_engine):
     with pytest.raises(ValueError, match="MultiVectorEncoder"):
         minilm_engine.embed(["a"], output="colbert")
+
+
+def test_pylate_prefixes_are_single_tokens(folders):
+    eng = Engine(str(folders["pylate"]))
+    assert eng.prompts["query"] == "[unused0]" and eng.prompts["document"] == "[unused1]"
+    assert eng.tokenizer.tokenize("[unused0]what") == ["[unused0]", "what"]
+    q = _ours(eng, ["hi"], "query")[0]
+    assert len(q) == 10  # PyLate's query_length is the expansion length
+
+
+def test_encode_query_and_document_answer_as_multi_vector_encoder(folders):
+    from sentence_transformers import MultiVectorEncoder
+
+    path = folders["fixed"]
+    model, eng = MultiVectorEncoder(str(path), device="cpu"), Engine(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for kw in ({}, {"convert_to_numpy": True}, {"normalize_embeddings": True, "truncate_dim": 8}):
+            for name in ("encode_query", "encode_document", "encode"):
+                ref, ours = getattr(model, name)(QUERIES, **kw), getattr(eng, name)(QUERIES, **kw)
+                assert type(ours) is type(ref) and len(ours) == len(ref)
+                for o, r in zip(ours, ref):
+                    assert type(o) is type(r) and o.shape == r.shape
+                    np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=ATOL, rtol=0)
+        one = eng.encode_query("what is a cat?")
+        assert isinstance(one, torch.Tensor) and one.shape == model.encode_query("what is a cat?").shape
+        assert eng.encode_document([]) == []
+    for bad, match in (({"convert_to_tensor": True}, "convert_to_tensor"), ({"precision": "int8"}, "precision"),
+                       ({"task": "passage"}, "task"), ({"output_value": "sentence_embedding"}, "output_value")):
+        with pytest.raises(ValueError, match=match):
+            eng.encode(["a"], **bad)
+
+
+def test_late_interaction_retrieval_runs_the_folder_tasks(folders):
+    """lab.retrieval's late-interaction mode on a ColBERT folder: queries as queries, documents as documents."""
+    from sentence_transformers import MultiVectorEncoder
+
+    from lab.retrieval import score_matrix
+
+    path = folders["fixed"]
+    model = MultiVectorEncoder(str(path), device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q, d = model.encode_query(QUERIES), model.encode_document(DOCS)
+        ours = score_matrix(Engine(str(path)), "late-interaction", QUERIES, DOCS)
+    ref = model.similarity(q, d).numpy() / np.asarray([len(x) for x in q])[:, None]
+    np.testing.assert_allclose(ours, ref, atol=1e-5)

@@ -43,6 +43,8 @@ class MultiVectorSpec:
     query_expansion: dict | None  # {"strategy": "fixed" | "min", "attend": bool, "token": str | None, "length": int}
     query_length: int | None
     document_length: int | None
+    # PyLate's query / document prefixes (e.g. "[unused0]"): made single special tokens if the vocabulary has them
+    prefix_tokens: tuple[str, ...] = ()
 
 
 @dataclass
@@ -199,6 +201,8 @@ def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
                 isinstance(k, str) and isinstance(v, str | None) for k, v in prompts.items()):
             raise ValueError(f"{st_cfg}: 'prompts' must map prompt names to prompt strings, got {prompts!r}")
         spec.prompts.update({k: v or "" for k, v in prompts.items()})
+        if cfg.get("model_type") == "ColBERT" and spec.multi_vector is None:  # a PyLate (<= 3) ColBERT folder
+            spec.multi_vector = _read_pylate(p, cfg, spec)
         spec.default_prompt_name = cfg.get("default_prompt_name")
         if spec.default_prompt_name is not None and spec.default_prompt_name not in spec.prompts:
             raise ValueError(f"{st_cfg}: default_prompt_name {spec.default_prompt_name!r} is not one of its prompts "
@@ -223,8 +227,8 @@ _MV_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.mod
 _QUERY_EXPANSION_KEYS = {"strategy", "attend", "token", "length"}
 
 
-def _read_multi_vector(p: Path, entries: list) -> MultiVectorSpec:
-    """A MultiVectorEncoder folder's modules (``MultiVectorSpec``); what we cannot reproduce is refused by name."""
+def _multi_vector_modules(p: Path, entries: list) -> tuple[Path | None, str, bool, dict]:
+    """The Dense folder and activation, whether Normalize follows, and MultiVectorMask's config."""
     dense, activation, normalize, mask = None, "identity", False, {}
     for m in entries:
         kind, folder = str(m.get("type", "")), p / str(m.get("path", ""))
@@ -246,24 +250,90 @@ def _read_multi_vector(p: Path, entries: list) -> MultiVectorSpec:
         elif not kind.endswith("Transformer"):
             raise ValueError(f"{p / 'modules.json'}: module {kind!r} in a multi-vector model is not supported "
                              "(Transformer, Dense, MultiVectorMask and Normalize are)")
+    return dense, activation, normalize, mask
+
+
+def _read_multi_vector(p: Path, entries: list) -> MultiVectorSpec:
+    """A MultiVectorEncoder folder's modules (``MultiVectorSpec``); what we cannot reproduce is refused by name."""
+    dense, activation, normalize, mask = _multi_vector_modules(p, entries)
     if mask.get("keep_only_token_ids"):
         raise ValueError(f"{p}: MultiVectorMask keep_only_token_ids (image-patch documents) is not supported")
     tcfg = _read_json(p / "sentence_bert_config.json", dict, "a JSON object (the Transformer module's config)") \
         if (p / "sentence_bert_config.json").exists() else {}
-    qe = tcfg.get("query_expansion")
-    if qe is not None:
-        if (not isinstance(qe, dict) or set(qe) - _QUERY_EXPANSION_KEYS or qe.get("strategy") not in ("fixed", "min")
-                or not isinstance(qe.get("length"), int) or qe["length"] < 1):
-            raise ValueError(f"{p / 'sentence_bert_config.json'}: query_expansion {qe!r} is not valid: expected "
-                             "{'strategy': 'fixed' | 'min', 'attend': bool, 'token': str | None, 'length': int >= 1}")
-        qe = {"strategy": qe["strategy"], "attend": bool(qe.get("attend", False)), "token": qe.get("token"),
-              "length": qe["length"]}
+    qe = _query_expansion(tcfg.get("query_expansion"), p / "sentence_bert_config.json")
     tasks = mask.get("skiplist_tasks") or ["document"]
     return MultiVectorSpec(
         dense=dense, activation=activation, normalize=normalize,
         skiplist_words=tuple(mask.get("skiplist_words") or ()),
         skiplist_tasks=(tasks,) if isinstance(tasks, str) else tuple(tasks),
         query_expansion=qe, query_length=tcfg.get("query_length"), document_length=tcfg.get("document_length"))
+
+
+def _query_expansion(qe, where: Path) -> dict | None:
+    """A checked ``query_expansion`` with sentence-transformers' defaults (``attend`` False, ``token`` None)."""
+    if qe is not None:
+        if (not isinstance(qe, dict) or set(qe) - _QUERY_EXPANSION_KEYS or qe.get("strategy") not in ("fixed", "min")
+                or not isinstance(qe.get("length"), int) or qe["length"] < 1):
+            raise ValueError(f"{where}: query_expansion {qe!r} is not valid: expected "
+                             "{'strategy': 'fixed' | 'min', 'attend': bool, 'token': str | None, 'length': int >= 1}")
+        qe = {"strategy": qe["strategy"], "attend": bool(qe.get("attend", False)), "token": qe.get("token"),
+              "length": qe["length"]}
+    return qe
+
+
+def _read_pylate(p: Path, cfg: dict, spec: ModelSpec) -> MultiVectorSpec:
+    """A PyLate (<= 3) ColBERT folder, read as sentence-transformers' ``MultiVectorEncoder`` reads it: the top-level
+    ``query_prefix`` / ``document_prefix`` start the ``query`` / ``document`` prompts (and become single special
+    tokens when the vocabulary has them); ``query_length`` is the expansion length (32 when absent) unless
+    ``do_query_expansion`` is false; ``attend_to_expansion_tokens`` is ``attend``; the skiplist is the config's or
+    ``string.punctuation``; a token-level Normalize follows the Dense."""
+    import string
+
+    where = p / "config_sentence_transformers.json"
+    entries = _read_json(p / "modules.json", list, "a JSON list of sentence-transformers modules") \
+        if (p / "modules.json").exists() else []
+    dense, activation, _, _ = _multi_vector_modules(p, entries)
+    prefixes = {}
+    for key, name in (("query_prefix", "query"), ("document_prefix", "document")):
+        if key in cfg:
+            prefixes[name] = cfg[key] or ""
+            spec.prompts[name] = prefixes[name] + ((cfg.get("prompts") or {}).get(name) or "").removeprefix(
+                prefixes[name])
+    lengths = {k: cfg[k] for k in ("query_length", "document_length") if cfg.get(k) is not None}
+    if "query_expansion" in cfg:
+        qe = _query_expansion(cfg["query_expansion"], where)
+    elif cfg.get("do_query_expansion") is False:
+        qe = None
+    else:
+        attend = cfg.get("attend_to_expansion_tokens", cfg.get("attend_to_mask_tokens"))
+        qe = _query_expansion({"strategy": "fixed", "attend": bool(attend),
+                               "length": lengths.pop("query_length", None) or 32}, where)
+    skip = cfg.get("skiplist_words")
+    return MultiVectorSpec(
+        dense=dense, activation=activation, normalize=True,
+        skiplist_words=tuple(string.punctuation if skip is None else skip), skiplist_tasks=("document",),
+        query_expansion=qe, query_length=lengths.get("query_length"), document_length=lengths.get("document_length"),
+        prefix_tokens=tuple(v for v in prefixes.values() if v))
+
+
+def register_prefix_tokens(tokenizer, prefixes: tuple[str, ...]) -> None:
+    """PyLate's prefixes as single, case-kept special tokens when the vocabulary (or its added tokens) holds them
+    but text would split them (``[unused0]`` -> ``[``, ``unused``, ...), so prepending them as text gives the
+    tokens they were trained with, as sentence-transformers does; prefixes the tokenizer does not know stay text."""
+    from tokenizers import AddedToken
+
+    known = set(tokenizer.get_vocab()) | set(getattr(tokenizer, "added_tokens_encoder", None) or {})
+    new = []
+    for value in prefixes:
+        if not value.split():
+            continue
+        for prefix in (value, value.split(None, 1)[0]):
+            if prefix in known:
+                if tokenizer.tokenize(prefix) != [prefix]:
+                    new.append(AddedToken(prefix, normalized=False, special=True))
+                break
+    if new:
+        tokenizer.add_special_tokens({"additional_special_tokens": new})
 
 
 def _read_multi_vector_dense(folder: Path) -> dict[str, torch.Tensor]:
@@ -327,11 +397,14 @@ def load_tokenizer(spec: ModelSpec):
             f"no tokenizer in {str(spec.path)!r}: expected one of {', '.join(_TOKENIZER_FILES)} next to config.json"
         )
     try:
-        return AutoTokenizer.from_pretrained(str(spec.path), local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(spec.path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(
             f"no usable tokenizer in {str(spec.path)!r} (tokenizer.json or vocab files): {e}"
         ) from e
+    if spec.multi_vector is not None and spec.multi_vector.prefix_tokens:
+        register_prefix_tokens(tokenizer, spec.multi_vector.prefix_tokens)
+    return tokenizer
 
 
 class KeyTracker(dict):
