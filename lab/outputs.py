@@ -85,7 +85,8 @@ def available_outputs(model, spec) -> tuple[str, ...]:
     out = ["dense", "tokens"]
     if (spec.splade is not None and "mlm" in heads) or "sparse_linear" in heads:
         out.append("sparse")
-    if "colbert_linear" in heads or spec.multi_vector is not None:
+    mv = spec.multi_vector
+    if "colbert_linear" in heads or (mv is not None and mv.dense is None):  # a ColBERT folder's Dense loads as one
         out.append("colbert")
     return tuple(out)
 

@@ -186,6 +186,14 @@ def test_unsupported_multi_vector_folders_are_refused(folders, tmp_path):
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "keep_only_token_ids": [5]}))
     with pytest.raises(ValueError, match="keep_only_token_ids"):
         Engine(str(path))
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "keep_only_token_ids": None}))
+    modules = json.loads((path / "modules.json").read_text())
+    for extra, match in (({"idx": 4, "name": "4", "path": "1_Dense", "type": "sentence_transformers.base.modules.dense.Dense"},
+                          "more than one Dense"),
+                         ({"idx": 4, "name": "4", "path": "../elsewhere", "type": "x.Normalize"}, "outside")):
+        (path / "modules.json").write_text(json.dumps([*modules, extra]))
+        with pytest.raises(ValueError, match=match):
+            Engine(str(path))
 
 
 def test_colbert_on_a_plain_encoder_names_the_fix(minilm_engine):

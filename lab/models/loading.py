@@ -232,9 +232,14 @@ def _multi_vector_modules(p: Path, entries: list) -> tuple[Path | None, str, boo
     dense, activation, normalize, mask = None, "identity", False, {}
     for m in entries:
         kind, folder = str(m.get("type", "")), p / str(m.get("path", ""))
+        if folder.resolve() != p.resolve() and p.resolve() not in folder.resolve().parents:
+            raise ValueError(f"{p / 'modules.json'}: module path {m.get('path')!r} is outside the model folder; "
+                             "refusing to read from there")
         cfg_path = folder / "config.json"
         cfg = _read_json(cfg_path, dict, "a JSON object (the module's config)") if kind and cfg_path.exists() else {}
         if kind.endswith("Dense"):
+            if dense is not None:
+                raise ValueError(f"{p / 'modules.json'}: more than one Dense in a multi-vector model is not supported")
             if cfg.get("module_input_name", "token_embeddings") != "token_embeddings":
                 raise ValueError(f"{cfg_path}: a Dense over {cfg.get('module_input_name')!r} in a multi-vector model "
                                  "is not supported; only a projection of every token (token_embeddings)")
