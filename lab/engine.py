@@ -388,7 +388,7 @@ class Engine:
                                tokenizer=self.tokenizer, task=task)
         expand = mv is not None and task == "query" and mv.query_expansion is not None
         if expand:
-            fill = multivector.check_expansion(mv, self.tokenizer, causal=self.causal)
+            fill = multivector.expansion_token_id(mv, self.tokenizer, causal=self.causal)
 
         def tokenize(chunk: list[str], first: int) -> list[Request]:
             reqs = proc.process(chunk, first_index=first, instruction=instruction, include_instruction=include)

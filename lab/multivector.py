@@ -51,7 +51,7 @@ def max_length(mv, task: str | None, default: int, knob: int | None) -> int:
     return max(length, qe["length"]) if qe is not None else length
 
 
-def check_expansion(mv, tokenizer, *, causal: bool) -> int:
+def expansion_token_id(mv, tokenizer, *, causal: bool) -> int:
     """The id that fills expanded queries: the config's token, else ``[MASK]``, else EOS (sentence-transformers'
     order). Expansion without ``attend`` needs bidirectional attention (keys limited per sequence)."""
     if causal and not mv.query_expansion["attend"]:
