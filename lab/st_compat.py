@@ -112,6 +112,12 @@ def _check_options(*, batch_size, output_value, device, engine_device, pool, kwa
             raise ValueError(f"encode(device={device!r}): this engine runs on {engine_device} (fixed at load); "
                              f"create Engine(path, device={str(want)!r}) to run there")
 
+def _check_truncate_dim(truncate_dim) -> None:
+    if truncate_dim is not None and (isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int)
+                                     or truncate_dim < 1):
+        raise ValueError(f"truncate_dim must be a positive integer, got {truncate_dim!r}")
+
+
 def encode(
     run: Callable[..., object],
     *,
@@ -169,9 +175,7 @@ def encode(
     if convert_to_tensor:
         convert_to_numpy = False
     truncate_dim = default_truncate_dim if truncate_dim is None else truncate_dim
-    if truncate_dim is not None and (isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int)
-                                     or truncate_dim < 1):
-        raise ValueError(f"truncate_dim must be a positive integer, got {truncate_dim!r}")
+    _check_truncate_dim(truncate_dim)
     if truncate_dim is not None and truncate_dim > dim:
         raise ValueError(f"truncate_dim={truncate_dim} exceeds the embedding size {dim}")
     if not sentences:  # sentence-transformers' empty results
@@ -200,9 +204,7 @@ def _encode_colbert(run, sentences, prompt, task, show_progress_bar, convert_to_
     """``MultiVectorEncoder.encode``'s results from ``run(texts, prompt, "colbert", show_progress, task)``."""
     single = isinstance(sentences, str)
     sentences = check_texts([sentences] if single else sentences, "sentences")
-    if truncate_dim is not None and (isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int)
-                                     or truncate_dim < 1):
-        raise ValueError(f"truncate_dim must be a positive integer, got {truncate_dim!r}")
+    _check_truncate_dim(truncate_dim)
     mats = [torch.as_tensor(m) for m in run(sentences, prompt, "colbert", show_progress_bar, task)] if sentences \
         else []
     if normalize:
