@@ -36,7 +36,7 @@ BF16_ATOL = 0.03  # bfloat16 unit vectors against the float32 oracle (measured ~
 
 
 def _save_mv(out, minilm_path, *, expansion=None, query_length=None, document_length=None, dense=16,
-             skiplist=True, normalize=True):
+             skiplist=True, normalize=True, activation=None):
     from sentence_transformers import MultiVectorEncoder
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
     from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
@@ -45,7 +45,8 @@ def _save_mv(out, minilm_path, *, expansion=None, query_length=None, document_le
     modules = [Transformer(str(base), query_expansion=expansion, query_length=query_length,
                            document_length=document_length)]
     if dense:
-        modules.append(Dense(in_features=48, out_features=dense, bias=False, activation_function=torch.nn.Identity(),
+        modules.append(Dense(in_features=48, out_features=dense, bias=activation is not None,
+                             activation_function=activation or torch.nn.Identity(),
                              module_input_name="token_embeddings"))
     modules.append(MultiVectorMask(skiplist_words=list(string.punctuation) if skiplist else None))
     if normalize:
@@ -63,6 +64,8 @@ VARIANTS = {
     "fixed-attend": {"expansion": {"strategy": "fixed", "attend": True, "length": 12}},
     "min": {"expansion": {"strategy": "min", "attend": False, "length": 8}, "query_length": 16},
     "plain": {"query_length": 10, "skiplist": False, "normalize": False, "dense": 0},
+    "tanh": {"expansion": {"strategy": "fixed", "attend": False, "length": 12}, "activation": torch.nn.Tanh(),
+             "normalize": False},  # a biased Dense with tanh, no Normalize
 }
 
 
@@ -188,12 +191,19 @@ def test_unsupported_multi_vector_folders_are_refused(folders, tmp_path):
         Engine(str(path))
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "keep_only_token_ids": None}))
     modules = json.loads((path / "modules.json").read_text())
-    for extra, match in (({"idx": 4, "name": "4", "path": "1_Dense", "type": "sentence_transformers.base.modules.dense.Dense"},
-                          "more than one Dense"),
-                         ({"idx": 4, "name": "4", "path": "../elsewhere", "type": "x.Normalize"}, "outside")):
+    dense = "sentence_transformers.base.modules.dense.Dense"
+    for extra, match in (({"idx": 4, "name": "4", "path": "1_Dense", "type": dense}, "more than one Dense"),
+                         ({"idx": 4, "name": "4", "path": "../elsewhere", "type": "x.Normalize"}, "outside"),
+                         ({"idx": 4, "name": "4", "path": "", "type": "x.HierarchicalTokenPooling"}, "not supported")):
         (path / "modules.json").write_text(json.dumps([*modules, extra]))
         with pytest.raises(ValueError, match=match):
             Engine(str(path))
+    (path / "modules.json").write_text(json.dumps(modules))
+    dcfg = path / "1_Dense" / "config.json"
+    dcfg.write_text(json.dumps({**json.loads(dcfg.read_text()),
+                                "activation_function": "torch.nn.modules.activation.ReLU"}))
+    with pytest.raises(ValueError, match="activation_function"):
+        Engine(str(path))
 
 
 def test_colbert_on_a_plain_encoder_names_the_fix(minilm_engine):
