@@ -114,15 +114,21 @@ def browser():
 
 
 def test_panel_runs_in_jupyterlab(jupyter, browser):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     base, token, root = jupyter
-    wait = WebDriverWait(browser, WAIT_S)
+    # the panel replaces its widgets' DOM as it redraws: an element found a moment ago may be gone; look again
+    wait = WebDriverWait(browser, WAIT_S, ignored_exceptions=(StaleElementReferenceException,))
 
     def panel(name: str):
         return browser.find_element(By.CSS_SELECTOR, f".lab-panel-{name}")
+
+    def steady(fn):
+        """``fn()``'s value, retried while the panel redraws under it (a stale element)."""
+        return wait.until(lambda d: (fn(),))[0]
 
     def heatmap_src() -> str | None:
         imgs = browser.find_elements(By.CSS_SELECTOR, ".lab-panel-plot img")
@@ -136,41 +142,45 @@ def test_panel_runs_in_jupyterlab(jupyter, browser):
         data=json.dumps({"path": "01_quickstart.ipynb", "type": "notebook", "name": "01_quickstart.ipynb",
                          "kernel": {"name": "python3"}}).encode())
     urllib.request.urlopen(req, timeout=60).close()
-    browser.get(f"{base}/lab/tree/01_quickstart.ipynb?token={token}")
-    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")))
-    # Should JupyterLab still ask which kernel to start (a modal that would swallow the clicks below), accept its
-    # choice once it names Python 3; go on when the kernel is idle and no dialog is open, twice in a row
-    settled, deadline = 0, time.monotonic() + WAIT_S
-    while settled < 2 and time.monotonic() < deadline:
-        dialogs = browser.find_elements(By.CSS_SELECTOR, ".jp-Dialog")
-        idle = browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator[data-status='idle']")
-        if dialogs:
-            accept = dialogs[0].find_elements(By.CSS_SELECTOR, "button.jp-mod-accept")
-            if accept and "Python 3" in dialogs[0].text:
-                accept[0].click()
-        settled = settled + 1 if idle and not dialogs else 0
-        time.sleep(1)
-    assert settled == 2, "the notebook's kernel never became idle with no dialog open"
-    # Run -> Run All Cells (the panel cell is the notebook's last)
-    browser.find_element(By.XPATH, "//div[contains(@class,'lm-MenuBar-itemLabel') and text()='Run']").click()
-    wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, "li[data-command='runmenu:run-all']"))).click()
+    try:  # on any failure, a screenshot of the page (failed.png) beside the server log in the test's tmp folder
+        browser.get(f"{base}/lab/tree/01_quickstart.ipynb?token={token}")
+        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")))
+        # Should JupyterLab still ask which kernel to start (a modal that would swallow the clicks below), accept its
+        # choice once it names Python 3; go on when the kernel is idle and no dialog is open, twice in a row
+        settled, deadline = 0, time.monotonic() + WAIT_S
+        while settled < 2 and time.monotonic() < deadline:
+            try:
+                dialogs = browser.find_elements(By.CSS_SELECTOR, ".jp-Dialog")
+                idle = browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator[data-status='idle']")
+                if dialogs:
+                    accept = dialogs[0].find_elements(By.CSS_SELECTOR, "button.jp-mod-accept")
+                    if accept and "Python 3" in dialogs[0].text:
+                        accept[0].click()
+                settled = settled + 1 if idle and not dialogs else 0
+            except StaleElementReferenceException:  # the dialog closed as we read it
+                settled = 0
+            time.sleep(1)
+        assert settled == 2, "the notebook's kernel never became idle with no dialog open"
+        # Run -> Run All Cells (the panel cell is the notebook's last)
+        browser.find_element(By.XPATH, "//div[contains(@class,'lm-MenuBar-itemLabel') and text()='Run']").click()
+        wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, "li[data-command='runmenu:run-all']"))).click()
 
-    try:
         wait.until(lambda d: heatmap_src() and "stats of the last call" in panel("stats-view").text)
+        first_src, first_stats = steady(heatmap_src), steady(lambda: panel("stats-view").text)
+        assert first_src.startswith("data:image/png;base64,")
+        assert "packed" in first_stats and "384" in first_stats  # the call's path and the embedding size
+
+        steady(lambda: Select(panel("pooling").find_element(By.TAG_NAME, "select")).select_by_visible_text("cls"))
+        wait.until(lambda d: "cls" in panel("resolved-view").text)  # configure ran in the kernel
+        steady(lambda: panel("run-button").click())
+        wait.until(lambda d: heatmap_src() not in (None, first_src) and panel("stats-view").text != first_stats)
+        error = steady(lambda: panel("error").text.strip())
+        assert error == "", error
     except Exception:
         browser.save_screenshot(str(root / "failed.png"))
         raise
-    first_src, first_stats = heatmap_src(), panel("stats-view").text
-    assert first_src.startswith("data:image/png;base64,")
-    assert "packed" in first_stats and "384" in first_stats  # the call's path and the embedding size
 
-    Select(panel("pooling").find_element(By.TAG_NAME, "select")).select_by_visible_text("cls")
-    wait.until(lambda d: "cls" in panel("resolved-view").text)  # configure ran in the kernel
-    panel("run-button").click()
-    wait.until(lambda d: heatmap_src() not in (None, first_src) and panel("stats-view").text != first_stats)
-    assert panel("error").text.strip() == "", panel("error").text
-
-    browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", panel("pooling"))
+    steady(lambda: browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", panel("pooling")))
     time.sleep(0.5)
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     assert browser.save_screenshot(str(SCREENSHOT))
