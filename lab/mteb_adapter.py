@@ -6,6 +6,8 @@ DataLoader and hands every text to one ``engine.embed`` call, so the engine's ow
 pooled), chosen like sentence-transformers chooses prompts. The model meta names the model and carries the
 result-changing knob values as mteb ``experiment_kwargs``, so mteb's ResultCache stores each variant apart:
 ``results/<model>/<revision>/experiments/<pooling_mean__bidirectional_True...>/<Task>.json``.
+``resolve_tasks`` turns task names into mteb task objects (the checkout's local copies first; ``lab.sweeps`` and
+``lab.retrieval`` both use it).
 
     >>> model = as_mteb_model(engine, instructions={"query": "Represent this query for retrieval"})
     >>> mteb.evaluate(model, evals.tasks.get_tasks(["STSBenchmark"]), cache=mteb.ResultCache("evals/results/cache"))
@@ -16,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -245,3 +247,32 @@ def _read_json(path: Path) -> dict:
             return json.load(f)
     except (OSError, ValueError):
         return {}
+
+
+def resolve_tasks(tasks) -> list:
+    """Task names or mteb task objects -> task objects. Names go through ``evals.tasks.get_tasks`` (local data)
+    when it can be imported, else ``mteb.get_tasks``."""
+    if isinstance(tasks, str) or not isinstance(tasks, Iterable):
+        tasks = [tasks]
+    tasks = list(tasks)
+    names = [t for t in tasks if isinstance(t, str)]
+    if names:
+        get_tasks = _local_get_tasks()
+        if get_tasks is None:
+            import mteb
+
+            def get_tasks(ns):
+                found = {t.metadata.name: t for t in mteb.get_tasks(tasks=ns)}
+                return [found[n] for n in ns]
+
+        by_name = dict(zip(names, get_tasks(names)))
+        tasks = [by_name[t] if isinstance(t, str) else t for t in tasks]
+    return tasks
+
+
+def _local_get_tasks():
+    """``evals.tasks.get_tasks`` from the repository next to ``lab/``; ``None`` when lab is installed alone."""
+    from lab._repo import import_evals
+
+    tasks = import_evals("tasks")
+    return None if tasks is None else tasks.get_tasks

@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from lab.mteb_adapter import resolve_tasks
+
 MODES = ("dense", "sparse", "late-interaction", "tokens-maxsim", "m3", "late-chunking", "chunks")
 MODE_OUTPUTS = {"sparse": ("sparse",), "late-interaction": ("colbert",), "tokens-maxsim": ("tokens",),
                 "m3": ("dense", "sparse", "colbert")}  # what each mode asks embed for (dense: always there)
@@ -133,17 +135,7 @@ def load_retrieval(task, *, split: str = "test", max_docs: int | None = None, se
     """``(corpus, queries, qrels)`` dicts of an mteb retrieval task (a task object, or a name: the local copy in
     ``evals/data`` first, e.g. SciFact, else mteb's). Corpus texts are ``title + " " + text``. ``max_docs``: keep every document a
     qrel names plus a seeded random sample of the others, up to ``max_docs`` (a smaller, easier corpus: say so)."""
-    t = task
-    if isinstance(task, str):  # the local copy (evals/tasks.py) when the checkout is there, else mteb's
-        from lab._repo import import_evals
-
-        local = import_evals("tasks")
-        if local is not None:
-            t = local.get_tasks([task])[0]
-        else:
-            import mteb
-
-            t = mteb.get_task(task)
+    t = resolve_tasks([task])[0]
     t.load_data()
     data = t.dataset["default"][split] if "default" in t.dataset else t.dataset[split]
     corpus = {r["id"]: f"{r.get('title') or ''} {r['text']}".strip() for r in data["corpus"]}

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lab.mteb_adapter import as_mteb_model, model_name
+from lab.mteb_adapter import as_mteb_model, model_name, resolve_tasks
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -50,35 +50,6 @@ def resolve_cache(cache: Any = DEFAULT_CACHE):
     if cache is None or isinstance(cache, mteb.ResultCache):
         return cache
     return mteb.ResultCache(default_cache_dir() if cache is DEFAULT_CACHE else Path(cache))
-
-
-def resolve_tasks(tasks) -> list:
-    """Task names or mteb task objects -> task objects. Names go through ``evals.tasks.get_tasks`` (local data)
-    when it can be imported, else ``mteb.get_tasks``."""
-    if isinstance(tasks, str) or not isinstance(tasks, Iterable):
-        tasks = [tasks]
-    tasks = list(tasks)
-    names = [t for t in tasks if isinstance(t, str)]
-    if names:
-        get_tasks = _local_get_tasks()
-        if get_tasks is None:
-            import mteb
-
-            def get_tasks(ns):
-                found = {t.metadata.name: t for t in mteb.get_tasks(tasks=ns)}
-                return [found[n] for n in ns]
-
-        by_name = dict(zip(names, get_tasks(names)))
-        tasks = [by_name[t] if isinstance(t, str) else t for t in tasks]
-    return tasks
-
-
-def _local_get_tasks():
-    """``evals.tasks.get_tasks`` from the repository next to ``lab/``; ``None`` when lab is installed alone."""
-    from lab._repo import import_evals
-
-    tasks = import_evals("tasks")
-    return None if tasks is None else tasks.get_tasks
 
 
 def variants(sweep: Mapping[str, Iterable] | None) -> list[dict[str, Any]]:

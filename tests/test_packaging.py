@@ -46,7 +46,7 @@ def test_repository_root_does_not_shadow_the_library():
     """`python -m lab.demo` / `python -m pytest` run from the root: transformers must still import, and `import
     kernels` must give the library where it is installed."""
     out = _run(
-        "import importlib.util as u, transformers.modeling_utils, kernels, lab.kernels.reference;"
+        "import transformers.modeling_utils, kernels, lab.kernels.reference;"
         " print(kernels.__file__); print(lab.kernels.__file__)",
         ROOT,
     )
