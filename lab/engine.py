@@ -328,8 +328,9 @@ class Engine:
         )
 
     # ------------------------------------------------------------------------------------------------- embed
-    def _processor(self) -> InputProcessor:
-        return InputProcessor(self.tokenizer, self.max_length, append_eos=self.append_eos)
+    def _processor(self, max_length: int | None = None) -> InputProcessor:
+        """The engine's input processor (``max_length``: a per-call cap instead of the engine's)."""
+        return InputProcessor(self.tokenizer, max_length or self.max_length, append_eos=self.append_eos)
 
     def _instruction(self, instruction=_UNSET, prompt_name: str | None = None) -> str | None:
         """The call's instruction: ``prompt_name``'s prompt, else ``instruction``, else the knob, else the model's
@@ -377,9 +378,8 @@ class Engine:
         ``include_instruction``; ``output``: as ``embed``'s, checked here; ``task``: a ColBERT folder's,
         ``lab.multivector``, which then sets the lengths, the query expansion and pools the prompt)."""
         mv = self.spec.multi_vector if "colbert" in outputs.parse_output(output)[0] else None
-        proc = self._processor() if mv is None else InputProcessor(
-            self.tokenizer, multivector.max_length(mv, task, self.max_length, self._knobs.max_length),
-            append_eos=self.append_eos)
+        proc = self._processor(None if mv is None else
+                               multivector.max_length(mv, task, self.max_length, self._knobs.max_length))
         include = True if mv is not None else self.include_instruction if include is None else include
         method = pooling_method(pooling or self.pooling)
         if head is None:

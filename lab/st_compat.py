@@ -112,6 +112,12 @@ def _check_options(*, batch_size, output_value, device, engine_device, pool, kwa
             raise ValueError(f"encode(device={device!r}): this engine runs on {engine_device} (fixed at load); "
                              f"create Engine(path, device={str(want)!r}) to run there")
 
+def _sentences(sentences) -> tuple[list[str], bool]:
+    """The checked list of texts, and whether one bare string was given (its result is unwrapped)."""
+    single = isinstance(sentences, str)
+    return check_texts([sentences] if single else sentences, "sentences"), single
+
+
 def _check_truncate_dim(truncate_dim) -> None:
     if truncate_dim is not None and (isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int)
                                      or truncate_dim < 1):
@@ -166,8 +172,7 @@ def encode(
     _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
                    pool=pool, kwargs=kwargs)
     text = resolve_prompt(prompts, default_prompt_name, prompt, prompt_name)
-    single = isinstance(sentences, str)
-    sentences = check_texts([sentences] if single else sentences, "sentences")
+    sentences, single = _sentences(sentences)
     tokens = output_value == "token_embeddings"
     check_precision(precision, rows=None if tokens else len(sentences))
     if tokens:
@@ -202,8 +207,7 @@ def encode(
 
 def _encode_colbert(run, sentences, prompt, task, show_progress_bar, convert_to_numpy, normalize, truncate_dim):
     """``MultiVectorEncoder.encode``'s results from ``run(texts, prompt, "colbert", show_progress, task)``."""
-    single = isinstance(sentences, str)
-    sentences = check_texts([sentences] if single else sentences, "sentences")
+    sentences, single = _sentences(sentences)
     _check_truncate_dim(truncate_dim)
     mats = [torch.as_tensor(m) for m in run(sentences, prompt, "colbert", show_progress_bar, task)] if sentences \
         else []
