@@ -236,7 +236,9 @@ def _multi_vector_modules(p: Path, entries: list) -> tuple[Path | None, str, boo
             raise ValueError(f"{p / 'modules.json'}: module path {m.get('path')!r} is outside the model folder; "
                              "refusing to read from there")
         cfg_path = folder / "config.json"
-        cfg = _read_json(cfg_path, dict, "a JSON object (the module's config)") if kind and cfg_path.exists() else {}
+        reads_config = kind.endswith(("Dense", "MultiVectorMask"))  # the Transformer's config.json is read already
+        cfg = _read_json(cfg_path, dict, "a JSON object (the module's config)") \
+            if reads_config and cfg_path.exists() else {}
         if kind.endswith("Dense"):
             if dense is not None:
                 raise ValueError(f"{p / 'modules.json'}: more than one Dense in a multi-vector model is not supported")
