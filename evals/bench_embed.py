@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evals.data_io import read_jsonl
+from evals.data_io import mixed_corpus, read_jsonl
 
 ROOT = Path(__file__).resolve().parent
 DATA, RESULTS = ROOT / "data", ROOT / "results"
@@ -41,13 +41,7 @@ def load_corpus(name: str, scifact_docs: int) -> list[str]:
         rows = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")[:scifact_docs]
         return [(r.get("title", "") + " " + r["text"]).strip() for r in rows]
     if name == "mixed":  # 660 texts: 400 short sentences and 260 long abstracts, shuffled (fixed seed)
-        import random
-
-        short = load_corpus("stsbenchmark", 0)[1000:1400]
-        docs = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")[2000:2260]
-        texts = short + [(r.get("title", "") + " " + r["text"]).strip() for r in docs]
-        random.Random(0).shuffle(texts)
-        return texts
+        return mixed_corpus()
     raise ValueError(f"unknown corpus {name!r}; valid: stsbenchmark, scifact, mixed")
 
 

@@ -12,6 +12,8 @@ import gzip
 import json
 from pathlib import Path
 
+DATA = Path(__file__).resolve().parent / "data"
+
 
 def read_jsonl(path: Path) -> list[dict]:
     """Every non-blank line of a ``.jsonl`` or ``.jsonl.gz`` file, parsed."""
@@ -26,3 +28,18 @@ def spread(n_total: int, n: int | None) -> list[int]:
     if n is None or n >= n_total:
         return list(range(n_total))
     return sorted({round(i * (n_total - 1) / max(n - 1, 1)) for i in range(n)})
+
+
+def mixed_corpus() -> list[str]:
+    """The held-out mixed-length corpus of the speed benchmarks: 400 STSBenchmark test sentences (rows 1000-1399 of
+    the sentence list, which the ``stsbenchmark`` corpus of ``bench_embed`` does not time with) and 260 SciFact
+    abstracts (corpus rows 2000-2259, title + text), shuffled with a fixed seed. 660 texts, short and long mixed
+    as a real collection mixes them."""
+    import random
+
+    rows = read_jsonl(DATA / "stsbenchmark" / "test.jsonl.gz")
+    short = ([r["sentence1"] for r in rows] + [r["sentence2"] for r in rows])[1000:1400]
+    docs = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")[2000:2260]
+    texts = short + [(r.get("title", "") + " " + r["text"]).strip() for r in docs]
+    random.Random(0).shuffle(texts)
+    return texts

@@ -131,31 +131,34 @@ def throughput(
 
 
 def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.dtype = torch.float32,
-                  tokens: int = 4096, repeats: int = 20) -> dict:
+                  tokens: int = 4096, repeats: int = 20, shapes: list[tuple[int, int]] | None = None) -> dict:
     """Measured matmul FLOP/s at the model's GEMM shapes and the tokens/s they imply for its FLOPs per token.
 
-    FLOPs per token count the projections (q/k/v/o: ``4 h^2``, FFN: ``2 h i``) at 2 FLOPs per multiply-add; the
-    attention scores (a few % for short inputs) are left out, so the roofline is a ceiling for the GEMM work.
-    The GEMM timed is the engine's (``lab.models.fused.linear``: for bfloat16 on a CPU without AMX, a float32 GEMM
-    over the bfloat16 values), i.e. the fastest GEMM this machine offers for the dtype. The rate is the best of
-    ``repeats`` timings, not their median: a ceiling, which a slow moment on a shared machine cannot lower much.
+    ``shapes``: one layer's projections as ``(in, out)`` pairs; the default is a BERT layer's (q/k/v ``h -> 3h``,
+    output ``h -> h``, FFN ``h -> i -> h``). FLOPs per token count those projections at 2 FLOPs per multiply-add;
+    the attention scores (a few % for short inputs) are left out, so the roofline is a ceiling for the GEMM work.
+    The GEMM timed is the engine's (``lab.models.fused.linear``, in the mode the engine's probes chose: native or
+    widened bfloat16, BLAS or oneDNN float32), i.e. the fastest GEMM this machine offers for the dtype. The rate is
+    the best of ``repeats`` timings, not their median: a ceiling, which a slow moment on a shared machine cannot
+    lower much.
     """
     from lab.models.fused import linear
 
-    x = torch.randn(tokens, hidden, dtype=dtype)
-    shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, intermediate), (intermediate, hidden)]
+    if shapes is None:
+        shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, intermediate), (intermediate, hidden)]
     ws = [torch.randn(o, i, dtype=dtype) * 0.02 for i, o in shapes]
-    ins = [x, x, x, torch.randn(tokens, intermediate, dtype=dtype)]
+    ins = {i: torch.randn(tokens, i, dtype=dtype) for i, _ in shapes}
 
     def run():
-        for a, w in zip(ins, ws):
-            linear(a, w)
+        for (i, _), w in zip(shapes, ws):
+            linear(ins[i], w)
 
-    run()
-    secs = min(_time(run, repeats))
-    flops_step = 2 * tokens * sum(i * o for i, o in shapes)
-    flops_per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * intermediate)
-    flops_per_s = flops_step / secs
+    with torch.inference_mode():
+        run()
+        secs = min(_time(run, repeats))
+    flops_layer = 2 * sum(i * o for i, o in shapes)  # per token
+    flops_per_s = flops_layer * tokens / secs
+    flops_per_token = layers * flops_layer
     return {"gemm_gflops": flops_per_s / 1e9, "flops_per_token": flops_per_token,
             "roofline_tokens_per_s": flops_per_s / flops_per_token}
 

@@ -84,7 +84,8 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
 
     eng = Engine(minilm_path)
     paths = eng.resolved["cpu_paths"]
-    assert set(paths) == {"bert_qkv", "bert_ffn"} and paths["bert_qkv"] in ("split", "stacked")
+    assert set(paths) == {"f32_gemm", "bert_qkv", "bert_ffn"} and paths["bert_qkv"] in ("split", "stacked")
+    assert paths["f32_gemm"] in ("blas", "onednn")
     made = {(d.name, d.key): d for d in probes.decisions()}
     assert all(made[(d.name, d.key)].source == "probe" and len(d.seconds) == 2 for d in eng.runner.decisions)
     base = eng.embed(["a probe", "another text, longer than the first one"])
@@ -95,14 +96,48 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
     other = "stacked" if paths["bert_qkv"] == "split" else "split"
     monkeypatch.setenv("LAB_CPU_BERT_QKV", other)
     monkeypatch.setattr(probes, "_DECIDED", {})
+    monkeypatch.setenv("LAB_CPU_F32_GEMM", "onednn" if paths["f32_gemm"] == "blas" else "blas")
     forced = Engine(minilm_path)
-    assert forced.cpu_paths["bert_qkv"] == other and forced.runner.decisions[0].source == "env"
+    assert forced.cpu_paths["bert_qkv"] == other and all(d.source == "env" for d in forced.runner.decisions[:2])
+    assert forced.cpu_paths["f32_gemm"] != paths["f32_gemm"]
     np.testing.assert_allclose(forced.embed(["a probe", "another text, longer than the first one"]), base,
                                atol=2e-6)
     monkeypatch.setenv("LAB_CPU_BERT_QKV", "sideways")
     monkeypatch.setattr(probes, "_DECIDED", {})
     with pytest.raises(ValueError, match="LAB_CPU_BERT_QKV='sideways'.*valid: split, stacked or auto|valid"):
         Engine(minilm_path)
+
+
+@pytest.mark.parametrize("mode", ["blas", "onednn"])
+def test_float32_linear_modes_compute_f_linear(monkeypatch, mode):
+    """Both float32 GEMM modes give ``F.linear`` (to float32 rounding), with and without bias and ``out=`` (a row
+    block of a larger output); oneDNN is not used where autograd records (it has no backward)."""
+    from lab.models import fused
+
+    if mode == "onednn" and not _has_fused_op():
+        pytest.skip("this torch build has no oneDNN torch.ops.mkldnn._linear_pointwise")
+    monkeypatch.setitem(fused._F32, "mode", "blas")
+    fused.set_f32_gemm(mode)
+    calls = []
+    real = fused.onednn_f32_linear
+    monkeypatch.setattr(fused, "onednn_f32_linear", lambda *a: calls.append(1) or real(*a))
+    assert fused.f32_gemm() == mode
+    x, w, b = torch.randn(37, 24), torch.randn(40, 24) * 0.2, torch.randn(40)
+    with torch.inference_mode():
+        for bias in (b, None):
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            torch.testing.assert_close(fused.linear(x, w, bias).double(), want, atol=1e-5, rtol=1e-5)
+            out = torch.zeros(50, 40)
+            fused.linear(x, w, bias, out=out[5:42])
+            torch.testing.assert_close(out[5:42].double(), want, atol=1e-5, rtol=1e-5)
+            assert not out[:5].any() and not out[42:].any()
+    assert len(calls) == (4 if mode == "onednn" else 0)  # the chosen implementation ran
+    wg = w.clone().requires_grad_()
+    fused.linear(x, wg, b).sum().backward()  # grad mode: the BLAS path, which has a backward
+    torch.testing.assert_close(wg.grad, x.sum(0).expand(40, 24))
+    assert len(calls) == (4 if mode == "onednn" else 0)
+    with pytest.raises(ValueError, match="valid: blas, onednn"):
+        fused.set_f32_gemm("tf32")
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
@@ -149,3 +184,32 @@ def test_fused_path_is_taken_on_cpu(monkeypatch, act_name, act, dtype, tol):
     assert calls == [(fused._ONEDNN_ACT[act_name][0], [], fused._ONEDNN_ACT[act_name][1])]
     assert got.dtype == dtype and got.shape == (37, 40)
     torch.testing.assert_close(got.float(), act(F.linear(x, w, b)).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("mode", ["blas", "onednn"])
+def test_decoder_float32_gemm_modes_match_transformers(tmp_path, monkeypatch, mode):
+    """A tiny Llama through the Engine with each float32 GEMM mode forced (``LAB_CPU_F32_GEMM``): the mode is the
+    one reported, and mean-pooled embeddings of shuffled odd-length inputs (one of a single token) equal
+    transformers' forward, one sequence at a time, within float32 rounding."""
+    if mode == "onednn" and not _has_fused_op():
+        pytest.skip("this torch build has no oneDNN torch.ops.mkldnn._linear_pointwise")
+    from tiny_models import tiny_llama
+    from transformers import AutoModel
+
+    from lab import Engine
+    from lab.models import fused, probes
+
+    monkeypatch.setattr(probes, "_DECIDED", {})
+    monkeypatch.setitem(fused._F32, "mode", fused.f32_gemm())
+    monkeypatch.setenv("LAB_CPU_F32_GEMM", mode)
+    folder = str(tiny_llama(tmp_path, "llama"))
+    eng = Engine(folder, pooling="mean", max_batch_tokens=48)
+    assert eng.cpu_paths["f32_gemm"] == mode and fused.f32_gemm() == mode
+    texts = ["a", "Rotary position embeddings rotate queries and keys. " * 3, "Paris is the capital of France",
+             "x y z " * 11, "What?"]
+    got = eng.embed(texts)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = np.stack([model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0].mean(0).numpy()
+                         for r in eng.tokenize(texts)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)

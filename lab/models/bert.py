@@ -30,7 +30,7 @@ from lab.models.fused import (
     row_blocks,
 )
 from lab.models.loading import KeyTracker, warn_unexpected
-from lab.models.probes import Probe, bf16_gemm_probe
+from lab.models.probes import Probe, gemm_probe
 
 # Tokens per FFN block on the CPU row-blocked path (``BertLayer._ffn``): 512-2048 measured alike, 256 3 % slower.
 FFN_ROWS = 1024
@@ -154,12 +154,14 @@ class BertModel(PackedModel):
         return x, None
 
     def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
-        """bfloat16: native vs widened GEMMs (at the FFN's up-projection); every dtype: q/k/v split vs stacked and
+        """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the FFN's
+        up-projection); every dtype: q/k/v split vs stacked and
         the FFN in row blocks vs with a fused epilogue (``BertLayer.forward``), on layer 0's weights."""
         layer, t = self.layers[0], PROBE_ROWS
         x = torch.randn(t, self.hidden_size, dtype=dtype)
-        if dtype == torch.bfloat16:
-            yield bf16_gemm_probe(x, layer.up.weight, layer.up.bias, threads)
+        probe = gemm_probe(x, layer.up.weight, layer.up.bias, threads)
+        if probe is not None:
+            yield probe
         qkv = {c: (lambda c=c: self._probe_qkv(layer, x, c)) for c in ("split", "stacked")}
         ffn = {c: (lambda c=c: self._probe_ffn(layer, x, c)) for c in ("blocks", "fused")}
         narrow = dtype == torch.float32  # the default (the first candidate): the narrow paths in float32

@@ -26,7 +26,7 @@ from lab.kernels.reference import rotary_cos_sin
 from lab.models.base import PackedModel
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.loading import KeyTracker, warn_unexpected
-from lab.models.probes import Probe, bf16_gemm_probe
+from lab.models.probes import Probe, gemm_probe
 from lab.models.rope import RopeSpec, rope_from_config
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -243,14 +243,15 @@ class DecoderModel(PackedModel):
         return x, residual
 
     def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
-        """bfloat16: native vs widened GEMMs (at the gate/up projection's shape); every dtype: the MLP in row blocks
-        with split gate/up GEMMs vs one stacked GEMM (``DecoderLayer._mlp``), on layer 0's weights."""
+        """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the gate projection's
+        shape), then the MLP in row blocks with split gate/up GEMMs vs one stacked GEMM (``DecoderLayer._mlp``), on
+        layer 0's weights."""
         layer = self.layers[0]
         x = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype)
-        if dtype == torch.bfloat16:
-            gate = layer.gate_up.weight[: layer.inter]
-            yield bf16_gemm_probe(x, gate, None if layer.gate_up.bias is None else layer.gate_up.bias[: layer.inter],
-                                  threads)
+        b = layer.gate_up.bias
+        probe = gemm_probe(x, layer.gate_up.weight[: layer.inter], None if b is None else b[: layer.inter], threads)
+        if probe is not None:
+            yield probe
 
         def mlp(choice: str):
             self.plan["decoder_mlp"] = choice

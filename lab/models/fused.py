@@ -8,6 +8,12 @@ one runs is decided per process by timing both at the model's shapes (``set_bf16
 float32 copy of each weight, made once per dtype switch (kept on the parameter, dropped when its data changes),
 never one per call. ``LAB_CPU_BF16_GEMM=native`` / ``widened`` forces the choice.
 
+**float32 GEMMs through BLAS or oneDNN, decided by a probe.** torch's CPU ``F.linear`` runs float32 through its
+BLAS (MKL on x86 builds); oneDNN's float32 matmul (``torch.ops.mkldnn._linear_pointwise`` with no epilogue)
+computes the same products in another order. On one 2-core AMD EPYC (AVX-512) it ran 1.1-1.4x faster at
+SmolLM2's and MiniLM's shapes, one thread; elsewhere BLAS may win. ``set_f32_gemm`` (``blas`` / ``onednn``) is set
+from the probe (``LAB_CPU_F32_GEMM`` forces it); oneDNN is used only under no-grad (it has no backward).
+
 **Fused activation.**
 
 ``torch.ops.mkldnn._linear_pointwise`` (the op PyTorch's own compiler emits for CPU linear + pointwise) runs the
@@ -80,6 +86,8 @@ def _has_linear_pointwise() -> bool:
 _FUSED_CPU = _has_linear_pointwise()
 BF16_GEMM_MODES = ("native", "widened")
 _BF16 = {"mode": "native"}  # process-wide, set from the probe (lab.runner) or LAB_CPU_BF16_GEMM
+F32_GEMM_MODES = ("blas", "onednn")
+_F32 = {"mode": "blas"}  # process-wide, set from the probe (lab.runner) or LAB_CPU_F32_GEMM
 _WIDE_LOCK = threading.Lock()
 
 
@@ -93,6 +101,39 @@ def set_bf16_gemm(mode: str) -> None:
 
 def bf16_gemm() -> str:
     return _BF16["mode"]
+
+
+def onednn_cpu() -> bool:
+    """Whether this torch build has oneDNN's CPU linear op (``torch.ops.mkldnn._linear_pointwise``)."""
+    return _FUSED_CPU
+
+
+def set_f32_gemm(mode: str) -> None:
+    """Run CPU float32 GEMMs through torch's BLAS (``blas``, ``F.linear``) or oneDNN (``onednn``)."""
+    if mode not in F32_GEMM_MODES:
+        raise ValueError(f"float32 GEMM mode {mode!r}; valid: {', '.join(F32_GEMM_MODES)}")
+    if mode == "onednn" and not _FUSED_CPU:
+        raise ValueError("float32 GEMM mode 'onednn' needs a torch build with oneDNN (torch.backends.mkldnn)")
+    _F32["mode"] = mode
+
+
+def f32_gemm() -> str:
+    return _F32["mode"]
+
+
+def set_gemm(name: str, mode: str) -> None:
+    """Set the process's GEMM mode from a probe decision named ``bf16_gemm`` or ``f32_gemm``."""
+    {"bf16_gemm": set_bf16_gemm, "f32_gemm": set_f32_gemm}[name](mode)
+
+
+def onednn_f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` as oneDNN's float32 matmul (no epilogue)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_F32["mode"] == "onednn" and x.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.is_contiguous() and not torch.is_grad_enabled())
 
 
 def _widen(x: torch.Tensor) -> bool:
@@ -123,11 +164,15 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; CPU bfloat16 runs as a float32 GEMM over the bfloat16 values when the probe chose ``widened``.
+    """``F.linear``; CPU bfloat16 runs as a float32 GEMM over the bfloat16 values when the probe chose ``widened``,
+    CPU float32 through oneDNN when it chose ``onednn``.
     ``out``: a contiguous ``(T, N)`` tensor (a row block of a larger one) to write into, for 2-D ``x``."""
     if _widen(x):
         y = F.linear(x.float(), wide_weight(weight), _f32(bias))
         return y.to(torch.bfloat16) if out is None else out.copy_(y)
+    if _onednn(x, weight):
+        y = onednn_f32_linear(x, weight, bias)
+        return y if out is None else out.copy_(y)
     if out is None:
         return F.linear(x, weight, bias)
     if bias is None:

@@ -127,6 +127,30 @@ def cpu_info() -> dict[str, str]:
             "torch": torch.__version__, "threads": str(torch.get_num_threads())}
 
 
+def gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe | None:
+    """The GEMM implementation choice for ``x``'s dtype at one of a model's shapes: ``bf16_gemm_probe`` for
+    bfloat16, ``f32_gemm_probe`` for float32 (where torch has oneDNN), else ``None``."""
+    from lab.models.fused import onednn_cpu
+
+    if x.dtype == torch.bfloat16:
+        return bf16_gemm_probe(x, weight, bias, threads)
+    if x.dtype == torch.float32 and onednn_cpu():
+        return f32_gemm_probe(x, weight, bias, threads)
+    return None
+
+
+def f32_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe:
+    """torch's BLAS float32 GEMM (``F.linear``, the default) against oneDNN's (``lab.models.fused.onednn_f32_linear``)
+    at one of a model's shapes."""
+    from lab.models.fused import onednn_f32_linear
+
+    return Probe(
+        "f32_gemm", ("float32", x.shape[1], weight.shape[0]),
+        {"blas": lambda: F.linear(x, weight, bias), "onednn": lambda: onednn_f32_linear(x, weight, bias)},
+        threads,
+    )
+
+
 def bf16_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe:
     """Native bfloat16 GEMM (the default) against the widened one (float32 GEMM over the bfloat16 values, with
     the float32 weight made beforehand, as ``lab.models.fused.wide_weight`` keeps it) at one of a model's shapes."""
