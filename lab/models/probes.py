@@ -4,7 +4,8 @@ Machines of one kind differ: oneDNN's native bfloat16 GEMMs run at ~0.65x the fl
 ~3x on another (AVX512-BF16, no AMX, both). So every CPU fast-path choice a model family makes (its
 ``cpu_probes``, read back from ``model.plan``) is decided by a short probe: the candidate implementations of that
 step run on random tensors of the model's shapes, interleaved, in the thread layout the engine runs them in (one
-intra-op thread per CPU worker), and the fastest wins (the first candidate, the default, unless another is at least ``MARGIN`` faster). A decision is
+intra-op thread per CPU worker), each best of ``REPEATS`` after ``WARMUP`` untimed calls, and the fastest wins (the
+first candidate, the default, unless another is at least ``MARGIN`` faster). A decision is
 made once per process and shape class and cached; ``LAB_CPU_<NAME>=<candidate>`` overrides it (for example
 ``LAB_CPU_BF16_GEMM=widened``). ``decisions()`` lists what was decided, how, and the timings; ``Engine.resolved``
 (``cpu_paths``) and the benchmark CSVs report the choices with the CPU model and flags (``cpu_info()``).
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +26,12 @@ import torch
 import torch.nn.functional as F
 
 MARGIN = 1.03  # another candidate must be this much faster than the default to replace it
-REPEATS = 5  # interleaved timings per candidate (median)
+REPEATS = 5  # interleaved timings per candidate; the best one counts
+# (the best, not the median: on a 2-vCPU VM the first ~30 ms after a multi-threaded region ran ~1.2x slow, likely the
+# OpenMP pool spinning on the sibling vCPU, and a median over 5 calls still carried it into one candidate's figure)
+# untimed calls per candidate first: oneDNN's first calls at a new shape create and JIT its kernels (on one AMD EPYC
+# its float32 GEMM took 8.2, 6.6, 6.7 ms on calls 1-3 and 5.4 ms from then on, which one warm-up call hid badly)
+WARMUP = 3
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "avx_vnni", "fma")
 
 
@@ -47,7 +52,7 @@ class Decision:
     key: tuple
     choice: str
     source: str  # "probe" | "env" (LAB_CPU_<NAME>)
-    seconds: dict[str, float] = field(default_factory=dict)  # median per candidate (probe only)
+    seconds: dict[str, float] = field(default_factory=dict)  # best timing per candidate (probe only)
     threads: int = 1  # the intra-op threads it was decided for (one CPU worker's share)
 
     def __str__(self) -> str:
@@ -93,8 +98,9 @@ def _measure(probe: Probe) -> Decision:
     torch.set_num_threads(max(1, probe.threads))
     try:
         with torch.inference_mode():
-            for fn in probe.candidates.values():  # warm-up: first calls allocate and pick kernels
-                fn()
+            for fn in probe.candidates.values():  # warm-up: first calls allocate and pick (or JIT) kernels
+                for _ in range(WARMUP):
+                    fn()
             times: dict[str, list[float]] = {c: [] for c in probe.candidates}
             for _ in range(REPEATS):  # interleaved, so drift hits every candidate alike
                 for c, fn in probe.candidates.items():
@@ -103,7 +109,7 @@ def _measure(probe: Probe) -> Decision:
                     times[c].append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
-    med = {c: statistics.median(t) for c, t in times.items()}
+    med = {c: min(t) for c, t in times.items()}
     default = next(iter(probe.candidates))
     best = min(med, key=med.get)
     choice = best if med[best] * MARGIN < med[default] else default
