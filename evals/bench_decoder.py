@@ -2,11 +2,16 @@
 
 1. ``throughput``: ``Engine.embed`` (packed, no padding) against a length-sorted padded transformers embedder (the
    way llm2vec embeds: ``AutoModel``, tokenizer padding, batches of ``--batch-sizes``, attention mask, pooling on
-   the padded output) on SciFact abstracts, pooling mean and lasttoken, float32 and bfloat16, both systems timed
-   in the same process with their repeats interleaved (median / min / max). Both systems see identical tokens:
-   the baseline truncates and appends EOS exactly as the Engine's ``InputProcessor`` does (checked, and the
-   result is a row). Reports tokens/s, the speed-up (baseline seconds / Engine seconds) and the embeddings'
-   minimum cosine agreement. Targets: >= 1.2x in float32, >= 1.3x in bfloat16.
+   the padded output) on ``--docs`` evenly spaced texts of ``--corpus``: ``mixed`` (the default; the held-out
+   short sentences + long abstracts of ``evals.data_io.mixed_corpus``) or ``scifact`` (abstracts), pooling mean
+   and lasttoken, float32 and bfloat16. Each baseline is first timed alone (the contamination check: its median
+   alone vs interleaved with the engine is ``baseline_slowdown``), then both systems are timed in the same process
+   with their repeats interleaved (median / min / max). Both systems see identical tokens: the baseline truncates
+   and appends EOS exactly as the Engine's ``InputProcessor`` does (checked, and the result is a row). Reports
+   tokens/s, the speed-up (baseline seconds / Engine seconds), the embeddings' minimum cosine agreement, the
+   engine's share of the GEMM roofline (``lab.bench.gemm_roofline`` at the decoder's projections, in the GEMM mode
+   its probes chose) and the speed-up ceiling that roofline allows. Targets (issue 15): >= 2.0x in float32 and
+   bfloat16.
 2. ``memory``: chunked prefill of one long input (``--lengths`` tokens cut from concatenated SciFact abstracts)
    with ``chunked_prefill`` in ``--chunks``. Each point runs in a fresh subprocess: the model is loaded and warmed
    up, the kernel's RSS high-water mark is reset (``/proc/self/clear_refs``), the long input is embedded, and
