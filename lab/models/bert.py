@@ -155,8 +155,8 @@ class BertModel(PackedModel):
 
     def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
         """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the FFN's
-        up-projection); every dtype: q/k/v split vs stacked and
-        the FFN in row blocks vs with a fused epilogue (``BertLayer.forward``), on layer 0's weights."""
+        up-projection), then q/k/v split vs stacked and the FFN in row blocks vs with a fused epilogue
+        (``BertLayer.forward``), on layer 0's weights."""
         layer, t = self.layers[0], PROBE_ROWS
         x = torch.randn(t, self.hidden_size, dtype=dtype)
         probe = gemm_probe(x, layer.up.weight, layer.up.bias, threads)

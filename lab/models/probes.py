@@ -109,11 +109,11 @@ def _measure(probe: Probe) -> Decision:
                     times[c].append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
-    med = {c: min(t) for c, t in times.items()}
+    fastest = {c: min(t) for c, t in times.items()}
     default = next(iter(probe.candidates))
-    best = min(med, key=med.get)
-    choice = best if med[best] * MARGIN < med[default] else default
-    return Decision(probe.name, probe.key, choice, "probe", med, probe.threads)
+    best = min(fastest, key=fastest.get)
+    choice = best if fastest[best] * MARGIN < fastest[default] else default
+    return Decision(probe.name, probe.key, choice, "probe", fastest, probe.threads)
 
 
 def cpu_info() -> dict[str, str]:
