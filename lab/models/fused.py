@@ -1,7 +1,7 @@
 """CPU fast paths for the models' GEMMs: bfloat16 GEMMs native or widened, and activations fused into the epilogue.
 
 **bfloat16 GEMMs, native or widened, decided by a probe** (``lab.models.probes``). oneDNN's native bfloat16 GEMMs
-run at ~0.65x the float32 rate on some AVX-512 CPUs without AMX and at ~3x on others (AVX512-BF16). The product of
+run at ~0.25-0.65x the float32 rate on some AVX-512 CPUs without AMX and at ~3x on others (AVX512-BF16). The product of
 two bfloat16 numbers is exact in float32, so a float32 GEMM over the bfloat16 values, with the result rounded to
 bfloat16, does the arithmetic of a bfloat16 GEMM (exact products, float32 accumulation): the "widened" path. Which
 one runs is decided per process by timing both at the model's shapes (``set_bf16_gemm``); widened GEMMs read one

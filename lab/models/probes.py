@@ -1,14 +1,15 @@
 """CPU fast paths chosen by measurement on the running machine, not by CPU flags.
 
-Machines of one kind differ: oneDNN's native bfloat16 GEMMs run at ~0.65x the float32 rate on one AVX-512 CPU and
-~3x on another (AVX512-BF16, no AMX, both). So every CPU fast-path choice a model family makes (its
-``cpu_probes``, read back from ``model.plan``) is decided by a short probe: the candidate implementations of that
-step run on random tensors of the model's shapes, interleaved, in the thread layout the engine runs them in (one
-intra-op thread per CPU worker), each best of ``REPEATS`` after ``WARMUP`` untimed calls, and the fastest wins (the
-first candidate, the default, unless another is at least ``MARGIN`` faster). A decision is
-made once per process and shape class and cached; ``LAB_CPU_<NAME>=<candidate>`` overrides it (for example
-``LAB_CPU_BF16_GEMM=widened``). ``decisions()`` lists what was decided, how, and the timings; ``Engine.resolved``
-(``cpu_paths``) and the benchmark CSVs report the choices with the CPU model and flags (``cpu_info()``).
+Machines of one kind differ: oneDNN's native bfloat16 GEMMs run at ~0.25x the float32 rate on one AVX-512 CPU (an
+Intel Xeon without AVX512-BF16), ~0.65x on another and ~3x on a third (AVX512-BF16; no AMX on any). So every CPU
+fast-path choice a model family makes (its ``cpu_probes``, read back from ``model.plan``) is decided by a short
+probe: the candidate implementations of that step run on random tensors of the model's shapes, interleaved, in the
+thread layout the engine runs them in (one intra-op thread per CPU worker), each best of ``REPEATS`` after
+``WARMUP`` untimed calls, and the fastest wins (the first candidate, the default, unless another is at least
+``MARGIN`` faster). A decision is made once per process and shape class and cached; ``LAB_CPU_<NAME>=<candidate>``
+overrides it (for example ``LAB_CPU_BF16_GEMM=widened``). ``decisions()`` lists what was decided, how, and the
+timings; ``Engine.resolved`` (``cpu_paths``) and the benchmark CSVs report the choices with the CPU model and flags
+(``cpu_info()``).
 
     >>> d = decide(Probe("bf16_gemm", key, {"native": f, "widened": g}))      # Decision(choice="native", ...)
 """
