@@ -61,7 +61,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from evals.data_io import mixed_corpus, read_jsonl, spread  # after the path set-up: this runs as a script
+# after the path set-up: this runs as a script
+from evals.data_io import mixed_corpus, read_jsonl, scifact_text, spread
 
 DATA = ROOT / "evals" / "data"
 RESULTS = ROOT / "evals" / "results"
@@ -80,9 +81,9 @@ INSTRUCTION = (
 
 PROFILES: list[str] = []  # op tables of --profile, written to <stem>_profile.txt
 COLUMNS = [
-    "run", "section", "corpus", "system", "dtype", "pooling", "setting", "metric", "value", "unit", "target", "meets_target",
-    "seconds_median", "seconds_min", "seconds_max", "cpu_seconds_median", "tokens", "tokens_per_s", "texts", "repeats",
-    "roofline_tokens_per_s", "roofline_fraction", "baseline_slowdown",
+    "run", "section", "corpus", "system", "dtype", "pooling", "setting", "metric", "value", "unit", "target",
+    "meets_target", "seconds_median", "seconds_min", "seconds_max", "cpu_seconds_median", "tokens", "tokens_per_s",
+    "texts", "repeats", "roofline_tokens_per_s", "roofline_fraction", "baseline_slowdown",
     "threads", "device", "torch", "transformers", "machine", "cpu_model", "cpu_flags", "cpu_paths", "note",
 ]
 
@@ -91,7 +92,7 @@ COLUMNS = [
 
 def scifact_docs(n: int | None = None) -> list[str]:
     docs = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")
-    return [(docs[i]["title"] + " " + docs[i]["text"]).strip() for i in spread(len(docs), n)]
+    return [scifact_text(docs[i]) for i in spread(len(docs), n)]
 
 
 def throughput_texts(corpus: str, n: int | None) -> list[str]:
@@ -369,11 +370,11 @@ def bench_throughput(args, path: str, table: Table) -> None:
                 b_secs, b_cpu, b_out = res[f"baseline{bs}"]
                 base.configure(batch_size=bs)
                 pad = base.padded_tokens(texts)
-                slowdown = statistics.median(b_secs) / statistics.median(alone[f"baseline{bs}"][0])
+                alone_secs = statistics.median(alone[f"baseline{bs}"][0])
                 table.add("throughput", "padded-transformers", "time", secs=b_secs, cpu=b_cpu, tokens=n_tokens,
-                          unit="s", setting=f"batch_size={bs}", **common, baseline_slowdown=slowdown,
-                          note=f"padded tokens {pad} ({pad / n_tokens:.1%} of real); alone "
-                               f"{statistics.median(alone[f'baseline{bs}'][0]):.2f} s")
+                          unit="s", setting=f"batch_size={bs}", **common,
+                          baseline_slowdown=statistics.median(b_secs) / alone_secs,
+                          note=f"padded tokens {pad} ({pad / n_tokens:.1%} of real); alone {alone_secs:.2f} s")
                 ratio = statistics.median(b_secs) / statistics.median(e_secs)
                 target = TARGETS.get(("throughput", dtype))
                 table.add("throughput", "engine", "speedup_vs_baseline", ratio, unit="x", setting=f"batch_size={bs}",

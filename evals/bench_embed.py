@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evals.data_io import mixed_corpus, read_jsonl
+from evals.data_io import mixed_corpus, read_jsonl, scifact_text, stsbenchmark_sentences
 
 ROOT = Path(__file__).resolve().parent
 DATA, RESULTS = ROOT / "data", ROOT / "results"
@@ -35,11 +35,10 @@ DATA, RESULTS = ROOT / "data", ROOT / "results"
 
 def load_corpus(name: str, scifact_docs: int) -> list[str]:
     if name == "stsbenchmark":
-        rows = read_jsonl(DATA / "stsbenchmark" / "test.jsonl.gz")
-        return [r["sentence1"] for r in rows] + [r["sentence2"] for r in rows]
+        return stsbenchmark_sentences()
     if name == "scifact":
         rows = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")[:scifact_docs]
-        return [(r.get("title", "") + " " + r["text"]).strip() for r in rows]
+        return [scifact_text(r) for r in rows]
     if name == "mixed":  # 660 texts: 400 short sentences and 260 long abstracts, shuffled (fixed seed)
         return mixed_corpus()
     raise ValueError(f"unknown corpus {name!r}; valid: stsbenchmark, scifact, mixed")

@@ -30,16 +30,25 @@ def spread(n_total: int, n: int | None) -> list[int]:
     return sorted({round(i * (n_total - 1) / max(n - 1, 1)) for i in range(n)})
 
 
+def stsbenchmark_sentences() -> list[str]:
+    """STSBenchmark's test sentences: every pair's first sentence, then every pair's second."""
+    rows = read_jsonl(DATA / "stsbenchmark" / "test.jsonl.gz")
+    return [r["sentence1"] for r in rows] + [r["sentence2"] for r in rows]
+
+
+def scifact_text(row: dict) -> str:
+    """A SciFact corpus row as one text: title, a space, abstract."""
+    return (row.get("title", "") + " " + row["text"]).strip()
+
+
 def mixed_corpus() -> list[str]:
     """The held-out mixed-length corpus of the speed benchmarks: 400 STSBenchmark test sentences (rows 1000-1399 of
-    the sentence list, which the ``stsbenchmark`` corpus of ``bench_embed`` does not time with) and 260 SciFact
-    abstracts (corpus rows 2000-2259, title + text), shuffled with a fixed seed. 660 texts, short and long mixed
-    as a real collection mixes them."""
+    ``stsbenchmark_sentences``, which the ``stsbenchmark`` corpus of ``bench_embed`` does not time with) and 260
+    SciFact abstracts (corpus rows 2000-2259, ``scifact_text``), shuffled with a fixed seed. 660 texts, short and
+    long mixed as a real collection mixes them."""
     import random
 
-    rows = read_jsonl(DATA / "stsbenchmark" / "test.jsonl.gz")
-    short = ([r["sentence1"] for r in rows] + [r["sentence2"] for r in rows])[1000:1400]
     docs = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")[2000:2260]
-    texts = short + [(r.get("title", "") + " " + r["text"]).strip() for r in docs]
+    texts = stsbenchmark_sentences()[1000:1400] + [scifact_text(r) for r in docs]
     random.Random(0).shuffle(texts)
     return texts

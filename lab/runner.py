@@ -28,7 +28,7 @@ from lab.batch import OutputRows, PackedBatch
 from lab.call import Stats
 from lab.inputs import Request
 from lab.models.base import PackedModel
-from lab.models.fused import set_gemm
+from lab.models.fused import GEMM_SETTERS
 from lab.models.probes import Decision, decide
 from lab.scheduler import split_for_workers
 
@@ -98,8 +98,8 @@ class Runner:
         probes = self.model.cpu_probes(self.dtype, threads)
         for probe in probes:  # each choice is in the plan before the next probe runs
             d = decide(probe)
-            if d.name in ("bf16_gemm", "f32_gemm"):
-                set_gemm(d.name, d.choice)
+            if d.name in GEMM_SETTERS:
+                GEMM_SETTERS[d.name](d.choice)
             self.model.plan[d.name] = d.choice
             self.decisions.append(d)
         return self.decisions

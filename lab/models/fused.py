@@ -1,8 +1,8 @@
 """CPU fast paths for the models' GEMMs: bfloat16 GEMMs native or widened, and activations fused into the epilogue.
 
 **bfloat16 GEMMs, native or widened, decided by a probe** (``lab.models.probes``). oneDNN's native bfloat16 GEMMs
-run at ~0.25-0.65x the float32 rate on some AVX-512 CPUs without AMX and at ~3x on others (AVX512-BF16). The product of
-two bfloat16 numbers is exact in float32, so a float32 GEMM over the bfloat16 values, with the result rounded to
+run at ~0.25-0.65x the float32 rate on some AVX-512 CPUs without AMX and at ~3x on others (AVX512-BF16). The product
+of two bfloat16 numbers is exact in float32, so a float32 GEMM over the bfloat16 values, with the result rounded to
 bfloat16, does the arithmetic of a bfloat16 GEMM (exact products, float32 accumulation): the "widened" path. Which
 one runs is decided per process by timing both at the model's shapes (``set_bf16_gemm``); widened GEMMs read one
 float32 copy of each weight, made once per dtype switch (kept on the parameter, dropped when its data changes),
@@ -121,9 +121,8 @@ def f32_gemm() -> str:
     return _F32["mode"]
 
 
-def set_gemm(name: str, mode: str) -> None:
-    """Set the process's GEMM mode from a probe decision named ``bf16_gemm`` or ``f32_gemm``."""
-    {"bf16_gemm": set_bf16_gemm, "f32_gemm": set_f32_gemm}[name](mode)
+# probe decisions that set a process-wide GEMM mode: decision name -> its setter (``lab.runner`` applies them)
+GEMM_SETTERS = {"bf16_gemm": set_bf16_gemm, "f32_gemm": set_f32_gemm}
 
 
 def onednn_f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
