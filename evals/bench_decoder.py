@@ -11,7 +11,9 @@
    tokens/s, the speed-up (baseline seconds / Engine seconds), the embeddings' minimum cosine agreement, the
    engine's share of the GEMM roofline (``lab.bench.gemm_roofline`` at the decoder's projections, in the GEMM mode
    its probes chose) and the speed-up ceiling that roofline allows. Targets (issue 15): >= 2.0x in float32 and
-   bfloat16.
+   bfloat16, at a minimum cosine of 0.9999 against the same-dtype baseline (``meets_target`` requires both). In
+   dtypes other than float32, each system's rows are also compared with the float32 baseline's
+   (``min_cosine_vs_float32_baseline``): how far each one's rounding takes it.
 2. ``memory``: chunked prefill of one long input (``--lengths`` tokens cut from concatenated SciFact abstracts)
    with ``chunked_prefill`` in ``--chunks``. Each point runs in a fresh subprocess: the model is loaded and warmed
    up, the kernel's RSS high-water mark is reset (``/proc/self/clear_refs``), the long input is embedded, and
@@ -45,6 +47,7 @@ and batch 16, 1.9% at 512): it is in each baseline row's note.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -67,6 +70,7 @@ from evals.data_io import mixed_corpus, read_jsonl, scifact_text, spread
 DATA = ROOT / "evals" / "data"
 RESULTS = ROOT / "evals" / "results"
 TARGETS = {("throughput", "float32"): 2.0, ("throughput", "bfloat16"): 2.0, ("prefix", None): 2.5}  # issue 15
+COSINE_TARGET = 0.9999  # issue 15: the speed targets hold at this minimum cosine against the same-dtype baseline
 
 # ~130 tokens with SmolLM2's tokenizer; ends in a newline so the claim's first token never merges with it
 INSTRUCTION = (
@@ -128,7 +132,8 @@ class PaddedTransformersEmbedder:
 
     ``AutoModel`` (transformers' own attention, ``sdpa`` by default) over right-padded batches of ``batch_size``
     texts sorted longest first, with an attention mask; mean pooling masks the padding, lasttoken takes each row's
-    last real token. Tokenization matches ``lab.inputs.InputProcessor``: truncation at ``max_length`` (one token
+    last real token. The model is loaded in float32 and kept: another dtype runs a cast copy of it, so switching
+    back to float32 runs the loaded weights again, not weights rounded by a trip through bfloat16. Tokenization matches ``lab.inputs.InputProcessor``: truncation at ``max_length`` (one token
     less when EOS is appended), then EOS appended unless the text already ends with it. Returns float32 numpy rows
     in input order (not normalized; compare by cosine).
     """
@@ -140,7 +145,8 @@ class PaddedTransformersEmbedder:
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path, dtype=torch.float32).eval().to(device)
+        self.float32_model = AutoModel.from_pretrained(path, dtype=torch.float32).eval().to(device)
+        self.model = self.float32_model
         self.device = torch.device(device)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -152,7 +158,9 @@ class PaddedTransformersEmbedder:
     def configure(self, *, dtype: str | None = None, pooling: str | None = None, append_eos: bool | None = None,
                   batch_size: int | None = None) -> PaddedTransformersEmbedder:
         if dtype is not None and dtype != self.dtype:
-            self.model = self.model.to(getattr(self.torch, dtype))
+            self.model = self.float32_model  # the previous cast copy (if any) is freed
+            if dtype != "float32":
+                self.model = copy.deepcopy(self.float32_model).to(getattr(self.torch, dtype))
             self.dtype = dtype
         if pooling is not None:
             if pooling not in ("mean", "lasttoken"):
@@ -334,6 +342,7 @@ def bench_throughput(args, path: str, table: Table) -> None:
                  max_batch_tokens=args.max_batch_tokens)
     base = PaddedTransformersEmbedder(path, device=args.device, max_length=args.max_length,
                                       batch_size=args.batch_sizes[0], dtype=args.dtypes[0])
+    float32_out = {}  # pooling -> the float32 baseline's embeddings (first batch size), the reference of other dtypes
     for dtype in args.dtypes:
         eng.configure(dtype=dtype)  # the probes set this dtype's GEMM mode, which the roofline then times
         roof = decoder_roofline(eng, dtype)
@@ -377,20 +386,30 @@ def bench_throughput(args, path: str, table: Table) -> None:
                           note=f"padded tokens {pad} ({pad / n_tokens:.1%} of real); alone {alone_secs:.2f} s")
                 ratio = statistics.median(b_secs) / statistics.median(e_secs)
                 target = TARGETS.get(("throughput", dtype))
+                cos = min_cosine(e_out, b_out)
+                cos_met = cos >= COSINE_TARGET
                 table.add("throughput", "engine", "speedup_vs_baseline", ratio, unit="x", setting=f"batch_size={bs}",
-                          target=target, meets_target=None if target is None else ratio >= target, **common)
+                          target=target, meets_target=None if target is None else ratio >= target and cos_met,
+                          note=_cosine_note(ratio, target, cos), **common)
                 table.add("throughput", "engine", "speedup_vs_baseline_cpu_time",
                           statistics.median(b_cpu) / statistics.median(e_cpu), unit="x", setting=f"batch_size={bs}",
                           **common, note="CPU seconds ratio (less sensitive to a shared machine)")
-                table.add("throughput", "engine", "min_cosine_vs_baseline", min_cosine(e_out, b_out),
-                          setting=f"batch_size={bs}", **common)
+                table.add("throughput", "engine", "min_cosine_vs_baseline", cos, target=COSINE_TARGET,
+                          meets_target=cos_met, setting=f"batch_size={bs}", **common)
+                if dtype == "float32":
+                    float32_out.setdefault(pooling, b_out)
+                elif pooling in float32_out:  # how far each system's low-precision rows are from float32 ones
+                    for system, out in (("engine", e_out), ("padded-transformers", b_out)):
+                        table.add("throughput", system, "min_cosine_vs_float32_baseline",
+                                  min_cosine(out, float32_out[pooling]), setting=f"batch_size={bs}", **common,
+                                  note="against the float32 baseline's rows (the same texts and pooling)")
                 table.add("throughput", "engine", "speedup_ceiling_at_gemm_roofline",
                           statistics.median(b_secs) * roof["roofline_tokens_per_s"] / n_tokens, unit="x",
                           setting=f"batch_size={bs}", **common,
                           note="the baseline's time over the engine's if it ran only its GEMMs, at the measured "
                                "GEMM rate (attention and the rest free)")
                 if best is None or statistics.median(b_secs) < best[1]:
-                    best = (bs, statistics.median(b_secs))
+                    best = (bs, statistics.median(b_secs), cos)
                     b_cpu_best = b_cpu
             if args.profile:
                 base.configure(batch_size=best[0])
@@ -404,11 +423,19 @@ def bench_throughput(args, path: str, table: Table) -> None:
             ratio = best[1] / statistics.median(e_secs)
             target = TARGETS.get(("throughput", dtype))
             table.add("throughput", "engine", "speedup_vs_best_baseline", ratio, unit="x", target=target,
-                      meets_target=None if target is None else ratio >= target, setting=f"batch_size={best[0]}",
-                      **common)
+                      meets_target=None if target is None else ratio >= target and best[2] >= COSINE_TARGET,
+                      note=_cosine_note(ratio, target, best[2]), setting=f"batch_size={best[0]}", **common)
             print(f"  throughput {dtype:8s} {pooling:9s} engine {statistics.median(e_secs):7.2f} s  "
                   f"best baseline (batch {best[0]}) {best[1]:7.2f} s  -> {ratio:.2f}x "
                   f"(CPU time {statistics.median(b_cpu_best) / statistics.median(e_cpu):.2f}x)", flush=True)
+
+
+def _cosine_note(ratio: float, target: float | None, cos: float) -> str:
+    """Why a speed-up row's ``meets_target`` is False although the ratio reaches its target: issue 15's targets
+    hold at a minimum cosine of ``COSINE_TARGET`` against the same-dtype baseline."""
+    if target is None or ratio < target or cos >= COSINE_TARGET:
+        return ""
+    return f"speed reaches the target, but min cosine {cos:.6f} < {COSINE_TARGET}"
 
 
 # ---------------------------------------------------------------------------------------------------- memory
@@ -599,7 +626,8 @@ def plot(df, stem: Path) -> list[Path]:
         ax = pivot.plot.bar(rot=0, figsize=(8, 4.5))
         ax.set_ylabel("tokens / s (median)")
         ax.set_xlabel("")
-        ax.set_title(f"SmolLM2-135M on SciFact abstracts: Engine vs padded transformers\n({run})", fontsize=10)
+        corpus = {"scifact": "SciFact abstracts", "mixed": "mixed texts"}.get(tp.corpus.iloc[0], tp.corpus.iloc[0])
+        ax.set_title(f"SmolLM2-135M on {corpus}: Engine vs padded transformers\n({run})", fontsize=10)
         speed = df[(df.section == "throughput") & (df.metric == "speedup_vs_best_baseline")]
         for i, group in enumerate(pivot.index):
             r = speed[(speed.dtype + "\n" + speed.pooling) == group]
@@ -660,7 +688,7 @@ def summary(df) -> str:
     import pandas as pd
 
     keep = df[df.metric.isin(["time", "speedup_vs_baseline", "speedup_vs_best_baseline", "min_cosine_vs_baseline",
-                              "speedup_vs_baseline_cpu_time", "speedup_prefix_cache_cpu_time",
+                              "min_cosine_vs_float32_baseline", "speedup_vs_baseline_cpu_time", "speedup_prefix_cache_cpu_time",
                               "identical_tokens", "peak_rss_mb", "run_rss_delta_mb", "peak_cuda_allocated_mb",
                               "peak_tensor_mb", "state_mb", "speedup_prefix_cache", "min_cosine_cache_vs_nocache",
                               "instruction_fraction_min", "gemm_seconds", "attention_seconds",

@@ -133,3 +133,32 @@ def test_chunked_prefill_rows_and_equality(tmp_path):
     eng.configure(bidirectional=True)
     with pytest.raises(ValueError, match="causal"):
         chunked_prefill(eng, texts, [8])
+
+
+@pytest.mark.filterwarnings("ignore:.*were truncated")  # the long text, cut at 64 tokens alike on both sides
+def test_decoder_benchmark_baseline_keeps_float32_weights_and_matches_engine(tmp_path):
+    """evals/bench_decoder.py's padded transformers baseline: float32 after a bfloat16 run gives the first float32
+    rows bit for bit (bfloat16 runs a cast copy, the loaded weights are never rounded), and it agrees with the
+    Engine under mean and lasttoken pooling on uneven lengths (its batches of 3 pad)."""
+    import sys
+
+    from lab._repo import import_evals
+
+    saved = list(sys.path)
+    try:
+        bench_decoder = import_evals("bench_decoder")
+    finally:
+        sys.path[:] = saved  # the script puts the repository root on the path; keep `kernels` off it here
+    path = tiny_llama(tmp_path, "llama")
+    base = bench_decoder.PaddedTransformersEmbedder(str(path), batch_size=3, max_length=64)
+    before = base(TEXTS)
+    low = base.configure(dtype="bfloat16")(TEXTS)
+    after = base.configure(dtype="float32")(TEXTS)
+    np.testing.assert_array_equal(before, after)
+    assert not np.array_equal(before, low)
+    eng = Engine(str(path), max_length=64)
+    for pooling in ("mean", "lasttoken"):
+        eng.configure(pooling=pooling)
+        base.configure(pooling=pooling, append_eos=eng.append_eos)
+        assert [list(r.ids) for r in eng.tokenize(TEXTS)] == base.tokenize(TEXTS)
+        assert bench_decoder.min_cosine(eng.embed(TEXTS), base(TEXTS)) >= 0.9999
