@@ -133,9 +133,10 @@ class PaddedTransformersEmbedder:
     ``AutoModel`` (transformers' own attention, ``sdpa`` by default) over right-padded batches of ``batch_size``
     texts sorted longest first, with an attention mask; mean pooling masks the padding, lasttoken takes each row's
     last real token. The model is loaded in float32 and kept: another dtype runs a cast copy of it, so switching
-    back to float32 runs the loaded weights again, not weights rounded by a trip through bfloat16. Tokenization matches ``lab.inputs.InputProcessor``: truncation at ``max_length`` (one token
-    less when EOS is appended), then EOS appended unless the text already ends with it. Returns float32 numpy rows
-    in input order (not normalized; compare by cosine).
+    back to float32 runs the loaded weights again, not weights rounded by a trip through bfloat16. Tokenization
+    matches ``lab.inputs.InputProcessor``: truncation at ``max_length`` (one token less when EOS is appended), then
+    EOS appended unless the text already ends with it. Returns float32 numpy rows in input order (not normalized;
+    compare by cosine).
     """
 
     def __init__(self, path: str, *, batch_size: int = 16, dtype: str = "float32", device: str = "cpu",
@@ -688,7 +689,8 @@ def summary(df) -> str:
     import pandas as pd
 
     keep = df[df.metric.isin(["time", "speedup_vs_baseline", "speedup_vs_best_baseline", "min_cosine_vs_baseline",
-                              "min_cosine_vs_float32_baseline", "speedup_vs_baseline_cpu_time", "speedup_prefix_cache_cpu_time",
+                              "min_cosine_vs_float32_baseline", "speedup_vs_baseline_cpu_time",
+                              "speedup_prefix_cache_cpu_time",
                               "identical_tokens", "peak_rss_mb", "run_rss_delta_mb", "peak_cuda_allocated_mb",
                               "peak_tensor_mb", "state_mb", "speedup_prefix_cache", "min_cosine_cache_vs_nocache",
                               "instruction_fraction_min", "gemm_seconds", "attention_seconds",
