@@ -162,3 +162,23 @@ def test_decoder_benchmark_baseline_keeps_float32_weights_and_matches_engine(tmp
         base.configure(pooling=pooling, append_eos=eng.append_eos)
         assert [list(r.ids) for r in eng.tokenize(TEXTS)] == base.tokenize(TEXTS)
         assert bench_decoder.min_cosine(eng.embed(TEXTS), base(TEXTS)) >= 0.9999
+
+
+def test_embed_benchmark_targets_need_ratio_and_cosine():
+    """evals/bench_embed.py marks issue 15's targets on the engine's rows only: the mixed-corpus ratio counts as met
+    only at min cosine >= 0.9999, the float32 roofline share on STSBenchmark and SciFact."""
+    from lab._repo import import_evals
+
+    targets = import_evals("bench_embed").targets
+    df = pd.DataFrame({
+        "corpus": ["mixed", "mixed", "mixed", "scifact", "scifact"],
+        "dtype": ["float32", "bfloat16", "bfloat16", "float32", "float32"],
+        "system": ["engine", "engine", "sentence-transformers", "engine", "sentence-transformers"],
+        "ratio_vs_sentence_transformers": [1.5, 3.9, 1.0, 1.1, 1.0],
+        "min_cosine": [0.99999, 0.99980, 0.99980, 1.0, 1.0],
+        "roofline_fraction": [0.9, 0.7, 0.2, 0.84, 0.7],
+    })
+    out = targets(df)
+    assert list(out.meets_ratio_target) == [True, False, None, None, None]  # bfloat16: fast enough, cosine too low
+    assert list(out.meets_roofline_target) == [None, None, None, False, None]
+    assert out.ratio_target.tolist()[:2] == [1.45, 1.6] and "ratio_target" not in df  # the input is left alone
