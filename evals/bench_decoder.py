@@ -65,12 +65,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # after the path set-up: this runs as a script
+from evals.criteria import COSINE_TARGET, cosine_note, meets_speed_target, min_cosine
 from evals.data_io import mixed_corpus, read_jsonl, scifact_text, spread
 
 DATA = ROOT / "evals" / "data"
 RESULTS = ROOT / "evals" / "results"
 TARGETS = {("throughput", "float32"): 2.0, ("throughput", "bfloat16"): 2.0, ("prefix", None): 2.5}  # issue 15
-COSINE_TARGET = 0.9999  # issue 15: the speed targets hold at this minimum cosine against the same-dtype baseline
 
 # ~130 tokens with SmolLM2's tokenizer; ends in a newline so the claim's first token never merges with it
 INSTRUCTION = (
@@ -276,14 +276,6 @@ def interleaved(systems: dict, repeats: int, warmup: int) -> dict:
     return {name: (wall[name], cpu[name], outs[name]) for name in systems}
 
 
-def min_cosine(a, b) -> float:
-    import numpy as np
-
-    a = a / np.clip(np.linalg.norm(a, axis=1, keepdims=True), 1e-12, None)
-    b = b / np.clip(np.linalg.norm(b, axis=1, keepdims=True), 1e-12, None)
-    return float((a * b).sum(1).min())
-
-
 # --------------------------------------------------------------------------------------------------- profile
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise",
             "aten::_addmm_activation", "aten::mkldnn_linear")
@@ -388,15 +380,14 @@ def bench_throughput(args, path: str, table: Table) -> None:
                 ratio = statistics.median(b_secs) / statistics.median(e_secs)
                 target = TARGETS.get(("throughput", dtype))
                 cos = min_cosine(e_out, b_out)
-                cos_met = cos >= COSINE_TARGET
                 table.add("throughput", "engine", "speedup_vs_baseline", ratio, unit="x", setting=f"batch_size={bs}",
-                          target=target, meets_target=None if target is None else ratio >= target and cos_met,
-                          note=_cosine_note(ratio, target, cos), **common)
+                          target=target, meets_target=meets_speed_target(ratio, target, cos),
+                          note=cosine_note(ratio, target, cos), **common)
                 table.add("throughput", "engine", "speedup_vs_baseline_cpu_time",
                           statistics.median(b_cpu) / statistics.median(e_cpu), unit="x", setting=f"batch_size={bs}",
                           **common, note="CPU seconds ratio (less sensitive to a shared machine)")
                 table.add("throughput", "engine", "min_cosine_vs_baseline", cos, target=COSINE_TARGET,
-                          meets_target=cos_met, setting=f"batch_size={bs}", **common)
+                          meets_target=cos >= COSINE_TARGET, setting=f"batch_size={bs}", **common)
                 if dtype == "float32":
                     float32_out.setdefault(pooling, b_out)
                 elif pooling in float32_out:  # how far each system's low-precision rows are from float32 ones
@@ -424,19 +415,11 @@ def bench_throughput(args, path: str, table: Table) -> None:
             ratio = best[1] / statistics.median(e_secs)
             target = TARGETS.get(("throughput", dtype))
             table.add("throughput", "engine", "speedup_vs_best_baseline", ratio, unit="x", target=target,
-                      meets_target=None if target is None else ratio >= target and best[2] >= COSINE_TARGET,
-                      note=_cosine_note(ratio, target, best[2]), setting=f"batch_size={best[0]}", **common)
+                      meets_target=meets_speed_target(ratio, target, best[2]),
+                      note=cosine_note(ratio, target, best[2]), setting=f"batch_size={best[0]}", **common)
             print(f"  throughput {dtype:8s} {pooling:9s} engine {statistics.median(e_secs):7.2f} s  "
                   f"best baseline (batch {best[0]}) {best[1]:7.2f} s  -> {ratio:.2f}x "
                   f"(CPU time {statistics.median(b_cpu_best) / statistics.median(e_cpu):.2f}x)", flush=True)
-
-
-def _cosine_note(ratio: float, target: float | None, cos: float) -> str:
-    """Why a speed-up row's ``meets_target`` is False although the ratio reaches its target: issue 15's targets
-    hold at a minimum cosine of ``COSINE_TARGET`` against the same-dtype baseline."""
-    if target is None or ratio < target or cos >= COSINE_TARGET:
-        return ""
-    return f"speed reaches the target, but min cosine {cos:.6f} < {COSINE_TARGET}"
 
 
 # ---------------------------------------------------------------------------------------------------- memory
@@ -603,11 +586,12 @@ def bench_prefix(args, path: str, table: Table) -> None:
         table.add("prefix", "engine", "speedup_prefix_cache_cpu_time",
                   statistics.median(p_cpu) / statistics.median(c_cpu), unit="x", **common,
                   setting="prefix_cache=True vs False", note="CPU seconds ratio")
-        table.add("prefix", "engine", "min_cosine_cache_vs_nocache", min_cosine(c_out, p_out), **common,
+        cos = min_cosine(c_out, p_out)
+        table.add("prefix", "engine", "min_cosine_cache_vs_nocache", cos, **common,
                   setting="prefix_cache=True vs False")
         print(f"  prefix {pooling:9s}: cache {statistics.median(c_secs):6.2f} s, no cache "
               f"{statistics.median(p_secs):6.2f} s -> {ratio:.2f}x (shared prefix {stats[True].shared_prefix} of "
-              f"{n_instr} instruction tokens; min cosine {min_cosine(c_out, p_out):.6f})", flush=True)
+              f"{n_instr} instruction tokens; min cosine {cos:.6f})", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------ plots

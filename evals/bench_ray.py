@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from evals.criteria import min_cosine
 from evals.data_io import read_jsonl
 
 ROOT = Path(__file__).resolve().parent
@@ -60,11 +61,6 @@ def load_texts(n: int) -> tuple[list[str], str]:
     return list(itertools.islice(itertools.cycle(corpus), n)), note
 
 
-def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-30)).min())
-
-
 def throughput(systems: dict, texts: list[str], rounds: int) -> pd.DataFrame:
     """Each system embeds ``texts`` once to warm up, then ``rounds`` times, interleaved; one row per system."""
     outputs = {name: fn(texts) for name, (fn, _) in systems.items()}
@@ -80,7 +76,7 @@ def throughput(systems: dict, texts: list[str], rounds: int) -> pd.DataFrame:
         secs = times[name]
         rows.append({"system": name, **meta, "texts": len(texts), "rounds": rounds,
                      "seconds_median": statistics.median(secs), "seconds_min": min(secs), "seconds_max": max(secs),
-                     "min_cosine": cosine_min(outputs[name], outputs["engine"])})
+                     "min_cosine": min_cosine(outputs[name], outputs["engine"])})
     df = pd.DataFrame(rows)
     df["tokens_per_s"] = df.tokens / df.seconds_median
     df["ratio_vs_engine"] = df.tokens_per_s / df.tokens_per_s[df.system == "engine"].iloc[0]
