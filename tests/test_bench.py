@@ -164,6 +164,40 @@ def test_decoder_benchmark_baseline_keeps_float32_weights_and_matches_engine(tmp
         assert bench_decoder.min_cosine(eng.embed(TEXTS), base(TEXTS)) >= 0.9999
 
 
+@pytest.mark.filterwarnings("ignore:.*were truncated")
+def test_decoder_benchmark_self_check_rows(tmp_path):
+    """bench_decoder's ``--self-check``: the baseline against itself at another batch size, one row per dtype and
+    pooling, against the cosine target; float32 agrees with itself (other padding, same function), and without the
+    flag there is no such row."""
+    from lab._repo import import_evals
+
+    bench_decoder = import_evals("bench_decoder")
+    path = str(tiny_llama(tmp_path, "llama"))
+    argv = ["--model", path, "--sections", "throughput", "--docs", "7", "--repeats", "1", "--warmup", "0",
+            "--dtypes", "float32", "bfloat16", "--poolings", "lasttoken", "--batch-sizes", "3", "--max-length", "64"]
+    for flag in (True, False):
+        table = bench_decoder.Table("test", "cpu")
+        args = bench_decoder.parse_args(argv + ["--out", str(tmp_path / "b.csv")] + (["--self-check"] if flag else []))
+        bench_decoder.bench_throughput(args, path, table)
+        df = table.frame()
+        rows = df[df.metric == "min_cosine_vs_itself_other_batch"].set_index("dtype")
+        if not flag:
+            assert rows.empty
+            continue
+        assert sorted(rows.index) == ["bfloat16", "float32"]
+        assert set(rows.setting) == {f"batch_size=3 vs {bench_decoder.SELF_CHECK_BATCH}"}
+        assert rows.loc["float32", "value"] >= 0.99999 and rows.loc["float32", "meets_target"]
+        assert 0.9 < rows.loc["bfloat16", "value"] <= 1.0 + 1e-6
+        # the same figure computed here, from the bench's texts and the baseline's two batchings
+        texts = bench_decoder.throughput_texts("mixed", 7)
+        base = bench_decoder.PaddedTransformersEmbedder(path, batch_size=3, max_length=64, dtype="bfloat16",
+                                                        pooling="lasttoken",
+                                                        append_eos=Engine(path, max_length=64).append_eos)
+        want = bench_decoder.min_cosine(base(texts), base.configure(batch_size=bench_decoder.SELF_CHECK_BATCH)(texts))
+        assert rows.loc["bfloat16", "value"] == pytest.approx(want, abs=1e-7)
+        assert (rows.target == 0.9999).all() and (rows.system == "padded-transformers").all()
+
+
 def test_embed_benchmark_targets_need_ratio_and_cosine():
     """evals/bench_embed.py marks issue 15's targets on the engine's rows only: the mixed-corpus ratio counts as met
     only at min cosine >= 0.9999, the float32 roofline share on STSBenchmark and SciFact."""
