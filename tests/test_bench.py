@@ -135,20 +135,26 @@ def test_chunked_prefill_rows_and_equality(tmp_path):
         chunked_prefill(eng, texts, [8])
 
 
-@pytest.mark.filterwarnings("ignore:.*were truncated")  # the long text, cut at 64 tokens alike on both sides
-def test_decoder_benchmark_baseline_keeps_float32_weights_and_matches_engine(tmp_path):
-    """evals/bench_decoder.py's padded transformers baseline: float32 after a bfloat16 run gives the first float32
-    rows bit for bit (bfloat16 runs a cast copy, the loaded weights are never rounded), and it agrees with the
-    Engine under mean and lasttoken pooling on uneven lengths (its batches of 3 pad)."""
+def _bench_decoder():
+    """evals/bench_decoder.py as a module. The script puts the repository root on the path; keep `kernels` off it
+    here."""
     import sys
 
     from lab._repo import import_evals
 
     saved = list(sys.path)
     try:
-        bench_decoder = import_evals("bench_decoder")
+        return import_evals("bench_decoder")
     finally:
-        sys.path[:] = saved  # the script puts the repository root on the path; keep `kernels` off it here
+        sys.path[:] = saved
+
+
+@pytest.mark.filterwarnings("ignore:.*were truncated")  # the long text, cut at 64 tokens alike on both sides
+def test_decoder_benchmark_baseline_keeps_float32_weights_and_matches_engine(tmp_path):
+    """evals/bench_decoder.py's padded transformers baseline: float32 after a bfloat16 run gives the first float32
+    rows bit for bit (bfloat16 runs a cast copy, the loaded weights are never rounded), and it agrees with the
+    Engine under mean and lasttoken pooling on uneven lengths (its batches of 3 pad)."""
+    bench_decoder = _bench_decoder()
     path = tiny_llama(tmp_path, "llama")
     base = bench_decoder.PaddedTransformersEmbedder(str(path), batch_size=3, max_length=64)
     before = base(TEXTS)
@@ -169,9 +175,7 @@ def test_decoder_benchmark_self_check_rows(tmp_path):
     """bench_decoder's ``--self-check``: the baseline against itself at another batch size, one row per dtype and
     pooling, against the cosine target; float32 agrees with itself (other padding, same function), and without the
     flag there is no such row."""
-    from lab._repo import import_evals
-
-    bench_decoder = import_evals("bench_decoder")
+    bench_decoder = _bench_decoder()
     path = str(tiny_llama(tmp_path, "llama"))
     argv = ["--model", path, "--sections", "throughput", "--docs", "7", "--repeats", "1", "--warmup", "0",
             "--dtypes", "float32", "bfloat16", "--poolings", "lasttoken", "--batch-sizes", "3", "--max-length", "64"]
