@@ -56,6 +56,7 @@ def varlen_attention(
     cu_prefix: torch.Tensor | None = None,
     seqlens: list[int] | None = None,
     prefix_lens: list[int] | None = None,
+    causal_block: int | None = None,
 ) -> torch.Tensor:
     """Attention within each packed sequence (flash-attn ``varlen`` layout).
 
@@ -68,6 +69,10 @@ def varlen_attention(
         k_prefix, v_prefix: ``(total_prefix, Hkv, D)`` cached keys/values of earlier tokens of each sequence
             (chunked prefill, prefix cache), laid out by ``cu_prefix`` ``(B + 1,)`` int32. Always fully visible.
         seqlens, prefix_lens: host copies of the lengths, when the caller has them (saves a device sync).
+        causal_block: CPU only, causal runs without a prefix: sequences longer than three such blocks are computed
+            ``causal_block`` queries at a time (``_causal_blocks``), skipping the keys no query of a block sees;
+            the same function. Shorter sequences measured no faster that way (break-even ~200 tokens at blocks of
+            64). ``None`` (the default) runs each run as one call.
 
     Returns:
         ``(total, Hq, D)`` in ``q.dtype``.
@@ -114,6 +119,8 @@ def varlen_attention(
                 kg, vg = torch.cat([kp, kg], dim=2), torch.cat([vp, vg], dim=2)  # (n, Hkv, P+L, D)
                 if causal:
                     mask, is_causal = _causal_mask(length, plen, q.device), False
+        elif causal and causal_block and length > 3 * causal_block and _FLASH_CPU is not None and q.device.type == "cpu":
+            o = _causal_blocks(qg, kg, vg, scale, causal_block)
         if o is None:
             if length == 1 and not plen:
                 is_causal = False  # one query, one key: identical either way, and the cheaper path
@@ -126,6 +133,26 @@ def varlen_attention(
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _causal_blocks(q, k, v, scale, block):
+    """Causal attention ``block`` queries at a time: queries ``s:e`` attend to keys ``0:s`` (all visible) and
+    ``s:e`` (causal), merged by ``_prefix_then_causal``. torch's CPU flash kernel splits keys into blocks of 512
+    and masks inside a block, so under ~512 tokens it computes every query against every key; here a block's
+    queries read only the keys before its end, about half the work on long sequences (on one AMD EPYC, 2 cores, the
+    attention of a 512-token SmolLM2 sequence in bfloat16 took 6.2 ms against 8.6 ms, one thread).
+
+    q ``(n, Hq, L, D)``, k/v ``(n, Hkv, L, D)`` -> ``(n, Hq, L, D)``, a view of ``(n, L, Hq, D)`` memory as the
+    flash kernel's own output is.
+    """
+    n, hq, length, d = q.shape
+    out = q.new_empty(n, length, hq, d).transpose(1, 2)
+    out[:, :, :block] = F.scaled_dot_product_attention(q[:, :, :block], k[:, :, :block], v[:, :, :block],
+                                                       is_causal=True, scale=scale, enable_gqa=hq != k.shape[1])
+    for s in range(block, length, block):
+        e = min(length, s + block)
+        out[:, :, s:e] = _prefix_then_causal(q[:, :, s:e], k[:, :, :s], v[:, :, :s], k[:, :, s:e], v[:, :, s:e], scale)
+    return out
 
 
 def _prefix_then_causal(q, kp, vp, k, v, scale):

@@ -77,10 +77,12 @@ def ops(meta_or_backend: AttnMeta | str) -> SimpleNamespace:
     return _TRITON_OPS
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, layer: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, layer: int, *,
+              causal_block: int | None = None) -> torch.Tensor:
     """Varlen attention for one layer of one packed step, reading and capturing cached K/V through ``meta.kv``.
 
-    q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` -> ``(T, Hq, D)``.
+    q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` -> ``(T, Hq, D)``. ``causal_block``: the torch kernels' query blocks for
+    long causal sequences (``lab.kernels.reference.varlen_attention``; a CPU probe's choice), ignored by Triton.
     """
     if meta.key_lens is not None:
         return visible_keys_attention(q, k, v, meta)
@@ -94,7 +96,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
                 "k_prefix": kv.prefix_k[layer], "v_prefix": kv.prefix_v[layer], "cu_prefix": kv.cu_prefix,
                 "prefix_lens": kv.prefix_lens,
             }
-    return ops(meta).varlen_attention(
+    k_ops = ops(meta)
+    if causal_block and k_ops is _TORCH_OPS:
+        kw["causal_block"] = causal_block
+    return k_ops.varlen_attention(
         q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=meta.causal, seqlens=meta.seqlens, **kw
     )
 

@@ -213,3 +213,31 @@ def test_decoder_float32_gemm_modes_match_transformers(tmp_path, monkeypatch, mo
         want = np.stack([model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0].mean(0).numpy()
                          for r in eng.tokenize(texts)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mode", ["whole", "blocks"])
+def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch, mode):
+    """Causal attention in query blocks (``causal_attention`` = ``blocks``, forced by ``LAB_CPU_CAUSAL_ATTENTION``)
+    or whole: the mode is the one reported, and the embeddings of texts longer than three blocks (with short ones
+    beside them, shuffled) equal transformers' forward, one sequence at a time, within float32 rounding."""
+    from tiny_models import tiny_llama
+    from transformers import AutoModel
+
+    from lab import Engine
+    from lab.models import probes
+
+    monkeypatch.setattr(probes, "_DECIDED", {})
+    monkeypatch.setenv("LAB_CPU_CAUSAL_ATTENTION", mode)
+    folder = str(tiny_llama(tmp_path, "llama"))
+    eng = Engine(folder, pooling="mean", max_length=256)
+    assert eng.cpu_paths["causal_attention"] == mode
+    texts = ["Rotary position embeddings rotate queries and keys. " * 9, "a", "What?", "x y z " * 40,
+             "Paris is the capital of France. " * 20]
+    reqs = eng.tokenize(texts)
+    assert sum(3 * 64 < r.length < 256 for r in reqs) == 3  # the blocked path runs (nothing truncated)
+    got = eng.embed(texts)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = np.stack([model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0].mean(0).numpy()
+                         for r in reqs])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)

@@ -49,3 +49,24 @@ def test_prefix_matches_oracle(causal, hq, hkv, dtype, tol):
 def test_runs_group_equal_lengths_and_prefixes():
     runs = _runs([30, 30, 29, 10, 10, 10, 1, 1, 200], [0, 0, 0, 4, 4, 0, 0, 0, 0])
     assert runs == [(0, 2, 30, 0), (2, 1, 29, 0), (3, 2, 10, 4), (5, 1, 10, 0), (6, 2, 1, 0), (8, 1, 200, 0)]
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (3, 3)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("lens", [[1, 192, 193, 250, 250, 64, 401], [260, 260], [193]])
+def test_causal_blocks_match_oracle(hq, hkv, dtype, tol, lens):
+    """``causal_block`` (a CPU probe's choice): causal sequences longer than three blocks run a block of queries at
+    a time; the result is the oracle's at float32 rounding (bfloat16: within the dtype's tolerance, and as close to
+    the float32 oracle as the one-call path), shuffled lengths around the three-block threshold, a length-1
+    sequence, a step that is one run, and bidirectional steps (where the knob does nothing)."""
+    lens = random.sample(lens, len(lens))
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, 16, dtype=dtype) for h in (hq, hkv, hkv))
+    exact = varlen_attention_naive(q.float(), k.float(), v.float(), _cu(lens), causal=True)
+    got = varlen_attention(q, k, v, _cu(lens), max(lens), causal=True, causal_block=64)
+    whole = varlen_attention(q, k, v, _cu(lens), max(lens), causal=True)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
+    assert (got.float() - exact).abs().max() <= 1.5 * (whole.float() - exact).abs().max() + 1e-6
+    bidir = varlen_attention(q, k, v, _cu(lens), max(lens), causal=False, causal_block=64)
+    assert torch.equal(bidir, varlen_attention(q, k, v, _cu(lens), max(lens), causal=False))
