@@ -90,6 +90,7 @@ def varlen_attention(
         prefix_lens = [0] * len(seqlens)
     scale = d**-0.5 if scale is None else scale
     gqa = hq != hkv
+    cpu_flash = _FLASH_CPU is not None and q.device.type == "cpu"  # the merge paths below need its log-sum-exp
     runs = _runs(seqlens, prefix_lens)
     out = None if len(runs) == 1 and runs[0][2] > 0 else torch.empty_like(q)  # None: return the one call's output
     starts = [0]
@@ -113,13 +114,13 @@ def varlen_attention(
             ps, pe = pstarts[first], pstarts[first + n]
             kp = k_prefix[ps:pe].view(n, plen, hkv, d).transpose(1, 2)
             vp = v_prefix[ps:pe].view(n, plen, hkv, d).transpose(1, 2)
-            if causal and _FLASH_CPU is not None and q.device.type == "cpu":
+            if causal and cpu_flash:
                 o = _prefix_then_causal(qg, kp, vp, kg, vg, scale)
             else:
                 kg, vg = torch.cat([kp, kg], dim=2), torch.cat([vp, vg], dim=2)  # (n, Hkv, P+L, D)
                 if causal:
                     mask, is_causal = _causal_mask(length, plen, q.device), False
-        elif causal and causal_block and length > 3 * causal_block and _FLASH_CPU is not None and q.device.type == "cpu":
+        elif causal and causal_block and length > 3 * causal_block and cpu_flash:
             o = _causal_blocks(qg, kg, vg, scale, causal_block)
         if o is None:
             if length == 1 and not plen:
