@@ -194,7 +194,6 @@ def test_decoder_float32_gemm_modes_match_transformers(tmp_path, monkeypatch, mo
     if mode == "onednn" and not _has_fused_op():
         pytest.skip("this torch build has no oneDNN torch.ops.mkldnn._linear_pointwise")
     from tiny_models import tiny_llama
-    from transformers import AutoModel
 
     from lab import Engine
     from lab.models import fused, probes
@@ -208,11 +207,7 @@ def test_decoder_float32_gemm_modes_match_transformers(tmp_path, monkeypatch, mo
     texts = ["a", "Rotary position embeddings rotate queries and keys. " * 3, "Paris is the capital of France",
              "x y z " * 11, "What?"]
     got = eng.embed(texts)
-    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = np.stack([model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0].mean(0).numpy()
-                         for r in eng.tokenize(texts)])
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(got, _transformers_mean(folder, eng.tokenize(texts)), rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("mode", ["whole", "blocks"])
@@ -221,10 +216,10 @@ def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch
     or whole: the mode is the one reported, and the embeddings of texts longer than three blocks (with short ones
     beside them, shuffled) equal transformers' forward, one sequence at a time, within float32 rounding."""
     from tiny_models import tiny_llama
-    from transformers import AutoModel
 
     from lab import Engine
     from lab.models import probes
+    from lab.models.decoder import CAUSAL_BLOCK
 
     monkeypatch.setattr(probes, "_DECIDED", {})
     monkeypatch.setenv("LAB_CPU_CAUSAL_ATTENTION", mode)
@@ -234,10 +229,17 @@ def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch
     texts = ["Rotary position embeddings rotate queries and keys. " * 9, "a", "What?", "x y z " * 40,
              "Paris is the capital of France. " * 20]
     reqs = eng.tokenize(texts)
-    assert sum(3 * 64 < r.length < 256 for r in reqs) == 3  # the blocked path runs (nothing truncated)
+    assert sum(3 * CAUSAL_BLOCK < r.length < 256 for r in reqs) == 3  # the blocked path runs (nothing truncated)
     got = eng.embed(texts)
+    np.testing.assert_allclose(got, _transformers_mean(folder, reqs), rtol=1e-5, atol=2e-6)
+
+
+def _transformers_mean(folder: str, requests) -> np.ndarray:
+    """transformers' float32 forward of ``folder``, one tokenized request at a time, mean-pooled (the reference of
+    the decoder tests above)."""
+    from transformers import AutoModel
+
     model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        want = np.stack([model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0].mean(0).numpy()
-                         for r in reqs])
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+        return np.stack([model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0].mean(0).numpy()
+                         for r in requests])
