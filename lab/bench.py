@@ -163,6 +163,44 @@ def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.d
             "roofline_tokens_per_s": flops_per_s / flops_per_token}
 
 
+def attention_seconds(lengths: list[int], heads: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
+                      threads: int | None = None, run_cap: int = 16, repeats: int = 3) -> float:
+    """Seconds one bidirectional attention layer takes over sequences of these ``lengths`` in the engine's CPU
+    kernel (``lab.kernels.reference.varlen_attention``) on ``threads`` intra-op threads (default: the current count;
+    an engine's CPU worker runs with ``torch.get_num_threads() // workers``).
+
+    Per distinct length, a packed run of ``min(count, run_cap)`` random sequences of that length (the runs the
+    length-sorted scheduler forms) is timed, best of ``repeats`` after one untimed call, and scaled to the count.
+    Measured length by length because the kernel's rate is far from smooth in the length: on one AMD EPYC, one
+    thread, float32, a 16-token sequence took less time than a 15-token one.
+    """
+    from lab.kernels.reference import varlen_attention
+
+    counts: dict[int, int] = {}
+    for n in lengths:
+        if n < 1:
+            raise ValueError(f"sequence lengths must be >= 1, got {n}")
+        counts[n] = counts.get(n, 0) + 1
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads or old)
+    total = 0.0
+    try:
+        with torch.inference_mode():
+            for length, count in sorted(counts.items()):
+                n = min(count, run_cap)
+                q, k, v = (torch.randn(n * length, heads, head_dim, dtype=dtype) for _ in range(3))
+                cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32)
+
+                def run(q=q, k=k, v=v, cu=cu, length=length, n=n):
+                    varlen_attention(q, k, v, cu, length, causal=False, seqlens=[length] * n)
+
+                run()
+                total += min(_time(run, repeats)) * count / n
+    finally:
+        torch.set_num_threads(old)
+    return total
+
+
 # ------------------------------------------------------------------------------------- lengths, memory, chunking
 def texts_of_length(tokenizer, corpus: list[str], n_tokens: int, count: int) -> list[str]:
     """``count`` texts of about ``n_tokens`` tokens each, joined from consecutive ``corpus`` sentences (a sentence

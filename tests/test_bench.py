@@ -220,3 +220,43 @@ def test_embed_benchmark_targets_need_ratio_and_cosine():
     assert list(out.meets_ratio_target) == [True, False, None, None, None]  # bfloat16: fast enough, cosine too low
     assert list(out.meets_roofline_target) == [None, None, None, False, None]
     assert out.ratio_target.tolist()[:2] == [1.45, 1.6] and "ratio_target" not in df  # the input is left alone
+
+
+def test_attention_seconds_times_each_length_once_and_scales_by_count(monkeypatch):
+    """lab.bench.attention_seconds times one packed run per distinct length (at most ``run_cap`` sequences, laid out
+    as the engine packs them), keeps the best timing and scales it to that length's count; threads are restored."""
+    import lab.bench as bench
+    import lab.kernels.reference as reference
+
+    calls = []
+
+    def fake_attention(q, k, v, cu, max_seqlen, *, causal, seqlens):
+        calls.append((tuple(q.shape), cu.tolist(), max_seqlen, causal, list(seqlens)))
+        return q
+
+    monkeypatch.setattr(reference, "varlen_attention", fake_attention)
+    monkeypatch.setattr(bench, "_time", lambda fn, repeats: [fn(), 0.5, 0.2][1:])  # best of these: 0.2 s
+    threads = torch.get_num_threads()
+    lengths = [7, 1, 7, 30, 7, 7, 7]  # shuffled; run_cap 3 -> the five 7-token sequences run as 3
+    got = bench.attention_seconds(lengths, heads=2, head_dim=4, threads=1, run_cap=3, repeats=2)
+    assert torch.get_num_threads() == threads
+    assert got == pytest.approx(0.2 * 1 + 0.2 * 5 / 3 + 0.2 * 1)
+    # per length: one untimed call, then the timed ones (here one, via the fake _time)
+    assert [c[2] for c in calls] == [1, 1, 7, 7, 30, 30]
+    assert calls[2] == ((21, 2, 4), [0, 7, 14, 21], 7, False, [7, 7, 7])
+    with pytest.raises(ValueError, match="lengths must be >= 1"):
+        bench.attention_seconds([3, 0], heads=2, head_dim=4)
+
+
+def test_embed_benchmark_kernel_seconds_real_kernel(minilm):
+    """evals/bench_embed.py's ``kernel_seconds`` on a real engine: GEMM time from the roofline it is given, attention
+    timed at the texts' token lengths, and the roofline share an engine doing only these two would reach."""
+    from lab._repo import import_evals
+
+    kernel_seconds = import_evals("bench_embed").kernel_seconds
+    tokens = sum(r.length for r in minilm.tokenize(TEXTS))
+    out = kernel_seconds(minilm, TEXTS, {"roofline_tokens_per_s": tokens / 2.0})  # GEMMs: 2 s by construction
+    assert out["gemm_seconds_at_roofline"] == pytest.approx(2.0)
+    assert 0 < out["attention_seconds"] < 1.0  # six short texts, six layers
+    assert out["kernel_seconds"] == pytest.approx(2.0 + out["attention_seconds"])
+    assert out["roofline_cap"] == pytest.approx(2.0 / out["kernel_seconds"]) and out["roofline_cap"] < 1
