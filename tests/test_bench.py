@@ -225,8 +225,9 @@ def test_embed_benchmark_targets_need_ratio_and_cosine():
 def test_attention_seconds_times_each_length_once_and_scales_by_count(monkeypatch):
     """lab.bench.attention_seconds times one packed run per distinct length (at most ``run_cap`` sequences, laid out
     as the engine packs them), keeps the best timing and scales it to that length's count; threads are restored."""
-    import lab.bench as bench
-    import lab.kernels.reference as reference
+    from lab.kernels import reference
+
+    from lab import bench
 
     calls = []
 
