@@ -3,7 +3,8 @@
 A packed step allocates a few large activations (``tokens x intermediate`` floats, tens of MB). By default glibc
 serves allocations above its mmap threshold (at most 32 MB) with fresh ``mmap`` pages, trims freed memory at the top
 of the heap back to the kernel, and gives each thread its own arena, whose heaps are at most 64 MB and which serves
-larger requests with ``mmap`` whatever ``M_MMAP_MAX`` says. So every step pays page faults on its biggest tensors,
+larger requests with ``mmap`` whatever ``M_MMAP_MAX`` says (glibc 2.36: 63 and 80 MB buffers allocated and freed in
+a worker thread faulted in every page on every round). So every step pays page faults on its biggest tensors,
 in the CPU workers above all. ``tune_cpu_allocator`` turns all three off: no ``mmap`` for malloc, a trim threshold of
 ``INT_MAX`` (mallopt takes a C ``int``), and one arena for every thread, so freed activations are reused by the next
 step. On one 2-vCPU AMD EPYC (engine alone, median of 3 calls, two alternating processes each) that cut minor page
