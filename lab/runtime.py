@@ -7,9 +7,10 @@ larger requests with ``mmap`` whatever ``M_MMAP_MAX`` says (glibc 2.36: 63 and 8
 a worker thread faulted in every page on every round). So every step pays page faults on its biggest tensors,
 in the CPU workers above all. ``tune_cpu_allocator`` turns all three off: no ``mmap`` for malloc, a trim threshold of
 ``INT_MAX`` (mallopt takes a C ``int``), and one arena for every thread, so freed activations are reused by the next
-step. On one 2-vCPU AMD EPYC (engine alone, median of 3 calls, two alternating processes each) that cut minor page
-faults per call from 350-400k to 4-6k (all-MiniLM-L6-v2, float32, 660 mixed texts; 9.6 -> 9.0-9.2 s) and from 360-390k
-to under 1k (SmolLM2-135M, bfloat16, 48 texts; 7.4-7.9 -> 6.7-6.8 s; float32 11.5-12.3 -> 11.6-11.9 s, a wash).
+step. On one 2-vCPU AMD EPYC (engine alone, median of 3 calls, alternating processes) minor page faults per call
+were 4-6k with these settings against 200-420k with glibc's defaults (all-MiniLM-L6-v2, float32, 660 mixed texts:
+9.0-9.2 s against 9.1-9.6 s) and under 1k against 360-450k (SmolLM2-135M, bfloat16, 48 texts: 6.7-6.8 s against
+7.0-7.9 s; in float32 11.6-11.9 s against 11.5-12.5 s, a wash).
 
 Process-wide (every library in the process benefits, a sentence-transformers baseline included), idempotent, and
 skipped with ``LAB_MALLOC_TUNING=0`` or off glibc. The cost: the process keeps its peak heap until it exits.
