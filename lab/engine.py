@@ -94,8 +94,9 @@ class Engine:
         if self.device.type == "cpu":
             tune_cpu_allocator()
         self.tokenizer = load_tokenizer(self.spec)
-        self.model = self._build_model()
-        self.runner = Runner(self.model, device=self.device, dtype=resolve_dtype(self._knobs.dtype, self.device))
+        dtype = resolve_dtype(self._knobs.dtype, self.device)
+        self.model = self._build_model(dtype)
+        self.runner = Runner(self.model, device=self.device, dtype=dtype)
         self.executor = Executor(self.runner)
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
         self._dirty = False  # a configure was interrupted while swapping weights (``_repair``)
@@ -109,7 +110,7 @@ class Engine:
         self.runner.plan_cpu_paths(self._workers)
 
     # ----------------------------------------------------------------------------------------------- loading
-    def _build_model(self):
+    def _build_model(self, dtype: torch.dtype):
         cls = model_class(self.spec.architecture)
         if cls is None and self.spec.config.get("auto_map"):
             raise ValueError(
@@ -131,6 +132,8 @@ class Engine:
         except KeyError as e:
             raise ValueError(f"{self.spec.path / 'config.json'} lacks {e.args[0]!r}, which a {self.spec.architecture} "
                              "needs; the config is incomplete") from None
+        if self.device.type == "cpu":  # weight layouts, fixed at load (a later dtype or device change keeps them)
+            model.choose_layouts(dtype)
         model.load_hf_state_dict(read_state_dict(self.spec))
         return model
 
@@ -163,9 +166,9 @@ class Engine:
     @property
     def cpu_paths(self) -> dict[str, str]:
         """The CPU fast paths in force, decided by short probes on this machine (``lab.models.probes``): name ->
-        choice, e.g. ``{"bf16_gemm": "native", "bert_qkv": "stacked", "bert_ffn": "fused"}``; ``{}`` off the CPU.
-        ``lab.models.probes.decisions()`` has the timings behind them; ``LAB_CPU_<NAME>`` forces one."""
-        return {d.name: d.choice for d in self.runner.decisions}
+        choice, e.g. ``{"bf16_gemm": "native", "bert_qkv": "stacked"}``; off the CPU only the weight layouts chosen
+        at load (``rope_layout``). ``lab.models.probes.decisions()`` has the timings; ``LAB_CPU_<NAME>`` forces one."""
+        return {**self.model.layout, **{d.name: d.choice for d in self.runner.decisions}}
 
     @property
     def adapter_names(self) -> list[str]:

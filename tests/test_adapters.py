@@ -157,6 +157,21 @@ def test_decoder_lora_matches_peft_merge(root, kind, causal):
     assert_base_differs(Engine(base, pooling="mean", bidirectional=not causal), eng)
 
 
+@pytest.mark.parametrize("layout", ["halves", "pairs"])
+def test_decoder_lora_in_each_rope_layout(root, monkeypatch, layout):
+    """LoRA on q/k merges through ``hf_linear_map`` into rows the ``pairs`` rotary layout permuted at load (index
+    rows, not slices): both layouts match peft's merge (Qwen3: per-head q/k norms; grouped-query attention)."""
+    from lab.models import probes
+
+    monkeypatch.setattr(probes, "_DECIDED", {})
+    monkeypatch.setenv("LAB_CPU_ROPE_LAYOUT", layout)
+    base = str(tiny_llama(root / "layouts", "qwen3"))
+    ad = make_adapter(base, root / "layouts" / "qwen3-lora", seed=4, targets=["q_proj", "k_proj"])
+    eng = Engine(base, adapters=[ad], pooling="mean")
+    assert eng.cpu_paths["rope_layout"] == layout
+    assert_parity(eng, peft_merged(base, [(ad, False)], inner="model"), f"qwen3 {layout}")
+
+
 def test_rslora(root):
     base = str(tiny_llama(root / "rs", "qwen2"))
     ad = make_adapter(base, root / "rs" / "rslora", seed=4, use_rslora=True, r=8, lora_alpha=4)

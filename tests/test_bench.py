@@ -261,3 +261,16 @@ def test_embed_benchmark_kernel_seconds_real_kernel(minilm):
     assert 0 < out["attention_seconds"] < 1.0  # six short texts, six layers
     assert out["kernel_seconds"] == pytest.approx(2.0 + out["attention_seconds"])
     assert out["roofline_cap"] == pytest.approx(2.0 / out["kernel_seconds"]) and out["roofline_cap"] < 1
+
+
+def test_decoder_benchmark_profile_sees_the_cpu_workers(tmp_path):
+    """bench_decoder's ``--profile`` rows: the engine's GEMMs and attention run in its CPU worker threads, and the
+    profile must count them (a profiler started in the main thread alone saw ~0 s of GEMMs there)."""
+    bench_decoder = _bench_decoder()
+    path = str(tiny_llama(tmp_path, "llama"))
+    eng = Engine(path, cpu_workers=2)
+    texts = [" ".join(["word"] * n) for n in (9, 30, 17, 4, 25, 12)]
+    eng.embed(texts)
+    groups, table = bench_decoder.profile_call(lambda: eng.embed(texts), "cpu")
+    assert groups["gemm"] > 0 and groups["attention"] > 0, groups
+    assert "scaled_dot_product" in table

@@ -234,12 +234,47 @@ def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch
     np.testing.assert_allclose(got, _transformers_mean(folder, reqs), rtol=1e-5, atol=2e-6)
 
 
-def _transformers_mean(folder: str, requests) -> np.ndarray:
-    """transformers' float32 forward of ``folder``, one tokenized request at a time, mean-pooled (the reference of
-    the decoder tests above)."""
+@pytest.mark.parametrize("layout", ["halves", "pairs"])
+def test_decoder_rope_layouts_match_transformers(tmp_path, monkeypatch, layout):
+    """Each rotary layout forced (``LAB_CPU_ROPE_LAYOUT``; ``pairs`` permutes the q/k projection rows at load): the
+    layout is the one reported, the embeddings equal transformers' forward within float32 rounding, plainly, in
+    chunks of 7 tokens (keys cached in the model's own layout) and behind a cached instruction prefix, and a dtype
+    round trip keeps the layout and the outputs."""
+    from tiny_models import tiny_llama
+
+    from lab import Engine
+    from lab.models import probes
+
+    monkeypatch.setattr(probes, "_DECIDED", {})
+    monkeypatch.setenv("LAB_CPU_ROPE_LAYOUT", layout)
+    folder = str(tiny_llama(tmp_path, "qwen2"))  # q/k/v biases and grouped-query attention
+    eng = Engine(folder, pooling="mean")
+    assert eng.cpu_paths["rope_layout"] == layout == eng.model.rope_layout
+    texts = ["Rotary position embeddings rotate queries and keys. " * 3, "a", "Paris is the capital of France",
+             "x y z " * 11, "What?"]
+    want = _transformers_mean(folder, eng.tokenize(texts))
+    got = eng.embed(texts)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    eng.configure(chunked_prefill=7)
+    np.testing.assert_allclose(eng.embed(texts), want, rtol=1e-4, atol=1e-5)
+    eng.configure(chunked_prefill=None, instruction="Represent this sentence: ")
+    instructed = eng.tokenize(texts)
+    starts = [r.pool_start for r in instructed]
+    assert min(starts) > 0
+    np.testing.assert_allclose(eng.embed(texts), _transformers_mean(folder, instructed, starts), rtol=1e-4, atol=1e-5)
+    eng.configure(instruction=None, dtype="bfloat16")
+    eng.configure(dtype="float32")
+    assert eng.cpu_paths["rope_layout"] == layout
+    np.testing.assert_array_equal(eng.embed(texts), got)
+
+
+def _transformers_mean(folder: str, requests, starts: list[int] | None = None) -> np.ndarray:
+    """transformers' float32 forward of ``folder``, one tokenized request at a time, mean-pooled from ``starts``
+    (default 0; an instruction's tokens are left out) (the reference of the decoder tests above)."""
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    starts = starts or [0] * len(requests)
     with torch.no_grad():
-        return np.stack([model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0].mean(0).numpy()
-                         for r in requests])
+        return np.stack([model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0, s:].mean(0).numpy()
+                         for r, s in zip(requests, starts)])

@@ -36,9 +36,10 @@ def folders(tmp_path_factory):
     return {kind: tiny_llama(root, kind) for kind in KINDS}
 
 
-def ours(folder) -> DecoderModel:
+def ours(folder, rope_layout: str = "halves") -> DecoderModel:
     config = json.loads((folder / "config.json").read_text())
     model = DecoderModel.from_hf_config(config)
+    model.layout["rope_layout"] = rope_layout  # before loading: the layout decides where q/k rows go
     model.load_hf_state_dict(load_file(str(folder / "model.safetensors")))
     return model.eval()
 
@@ -322,3 +323,98 @@ def test_pooled_rows_are_the_rows_pool_reads():
     assert rows("lasttoken", [3, 0, 2]) is None  # an empty sequence
     for method in ("mean", "max", "weightedmean", "tokens"):
         assert rows(method, [3, 1, 2]) is None
+
+
+# ------------------------------------------------------------------------------------------- rotary layouts
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_pairs_layout_matches_transformers_and_halves(folders, kind, causal):
+    """The ``pairs`` rotary layout (q/k projection rows permuted at load, the rotation a complex multiply) against
+    transformers and against the ``halves`` model on the same packed batch: GQA, qkv biases (Qwen2), per-head q/k
+    norms (Qwen3), length-1 sequences, and the last layer computed for the pooled rows only."""
+    from lab.batch import OutputRows
+    from lab.pooling import pooling_method
+
+    pairs, halves = ours(folders[kind], "pairs"), ours(folders[kind])
+    assert pairs.rope_layout == "pairs" and halves.rope_layout == "halves"
+    q_rows = pairs.args.num_heads * pairs.args.head_dim
+    assert not torch.equal(pairs.layers[0].qkv.weight[:q_rows], halves.layers[0].qkv.weight[:q_rows])
+    compare_with_transformers(pairs, theirs(folders[kind]), LENGTHS, causal=causal, what=f"{kind} pairs")
+    ids, pos = packed(LENGTHS, pairs.args.vocab_size)
+    meta = AttnMeta.from_lengths(LENGTHS, causal=causal)
+    rows = pooling_method("lasttoken").rows(LENGTHS, [0] * len(LENGTHS))
+    with torch.no_grad():
+        torch.testing.assert_close(pairs(ids, pos, meta), halves(ids, pos, meta), rtol=1e-5, atol=1e-6)
+        only = OutputRows.build(meta, rows)
+        torch.testing.assert_close(pairs(ids, pos, meta, output_rows=only), halves(ids, pos, meta, output_rows=only),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_pairs_layout_chunked_prefill_and_bfloat16(folders):
+    """Keys cached by a ``pairs`` model are in its own layout and a later step reads them alike (chunked prefill
+    equals the whole forward), and bfloat16 (the rotation through one float32 copy) stays as close to the float32
+    model as the ``halves`` bfloat16 model does."""
+    pairs = ours(folders["qwen3"], "pairs")
+    full, first = [11, 6], [5, 3]
+    ids, positions = packed(full, pairs.args.vocab_size)
+    seqs = list(torch.split(ids, full))
+    captured = {}
+    kv1 = KVStep(num_layers=pairs.num_layers, capture=lambda i, k, v: captured.__setitem__(i, (k.clone(), v.clone())))
+    with torch.no_grad():
+        whole = pairs(ids, positions, AttnMeta.from_lengths(full, causal=True))
+        h1 = pairs(torch.cat([seqs[0][:5], seqs[1][:3]]), torch.cat([torch.arange(5), torch.arange(3)]),
+                   AttnMeta.from_lengths(first, causal=True, kv=kv1))
+        kv2 = KVStep(num_layers=pairs.num_layers, cu_prefix=torch.tensor([0, 5, 8], dtype=torch.int32),
+                     prefix_lens=[5, 3], prefix_k=[captured[i][0] for i in range(pairs.num_layers)],
+                     prefix_v=[captured[i][1] for i in range(pairs.num_layers)])
+        h2 = pairs(torch.cat([seqs[0][5:], seqs[1][3:]]), torch.cat([torch.arange(5, 11), torch.arange(3, 6)]),
+                   AttnMeta.from_lengths([6, 3], causal=True, kv=kv2))
+    a1, b1 = torch.split(h1, first)
+    a2, b2 = torch.split(h2, [6, 3])
+    torch.testing.assert_close(torch.cat([a1, a2, b1, b2]), whole, rtol=1e-4, atol=1e-5)  # A's 11 rows, then B's
+    ids, pos = packed(LENGTHS, pairs.args.vocab_size)
+    meta = AttnMeta.from_lengths(LENGTHS, causal=True)
+    with torch.no_grad():
+        want = pairs(ids, pos, meta)
+        low = {layout: ours(folders["qwen3"], layout).to(torch.bfloat16)(ids, pos, meta).float()
+               for layout in ("halves", "pairs")}
+    err = {layout: (h - want).abs().max().item() for layout, h in low.items()}
+    assert err["pairs"] <= 1.5 * err["halves"] + 1e-3, err
+
+
+def test_rotate_pairs_equals_apply_rotary_in_the_permuted_layout():
+    """``rotate_pairs_`` on a head in the ``pairs`` order equals ``apply_rotary`` on the same head in transformers'
+    order: in place on a strided view of a fused projection (float32 / float64: a complex view), on a tensor whose
+    strides forbid that view (a copy), and in bfloat16 (through float32, rounded once: no less accurate)."""
+    from lab.kernels.reference import apply_rotary
+
+    from lab.models.rope import RopeTables, pairs_order, pairs_rows, rotate_pairs_
+
+    t, h, d = 37, 5, 16
+    positions = torch.randint(0, 300, (t,))
+    inv_freq = rope_from_config({"rope_theta": 10000.0}, d).inv_freq
+    order = pairs_order(d)
+    assert order.tolist()[:4] == [0, d // 2, 1, d // 2 + 1] and sorted(order.tolist()) == list(range(d))
+    assert torch.equal(pairs_rows(2, d), torch.cat([order, d + order]))
+    fused = torch.randn(t, 3 * h * d, dtype=torch.float64)
+    x = fused[:, h * d : 2 * h * d].view(t, h, d)  # rows of stride 3 h d: the complex view works in place
+    exact = RopeTables.at(positions, inv_freq, 1.3, "halves", torch.float64)
+    want = apply_rotary(x.clone(), exact.cos, exact.sin)
+    cis = RopeTables.at(positions, inv_freq, 1.3, "pairs", torch.float32).cis
+    for dtype in (torch.float64, torch.float32):
+        y = x[..., order].to(dtype)
+        view = fused.to(dtype)[:, : h * d].view(t, h, d)
+        view.copy_(y)
+        got = rotate_pairs_(view, cis)
+        assert got is view
+        torch.testing.assert_close(got.double(), want[..., order], rtol=0, atol=1e-6)
+    odd = torch.zeros(t, h * d + 1)[:, 1:].view(t, h, d)  # rows of odd stride: no complex view, a float32 copy
+    odd.copy_(x[..., order])
+    got = rotate_pairs_(odd, cis)
+    assert got is odd and odd.stride(0) == h * d + 1
+    torch.testing.assert_close(got.double(), want[..., order], rtol=0, atol=1e-6)
+    low = x[..., order].to(torch.bfloat16)
+    err_pairs = (rotate_pairs_(low.clone(), cis).double() - want[..., order]).abs().max()
+    halves = RopeTables.at(positions, inv_freq, 1.3, "halves", torch.bfloat16)
+    err_halves = (apply_rotary(x.to(torch.bfloat16), halves.cos, halves.sin).double() - want).abs().max()
+    assert err_pairs <= err_halves, (err_pairs, err_halves)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lab.batch import AttnMeta, OutputRows
-from lab.models.probes import Probe
+from lab.models.probes import Decision, Probe, decide
 
 
 class PackedModel(nn.Module):
@@ -54,6 +54,21 @@ class PackedModel(nn.Module):
         # CPU fast-path choices (name -> candidate) decided by ``cpu_probes`` on this machine for the current dtype
         # (``lab.models.probes``; set by the runner). Empty: each family's defaults (and always off the CPU).
         self.plan: dict[str, str] = {}
+        # weight-layout choices (name -> candidate) made by ``layout_probes`` before the weights load, fixed for the
+        # model's life (the engine makes them on CPU; empty: the checkpoint's own layout)
+        self.layout: dict[str, str] = {}
+
+    def layout_probes(self, dtype: torch.dtype) -> Iterator[Probe]:
+        """Choices of how this family lays out its weights, as probes on random tensors of its shapes (one thread).
+        ``choose_layouts`` decides them before ``load_hf_state_dict``, which reads ``layout``."""
+        return iter(())
+
+    def choose_layouts(self, dtype: torch.dtype) -> list[Decision]:
+        """Decide ``layout_probes`` (cached per process and shape class, ``LAB_CPU_<NAME>`` forces one) into
+        ``layout``; call before loading weights. Unlike ``plan``, a later dtype, worker or device change keeps them."""
+        decided = [decide(probe) for probe in self.layout_probes(dtype)]
+        self.layout.update({d.name: d.choice for d in decided})
+        return decided
 
     def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
         """The CPU fast-path choices of this family at ``dtype``, as probes over its own shapes and weights, each
@@ -136,8 +151,9 @@ class PackedModel(nn.Module):
         raise ValueError(f"{type(self).__name__} has no per-token head {name!r}")
 
     # -------------------------------------------------------------------------------------------- adapters
-    def hf_linear_map(self) -> dict[str, tuple[str, slice] | None]:
-        """Each transformers Linear -> our parameter and its rows (LoRA merges through it; ``lab.adapters``)."""
+    def hf_linear_map(self) -> dict[str, tuple[str, slice | torch.Tensor] | None]:
+        """Each transformers Linear -> our parameter and its rows, a slice or an index tensor (LoRA merges through
+        it; ``lab.adapters``)."""
         raise ValueError(f"{type(self).__name__} cannot merge adapters (no map from transformers' Linear names)")
 
     @staticmethod
