@@ -132,7 +132,7 @@ class Engine:
         except KeyError as e:
             raise ValueError(f"{self.spec.path / 'config.json'} lacks {e.args[0]!r}, which a {self.spec.architecture} "
                              "needs; the config is incomplete") from None
-        if self.device.type == "cpu":  # weight layouts, fixed at load (a later dtype or device change keeps them)
+        if self.device.type == "cpu":  # weight layouts, fixed at load (a later dtype change keeps them)
             model.choose_layouts(dtype)
         model.load_hf_state_dict(read_state_dict(self.spec))
         return model
@@ -166,8 +166,8 @@ class Engine:
     @property
     def cpu_paths(self) -> dict[str, str]:
         """The CPU fast paths in force, decided by short probes on this machine (``lab.models.probes``): name ->
-        choice, e.g. ``{"bf16_gemm": "native", "bert_qkv": "stacked"}``; off the CPU only the weight layouts chosen
-        at load (``rope_layout``). ``lab.models.probes.decisions()`` has the timings; ``LAB_CPU_<NAME>`` forces one."""
+        choice, e.g. ``{"rope_layout": "pairs", "bf16_gemm": "native"}``; ``{}`` off the CPU.
+        ``lab.models.probes.decisions()`` has the timings behind them; ``LAB_CPU_<NAME>`` forces one."""
         return {**self.model.layout, **{d.name: d.choice for d in self.runner.decisions}}
 
     @property

@@ -65,7 +65,7 @@ class PackedModel(nn.Module):
 
     def choose_layouts(self, dtype: torch.dtype) -> list[Decision]:
         """Decide ``layout_probes`` (cached per process and shape class, ``LAB_CPU_<NAME>`` forces one) into
-        ``layout``; call before loading weights. Unlike ``plan``, a later dtype, worker or device change keeps them."""
+        ``layout``; call before loading weights. Unlike ``plan``, a later dtype or worker change keeps them."""
         decided = [decide(probe) for probe in self.layout_probes(dtype)]
         self.layout.update({d.name: d.choice for d in decided})
         return decided
