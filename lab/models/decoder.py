@@ -289,9 +289,11 @@ class DecoderModel(PackedModel):
     def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
         """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the gate projection's
         shape), then the MLP in row blocks with split gate/up GEMMs vs one stacked GEMM (``DecoderLayer._mlp``), on
-        layer 0's weights, then causal attention over whole sequences vs in query blocks of ``CAUSAL_BLOCK`` (two
-        sequences of ``PROBE_ROWS / 2`` tokens: on one AMD EPYC the blocks won 1.13x there in bfloat16, 1.17x in
-        float32, and 1.2x at 400 tokens)."""
+        layer 0's weights, then causal attention over whole sequences vs in query blocks of ``CAUSAL_BLOCK`` (one
+        sequence of ``PROBE_ROWS`` tokens; on one AMD EPYC, one thread, blocks won 1.15-1.33x there, six probes in
+        float32 and bfloat16. Two sequences of half that length, the earlier probe, gave 1.06-1.13x, and on one
+        noisy run of three per dtype picked ``whole``: SmolLM2's 96-text bfloat16 benchmark then spent 1.6x the
+        thread time on attention it spent in float32, with blocks)."""
         layer = self.layers[0]
         x = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype)
         b = layer.gate_up.bias
@@ -306,8 +308,7 @@ class DecoderModel(PackedModel):
         yield Probe("decoder_mlp", (str(dtype), self.hidden_size, layer.inter),
                     {"blocks": lambda: mlp("blocks"), "stacked": lambda: mlp("stacked")}, threads)
 
-        half = PROBE_ROWS // 2
-        meta = AttnMeta.from_lengths([half, half], causal=True)
+        meta = AttnMeta.from_lengths([PROBE_ROWS], causal=True)
         q = torch.randn(PROBE_ROWS, layer.hq, layer.d, dtype=dtype)
         k, v = (torch.randn(PROBE_ROWS, layer.hkv, layer.d, dtype=dtype) for _ in range(2))
         yield Probe("causal_attention", (str(dtype), layer.hq, layer.hkv, layer.d),
