@@ -29,7 +29,6 @@ import torch
 from lab.kernels.reference import rotary_cos_sin
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-ROPE_LAYOUTS = ("halves", "pairs")
 
 
 @dataclass
