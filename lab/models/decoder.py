@@ -22,12 +22,11 @@ from torch import nn
 
 from lab.attention import attention, ops
 from lab.batch import AttnMeta, OutputRows
-from lab.kernels.reference import apply_rotary
 from lab.models.base import PackedModel
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.loading import KeyTracker, warn_unexpected
 from lab.models.probes import Probe, gemm_probe
-from lab.models.rope import RopeSpec, RopeTables, pairs_order, pairs_rows, rope_from_config, rotate_pairs_
+from lab.models.rope import RopeSpec, RopeTables, pairs_order, pairs_rows, rope_from_config, rotate_qk_
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = tuple(
@@ -168,14 +167,9 @@ class DecoderLayer(nn.Module):
             q = k_ops.add_rms_norm(q.reshape(tq * self.hq, self.d), None, self.q_norm, self.eps)[0]
             k = k_ops.add_rms_norm(k.reshape(t * self.hkv, self.d), None, self.k_norm, self.eps)[0]
         q, k, v = q.view(tq, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        if rope.cis is None:  # halves (transformers' layout)
-            k_ops.apply_rotary(q, q_rope.cos, q_rope.sin)  # in place
-            k_ops.apply_rotary(k, rope.cos, rope.sin)
-        elif only is None and self.q_norm is None:  # pairs, queries and keys side by side in qkv: one pass
-            rotate_pairs_(qkv[:, : nq + nk].view(t, self.hq + self.hkv, self.d), rope.cis)
-        else:
-            rotate_pairs_(q, q_rope.cis)
-            rotate_pairs_(k, rope.cis)
+        # queries and keys side by side in qkv (no q/k norm, every row): one pass in the pairs layout
+        both = qkv[:, : nq + nk].view(t, self.hq + self.hkv, self.d) if only is None and self.q_norm is None else None
+        rotate_qk_(q, k, rope, q_rope, both, apply_halves=k_ops.apply_rotary)  # in place
         if only is None:
             block = CAUSAL_BLOCK if self.plan.get("causal_attention") == "blocks" else None
             a = attention(q, k, v, meta, self.index, causal_block=block)  # (T, Hq, D)
@@ -271,20 +265,10 @@ class DecoderModel(PackedModel):
         tables = {layout: RopeTables.at(positions, self.rope.inv_freq, self.rope.attention_scaling, layout, dtype)
                   for layout in ("halves", "pairs")}
         q, k = qkv[:, : hq * d].view(-1, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
-        both = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
-
-        def halves():
-            apply_rotary(q, tables["halves"].cos, tables["halves"].sin)
-            apply_rotary(k, tables["halves"].cos, tables["halves"].sin)
-
-        def pairs():
-            if a.qk_norm:  # normed queries and keys are separate tensors (``DecoderLayer.forward``)
-                rotate_pairs_(q, tables["pairs"].cis)
-                rotate_pairs_(k, tables["pairs"].cis)
-            else:
-                rotate_pairs_(both, tables["pairs"].cis)
-
-        yield Probe("rope_layout", (str(dtype), hq, hkv, d), {"halves": halves, "pairs": pairs})
+        # as ``DecoderLayer.forward`` rotates them: normed queries and keys (Qwen3) are separate tensors
+        both = None if a.qk_norm else qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
+        yield Probe("rope_layout", (str(dtype), hq, hkv, d),
+                    {layout: (lambda r=rope: rotate_qk_(q, k, r, both=both)) for layout, rope in tables.items()})
 
     def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
         """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the gate projection's
@@ -401,13 +385,14 @@ class DecoderModel(PackedModel):
             nq, nk = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
             rows = torch.cat([pairs_rows(a.num_heads, a.head_dim), nq + pairs_rows(a.num_kv_heads, a.head_dim),
                               torch.arange(nq + nk, nq + 2 * nk)])
+            order = pairs_order(a.head_dim)
             for i in range(a.num_layers):
                 o = f"layers.{i}."
                 for name in ("qkv.weight", "qkv.bias") if a.qkv_bias else ("qkv.weight",):
                     new[o + name] = new[o + name][rows]
                 if a.qk_norm:
-                    new[o + "q_norm"] = new[o + "q_norm"][pairs_order(a.head_dim)]
-                    new[o + "k_norm"] = new[o + "k_norm"][pairs_order(a.head_dim)]
+                    new[o + "q_norm"] = new[o + "q_norm"][order]
+                    new[o + "k_norm"] = new[o + "k_norm"][order]
         if self.lm_head is not None:
             if "lm_head.weight" in sd:
                 new["lm_head.weight"] = sd["lm_head.weight"]

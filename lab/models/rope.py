@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.kernels.reference import rotary_cos_sin
+from lab.kernels.reference import apply_rotary, rotary_cos_sin
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -148,9 +148,9 @@ def pairs_rows(heads: int, head_dim: int) -> torch.Tensor:
 @dataclass
 class RopeTables:
     """One step's rotation, per token: ``cos`` / ``sin`` ``(T, D/2)`` in the activations' dtype for ``halves``, or
-    ``cis = cos + i sin`` ``(T, D/2)`` complex64 for ``pairs`` (the rotation runs in float32 whatever the dtype)."""
+    ``cis = cos + i sin`` ``(T, D/2)`` complex64 for ``pairs`` (the rotation runs in float32 whatever the dtype);
+    ``cis is None`` tells the layouts apart."""
 
-    layout: str
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     cis: torch.Tensor | None = None
@@ -160,15 +160,15 @@ class RopeTables:
            dtype: torch.dtype) -> RopeTables:
         if layout == "pairs":
             cos, sin = rotary_cos_sin(positions, inv_freq, attention_scaling)
-            return cls(layout, cis=torch.complex(cos, sin))
+            return cls(cis=torch.complex(cos, sin))
         cos, sin = rotary_cos_sin(positions, inv_freq, attention_scaling, dtype=dtype)
-        return cls(layout, cos=cos, sin=sin)
+        return cls(cos=cos, sin=sin)
 
     def rows(self, index: torch.Tensor) -> RopeTables:
         """The tables of the tokens ``index`` only."""
         if self.cis is not None:
-            return RopeTables(self.layout, cis=self.cis[index])
-        return RopeTables(self.layout, cos=self.cos[index], sin=self.sin[index])
+            return RopeTables(cis=self.cis[index])
+        return RopeTables(cos=self.cos[index], sin=self.sin[index])
 
 
 def rotate_pairs_(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
@@ -187,3 +187,20 @@ def rotate_pairs_(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     xf = x.to(torch.float64 if wide else torch.float32, copy=True).contiguous()
     torch.view_as_complex(xf.view(t, h, d // 2, 2)).mul_(cis)
     return x.copy_(xf)
+
+
+def rotate_qk_(q: torch.Tensor, k: torch.Tensor, rope: RopeTables, q_rope: RopeTables | None = None,
+               both: torch.Tensor | None = None, apply_halves=apply_rotary) -> None:
+    """Rotate queries ``q`` ``(Tq, Hq, D)`` and keys ``k`` ``(T, Hkv, D)`` in place, in ``rope``'s layout
+    (``q_rope``: the queries' own tables when they are a subset of the rows). ``halves`` goes through
+    ``apply_halves`` (the backend's kernel); ``pairs`` rotates ``both`` in one pass when given, the
+    ``(T, Hq + Hkv, D)`` view of a fused projection's q/k columns that ``q`` and ``k`` are views of."""
+    q_rope = rope if q_rope is None else q_rope
+    if rope.cis is None:
+        apply_halves(q, q_rope.cos, q_rope.sin)
+        apply_halves(k, rope.cos, rope.sin)
+    elif both is not None:
+        rotate_pairs_(both, rope.cis)
+    else:
+        rotate_pairs_(q, q_rope.cis)
+        rotate_pairs_(k, rope.cis)
