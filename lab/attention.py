@@ -18,6 +18,9 @@ from lab.batch import AttnMeta
 from lab.kernels import reference
 
 BACKENDS = ("auto", "torch", "triton")
+# Scores per group of sequences on the torch kernels' matmul path (``attention(..., matmul=True)``): 1 MiB in
+# bfloat16, within one core's L2 on the machines measured; a sequence with more scores runs alone.
+MATMUL_SCORES = 1 << 19
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -78,11 +81,13 @@ def ops(meta_or_backend: AttnMeta | str) -> SimpleNamespace:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, layer: int, *,
-              causal_block: int | None = None) -> torch.Tensor:
+              causal_block: int | None = None, matmul: bool = False) -> torch.Tensor:
     """Varlen attention for one layer of one packed step, reading and capturing cached K/V through ``meta.kv``.
 
     q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` -> ``(T, Hq, D)``. ``causal_block``: the torch kernels' query blocks for
-    long causal sequences (``lab.kernels.reference.varlen_attention``; a CPU probe's choice), ignored by Triton.
+    long causal sequences; ``matmul``: their runs without a prefix as scores, softmax and weighted sum in groups of
+    ``MATMUL_SCORES`` scores instead of torch's fused kernel (``lab.kernels.reference.varlen_attention``; both a CPU
+    probe's choice), ignored by Triton.
     """
     if meta.key_lens is not None:
         return visible_keys_attention(q, k, v, meta)
@@ -97,8 +102,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
                 "prefix_lens": kv.prefix_lens,
             }
     k_ops = ops(meta)
-    if causal_block and k_ops is _TORCH_OPS:
-        kw["causal_block"] = causal_block
+    if k_ops is _TORCH_OPS:
+        if causal_block:
+            kw["causal_block"] = causal_block
+        if matmul:
+            kw["matmul_scores"] = MATMUL_SCORES
     return k_ops.varlen_attention(
         q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=meta.causal, seqlens=meta.seqlens, **kw
     )

@@ -164,18 +164,21 @@ def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.d
 
 
 def attention_seconds(lengths: list[int], heads: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
-                      threads: int | None = None, run_cap: int = 16, repeats: int = 3) -> float:
+                      threads: int | None = None, run_cap: int = 16, repeats: int = 3, matmul: bool = False) -> float:
     """Seconds one bidirectional attention layer takes over sequences of these ``lengths`` in the engine's CPU
-    kernel (``lab.kernels.reference.varlen_attention``) on ``threads`` intra-op threads (default: the current count;
-    an engine's CPU worker runs with ``torch.get_num_threads() // workers``).
+    kernel (``lab.kernels.reference.varlen_attention``; ``matmul``: its three-op path, an engine's
+    ``attention_kernel`` = ``matmul``) on ``threads`` intra-op threads (default: the current count; an engine's CPU
+    worker runs with ``torch.get_num_threads() // workers``).
 
     Per distinct length, a packed run of ``min(count, run_cap)`` random sequences of that length (the runs the
     length-sorted scheduler forms) is timed, best of ``repeats`` after one untimed call, and scaled to the count.
     Measured length by length because the kernel's rate is far from smooth in the length: on one AMD EPYC, one
     thread, float32, a 16-token sequence took less time than a 15-token one.
     """
+    from lab.attention import MATMUL_SCORES
     from lab.kernels.reference import varlen_attention
 
+    scores = MATMUL_SCORES if matmul else None
     counts: dict[int, int] = {}
     for n in lengths:
         if n < 1:
@@ -192,7 +195,7 @@ def attention_seconds(lengths: list[int], heads: int, head_dim: int, *, dtype: t
                 cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32)
 
                 def run(q=q, k=k, v=v, cu=cu, length=length, n=n):
-                    varlen_attention(q, k, v, cu, length, causal=False, seqlens=[length] * n)
+                    varlen_attention(q, k, v, cu, length, causal=False, seqlens=[length] * n, matmul_scores=scores)
 
                 run()
                 total += min(_time(run, repeats)) * count / n

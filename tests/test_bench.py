@@ -224,15 +224,17 @@ def test_embed_benchmark_targets_need_ratio_and_cosine():
 
 def test_attention_seconds_times_each_length_once_and_scales_by_count(monkeypatch):
     """lab.bench.attention_seconds times one packed run per distinct length (at most ``run_cap`` sequences, laid out
-    as the engine packs them), keeps the best timing and scales it to that length's count; threads are restored."""
+    as the engine packs them), keeps the best timing and scales it to that length's count; threads are restored; with
+    ``matmul`` it times the kernel's three-op path."""
     from lab.kernels import reference
 
     from lab import bench
+    from lab.attention import MATMUL_SCORES
 
     calls = []
 
-    def fake_attention(q, k, v, cu, max_seqlen, *, causal, seqlens):
-        calls.append((tuple(q.shape), cu.tolist(), max_seqlen, causal, list(seqlens)))
+    def fake_attention(q, k, v, cu, max_seqlen, *, causal, seqlens, matmul_scores):
+        calls.append((tuple(q.shape), cu.tolist(), max_seqlen, causal, list(seqlens), matmul_scores))
         return q
 
     monkeypatch.setattr(reference, "varlen_attention", fake_attention)
@@ -244,7 +246,10 @@ def test_attention_seconds_times_each_length_once_and_scales_by_count(monkeypatc
     assert got == pytest.approx(0.2 * 1 + 0.2 * 5 / 3 + 0.2 * 1)
     # per length: one untimed call, then the timed ones (here one, via the fake _time)
     assert [c[2] for c in calls] == [1, 1, 7, 7, 30, 30]
-    assert calls[2] == ((21, 2, 4), [0, 7, 14, 21], 7, False, [7, 7, 7])
+    assert calls[2] == ((21, 2, 4), [0, 7, 14, 21], 7, False, [7, 7, 7], None)
+    calls.clear()  # the engine's three-op path (``attention_kernel`` = ``matmul``) when asked
+    bench.attention_seconds([5], heads=2, head_dim=4, threads=1, matmul=True)
+    assert calls and all(c[5] == MATMUL_SCORES for c in calls)
     with pytest.raises(ValueError, match="lengths must be >= 1"):
         bench.attention_seconds([3, 0], heads=2, head_dim=4)
 

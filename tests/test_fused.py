@@ -84,24 +84,29 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
 
     eng = Engine(minilm_path)
     paths = eng.resolved["cpu_paths"]
-    assert set(paths) == {"f32_gemm", "bert_qkv", "bert_ffn"} and paths["bert_qkv"] in ("split", "stacked")
+    assert set(paths) == {"f32_gemm", "bert_qkv", "bert_ffn", "attention_kernel"}
+    assert paths["bert_qkv"] in ("split", "stacked") and paths["attention_kernel"] in ("sdpa", "matmul")
     assert paths["f32_gemm"] in ("blas", "onednn")
     made = {(d.name, d.key): d for d in probes.decisions()}
     assert all(made[(d.name, d.key)].source == "probe" and len(d.seconds) == 2 for d in eng.runner.decisions)
     base = eng.embed(["a probe", "another text, longer than the first one"])
     eng.configure(dtype="bfloat16")
-    assert set(eng.cpu_paths) == {"bf16_gemm", "bert_qkv", "bert_ffn"}
+    assert set(eng.cpu_paths) == {"bf16_gemm", "bert_qkv", "bert_ffn", "attention_kernel"}
     assert eng.cpu_paths["bf16_gemm"] in ("native", "widened")
     eng.configure(dtype="float32")
     other = "stacked" if paths["bert_qkv"] == "split" else "split"
     monkeypatch.setenv("LAB_CPU_BERT_QKV", other)
     monkeypatch.setattr(probes, "_DECIDED", {})
     monkeypatch.setenv("LAB_CPU_F32_GEMM", "onednn" if paths["f32_gemm"] == "blas" else "blas")
+    monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", "matmul" if paths["attention_kernel"] == "sdpa" else "sdpa")
     forced = Engine(minilm_path)
     assert forced.cpu_paths["bert_qkv"] == other and all(d.source == "env" for d in forced.runner.decisions[:2])
     assert forced.cpu_paths["f32_gemm"] != paths["f32_gemm"]
+    assert forced.cpu_paths["attention_kernel"] != paths["attention_kernel"]
+    calls = _count_matmul_attention(monkeypatch)
     np.testing.assert_allclose(forced.embed(["a probe", "another text, longer than the first one"]), base,
                                atol=2e-6)
+    assert (calls["n"] > 0) == (forced.cpu_paths["attention_kernel"] == "matmul")
     monkeypatch.setenv("LAB_CPU_BERT_QKV", "sideways")
     monkeypatch.setattr(probes, "_DECIDED", {})
     with pytest.raises(ValueError, match="LAB_CPU_BERT_QKV='sideways'.*valid: split, stacked or auto|valid"):
@@ -210,11 +215,14 @@ def test_decoder_float32_gemm_modes_match_transformers(tmp_path, monkeypatch, mo
     np.testing.assert_allclose(got, _transformers_mean(folder, eng.tokenize(texts)), rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("mode", ["whole", "blocks"])
-def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize("mode,kernel", [("whole", "sdpa"), ("blocks", "sdpa"), ("whole", "matmul"),
+                                         ("blocks", "matmul")])
+def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch, mode, kernel):
     """Causal attention in query blocks (``causal_attention`` = ``blocks``, forced by ``LAB_CPU_CAUSAL_ATTENTION``)
-    or whole: the mode is the one reported, and the embeddings of texts longer than three blocks (with short ones
-    beside them, shuffled) equal transformers' forward, one sequence at a time, within float32 rounding."""
+    or whole, the other runs in torch's fused kernel or as three ops (``attention_kernel``, forced by
+    ``LAB_CPU_ATTENTION_KERNEL``): the modes are the ones reported, and the embeddings of texts longer than three
+    blocks (with short ones beside them, shuffled) equal transformers' forward, one sequence at a time, within
+    float32 rounding."""
     from tiny_models import tiny_llama
 
     from lab import Engine
@@ -223,15 +231,32 @@ def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch
 
     monkeypatch.setattr(probes, "_DECIDED", {})
     monkeypatch.setenv("LAB_CPU_CAUSAL_ATTENTION", mode)
+    monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", kernel)
     folder = str(tiny_llama(tmp_path, "llama"))
     eng = Engine(folder, pooling="mean", max_length=256)
-    assert eng.cpu_paths["causal_attention"] == mode
+    assert eng.cpu_paths["causal_attention"] == mode and eng.cpu_paths["attention_kernel"] == kernel
     texts = ["Rotary position embeddings rotate queries and keys. " * 9, "a", "What?", "x y z " * 40,
              "Paris is the capital of France. " * 20]
     reqs = eng.tokenize(texts)
     assert sum(3 * CAUSAL_BLOCK < r.length < 256 for r in reqs) == 3  # the blocked path runs (nothing truncated)
+    calls = _count_matmul_attention(monkeypatch)
     got = eng.embed(texts)
+    assert (calls["n"] > 0) == (kernel == "matmul")  # the short runs (and, whole, the long ones) took the three ops
     np.testing.assert_allclose(got, _transformers_mean(folder, reqs), rtol=1e-5, atol=2e-6)
+
+
+def _count_matmul_attention(monkeypatch) -> dict:
+    """Count calls of the torch kernels' matmul attention path (``attention_kernel`` = ``matmul``)."""
+    from lab.kernels import reference
+
+    calls, real = {"n": 0}, reference._matmul_attention
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(reference, "_matmul_attention", counted)
+    return calls
 
 
 @pytest.mark.parametrize("layout", ["halves", "pairs"])

@@ -19,14 +19,16 @@ TEXTS = ["a", "hello world", "the quick brown fox jumps over the lazy dog", "", 
          "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"]
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "matmul"])  # the CPU ``attention_kernel`` choice, set in the plan
 @pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta"])
-def test_packed_forward_matches_transformers(tmp_path, minilm_path, kind):
+def test_packed_forward_matches_transformers(tmp_path, minilm_path, kind, kernel):
     from transformers import AutoModel, AutoTokenizer
 
     path = tiny_encoder(tmp_path / kind, minilm_path, kind)
     spec = read_folder(path)
     ours = BertModel.from_hf_config(spec.config).eval()
     ours.load_hf_state_dict(read_state_dict(spec))
+    ours.plan["attention_kernel"] = kernel
     ref = AutoModel.from_pretrained(path).eval()
     tok = AutoTokenizer.from_pretrained(path)
     texts = TEXTS[:]

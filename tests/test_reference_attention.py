@@ -70,3 +70,44 @@ def test_causal_blocks_match_oracle(hq, hkv, dtype, tol, lens):
     assert (got.float() - exact).abs().max() <= 1.5 * (whole.float() - exact).abs().max() + 1e-6
     bidir = varlen_attention(q, k, v, _cu(lens), max(lens), causal=False, causal_block=64)
     assert torch.equal(bidir, varlen_attention(q, k, v, _cu(lens), max(lens), causal=False))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (3, 3), (4, 1)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("budget", [1, 700, 1 << 19])
+def test_matmul_attention_matches_oracle(causal, hq, hkv, dtype, tol, budget):
+    """``matmul_scores`` (a CPU probe's choice): runs as scores, softmax and weighted sum in groups of at most that
+    many scores. Shuffled ragged lengths with runs of equal lengths, a length-1 sequence, groups of one sequence
+    (budget 1), groups cut inside a run (700) and a whole run per group; the oracle's result at float32 rounding
+    (bfloat16: within the dtype's tolerance, and a root-mean-square error within 2.5x the fused kernel's: scores
+    and weights are rounded to bfloat16, 1.5-1.8x over 60 random draws), and a causal run
+    long enough for ``causal_block`` still takes the blocks beside it."""
+    lens = [1, 9, 9, 9, 17, 17, 3, 40, 40, 2, 200]
+    random.shuffle(lens)
+    lens[:8] = sorted(lens[:8], reverse=True)  # some runs of equal lengths, some lone lengths
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, 16, dtype=dtype) for h in (hq, hkv, hkv))
+    exact = varlen_attention_naive(q.float(), k.float(), v.float(), _cu(lens), causal=causal)
+    got = varlen_attention(q, k, v, _cu(lens), max(lens), causal=causal, matmul_scores=budget)
+    fused = varlen_attention(q, k, v, _cu(lens), max(lens), causal=causal)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
+    rms = [(x.float() - exact).pow(2).mean().sqrt() for x in (got, fused)]
+    assert rms[0] <= 2.5 * rms[1] + 1e-7
+    both = varlen_attention(q, k, v, _cu(lens), max(lens), causal=causal, matmul_scores=budget, causal_block=32)
+    torch.testing.assert_close(both.float(), exact, atol=tol, rtol=tol)
+    if causal and dtype == torch.float32:  # the 200-token sequence ran in blocks of 32 queries, not as one matmul
+        s = sum(lens[: lens.index(200)])
+        blocks = varlen_attention(q[s : s + 200], k[s : s + 200], v[s : s + 200], _cu([200]), 200, causal=True,
+                                  causal_block=32)
+        assert torch.equal(both[s : s + 200], blocks)
+
+
+def test_matmul_attention_is_a_single_call_for_one_run():
+    """A step that is one run of equal lengths returns the (n, L, H, D) memory the kernel wrote, laid out as the
+    packed ``(T, H, D)`` input, as the fused kernel's path does."""
+    q, k, v = (torch.randn(3 * 5, 4, 8) for _ in range(3))
+    got = varlen_attention(q, k, v, _cu([5, 5, 5]), 5, causal=False, matmul_scores=1 << 19)
+    assert got.shape == q.shape and got.is_contiguous()
+    torch.testing.assert_close(got, varlen_attention_naive(q, k, v, _cu([5, 5, 5]), causal=False), atol=1e-5, rtol=1e-5)

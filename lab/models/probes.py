@@ -167,3 +167,28 @@ def bf16_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         {"native": lambda: F.linear(x, weight, bias), "widened": lambda: F.linear(x.float(), w32, b32).bfloat16()},
         threads,
     )
+
+
+# sequence lengths of the ``attention_kernel`` probe's step (512 tokens): the kernels' speeds order differently at
+# different lengths, so the probe times a mix like the steps the scheduler forms, short sentences to long passages
+ATTENTION_PROBE_LENGTHS = (224, 64, 64, 24, 24, 24, 24) + (8,) * 8
+
+
+def attention_probe(dtype: torch.dtype, hq: int, hkv: int, d: int, threads: int, *, causal: bool,
+                    causal_block: int | None = None) -> Probe:
+    """torch's fused attention kernel (``sdpa``, the default) against scores, softmax and weighted sum as three ops
+    (``matmul``: ``lab.kernels.reference._matmul_attention``) on one step of ``ATTENTION_PROBE_LENGTHS``, through
+    ``lab.attention.attention`` as a layer calls it (``causal_block``: the model's choice for long causal runs)."""
+    from lab.attention import attention
+    from lab.batch import AttnMeta
+
+    meta = AttnMeta.from_lengths(list(ATTENTION_PROBE_LENGTHS), causal=causal)
+    t = meta.num_tokens
+    q = torch.randn(t, hq, d, dtype=dtype)
+    k, v = (torch.randn(t, hkv, d, dtype=dtype) for _ in range(2))
+    return Probe(
+        "attention_kernel", (str(dtype), hq, hkv, d, "causal" if causal else "bidirectional"),
+        {m: (lambda m=m: attention(q, k, v, meta, 0, causal_block=causal_block, matmul=m == "matmul"))
+         for m in ("sdpa", "matmul")},
+        threads,
+    )
