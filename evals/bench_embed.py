@@ -123,10 +123,11 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
 def kernel_seconds(eng, texts: list[str], roof: dict) -> dict:
     """What the engine's GEMMs and attention alone would take on ``texts``: the GEMMs at the roofline
     (``gemm_seconds_at_roofline``, ``roof`` from ``lab.bench.gemm_roofline``) plus every layer's attention in the
-    engine's CPU kernel (the one its ``attention_kernel`` probe chose) at the texts' exact token lengths, one worker's
-    thread count, shared evenly among its CPU workers (``attention_seconds``, from ``lab.bench.attention_seconds``). ``roofline_cap``: the share of the GEMM
-    roofline an engine doing nothing but these two would reach, i.e. the highest ``roofline_fraction`` attainable
-    without a faster attention kernel. An estimate from separate timings (a few % either way), not a bound."""
+    engine's CPU kernel (the one its ``attention_kernel`` probe chose) at the texts' exact token lengths, one
+    worker's thread count, shared evenly among its CPU workers (``attention_seconds``, from
+    ``lab.bench.attention_seconds``). ``roofline_cap``: the share of the GEMM roofline an engine doing nothing but
+    these two would reach, i.e. the highest ``roofline_fraction`` attainable without a faster attention kernel. An
+    estimate from separate timings (a few % either way), not a bound."""
     from lab.bench import attention_seconds
 
     cfg, workers = eng.spec.config, eng.resolved["cpu_workers"]

@@ -76,7 +76,9 @@ def varlen_attention(
             64). ``None`` (the default) runs each run as one call.
         matmul_scores: runs without a prefix (and not taken by ``causal_block``) as three ops, scores, softmax and
             weighted sum (``_matmul_attention``), over groups of sequences holding at most this many scores, instead
-            of torch's fused kernel; the same function (a CPU probe's choice). ``None`` (the default): the fused one.
+            of torch's fused kernel; the same function (a CPU probe's choice). A sequence with more scores than this
+            (``Hq * L * L``) takes the fused kernel, whose memory does not grow with the square of the length.
+            ``None`` (the default): the fused kernel for every run.
 
     Returns:
         ``(total, Hq, D)`` in ``q.dtype``.
@@ -126,7 +128,7 @@ def varlen_attention(
                     mask, is_causal = _causal_mask(length, plen, q.device), False
         elif causal and causal_block and length > 3 * causal_block and cpu_flash:
             o = _causal_blocks(qg, kg, vg, scale, causal_block)
-        elif matmul_scores and length > 1:
+        elif matmul_scores and 1 < length and hq * length * length <= matmul_scores:
             o = _matmul_attention(qg, kg, vg, scale, causal, matmul_scores)
         if o is None:
             if length == 1 and not plen:
@@ -164,12 +166,12 @@ def _causal_blocks(q, k, v, scale, block):
 
 def _matmul_attention(q, k, v, scale, causal, max_scores):
     """Attention as three ops per group of sequences (scores ``q k^T``, softmax, weighted sum of ``v``), each group
-    holding at most ``max_scores`` scores (at least one sequence), so a group's scores stay in cache. Query heads
-    sharing a key/value head broadcast against it (no copy of the keys per query head).
+    holding at most ``max_scores`` scores (at least one sequence): few calls, bounded memory. Query heads sharing a
+    key/value head broadcast against it (no copy of the keys per query head).
 
     Where this beats the fused kernel: in bfloat16 the two products run as native bfloat16 GEMMs (the fused CPU
     kernel computes in float32); on one AMD EPYC with AVX512-BF16, one thread, MiniLM's 12 heads of 32, it took
-    0.5-0.85x the fused kernel's time at 8-256 tokens per sequence, but 0.8-2x in float32. Scores and weights are
+    0.5-0.95x the fused kernel's time at 8-256 tokens per sequence, but 0.8-1.8x in float32. Scores and weights are
     rounded to the inputs' dtype (bfloat16: MiniLM's sentence embeddings moved by a cosine of ~1e-5, the size of
     what bfloat16 weights themselves move them by).
 

@@ -18,9 +18,11 @@ from lab.batch import AttnMeta
 from lab.kernels import reference
 
 BACKENDS = ("auto", "torch", "triton")
-# Scores per group of sequences on the torch kernels' matmul path (``attention(..., matmul=True)``): 1 MiB in
-# bfloat16, within one core's L2 on the machines measured; a sequence with more scores runs alone.
-MATMUL_SCORES = 1 << 19
+# Scores per group of sequences on the torch kernels' matmul path (``attention(..., matmul=True)``); a sequence with
+# more (``Hq * L * L``: past 295 tokens for 12 heads) takes the fused kernel. 2 MiB in bfloat16. On one AMD EPYC, one
+# thread, MiniLM's 12 heads of 32 in bfloat16, 8,192 tokens of 8-256-token sequences: 2^20 was the fastest of 2^18-2^21
+# or within 4 % of it at every length; 2^21 ran up to 1.5x slower (64 tokens).
+MATMUL_SCORES = 1 << 20
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
