@@ -219,10 +219,10 @@ def test_decoder_float32_gemm_modes_match_transformers(tmp_path, monkeypatch, mo
                                          ("blocks", "matmul")])
 def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch, mode, kernel):
     """Causal attention in query blocks (``causal_attention`` = ``blocks``, forced by ``LAB_CPU_CAUSAL_ATTENTION``)
-    or whole, the other runs in torch's fused kernel or as three ops (``causal_attention_kernel``, and
-    ``attention_kernel`` once the engine is bidirectional, forced apart by ``LAB_CPU_<NAME>``): the modes are the ones
-    reported, and the embeddings of texts longer than three blocks (with short ones beside them, shuffled) equal
-    transformers' forward, one sequence at a time, within float32 rounding, causal and then bidirectional."""
+    or whole, the other runs in torch's fused kernel or as three ops (``attention_kernel``, forced by
+    ``LAB_CPU_ATTENTION_KERNEL``): the modes are the ones reported, and the embeddings of texts longer than three
+    blocks (with short ones beside them, shuffled) equal transformers' forward, one sequence at a time, within
+    float32 rounding."""
     from tiny_models import tiny_llama
 
     from lab import Engine
@@ -231,13 +231,10 @@ def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch
 
     monkeypatch.setattr(probes, "_DECIDED", {})
     monkeypatch.setenv("LAB_CPU_CAUSAL_ATTENTION", mode)
-    other = "sdpa" if kernel == "matmul" else "matmul"  # the bidirectional choice differs, so a mix-up shows
-    monkeypatch.setenv("LAB_CPU_CAUSAL_ATTENTION_KERNEL", kernel)
-    monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", other)
+    monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", kernel)
     folder = str(tiny_llama(tmp_path, "llama"))
     eng = Engine(folder, pooling="mean", max_length=256)
-    assert eng.cpu_paths["causal_attention"] == mode
-    assert eng.cpu_paths["causal_attention_kernel"] == kernel and eng.cpu_paths["attention_kernel"] == other
+    assert eng.cpu_paths["causal_attention"] == mode and eng.cpu_paths["attention_kernel"] == kernel
     texts = ["Rotary position embeddings rotate queries and keys. " * 9, "a", "What?", "x y z " * 40,
              "Paris is the capital of France. " * 20]
     reqs = eng.tokenize(texts)
@@ -246,11 +243,6 @@ def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch
     got = eng.embed(texts)
     assert (calls["n"] > 0) == (kernel == "matmul")  # the short runs (and, whole, the long ones) took the three ops
     np.testing.assert_allclose(got, _transformers_mean(folder, reqs), rtol=1e-5, atol=2e-6)
-    eng.configure(bidirectional=True)
-    calls["n"] = 0
-    got = eng.embed(texts)
-    assert (calls["n"] > 0) == (other == "matmul")
-    np.testing.assert_allclose(got, _transformers_mean(folder, reqs, bidirectional=True), rtol=1e-5, atol=2e-6)
 
 
 def _count_matmul_attention(monkeypatch) -> dict:
@@ -301,18 +293,13 @@ def test_decoder_rope_layouts_match_transformers(tmp_path, monkeypatch, layout):
     np.testing.assert_array_equal(eng.embed(texts), got)
 
 
-def _transformers_mean(folder: str, requests, starts: list[int] | None = None, *,
-                       bidirectional: bool = False) -> np.ndarray:
+def _transformers_mean(folder: str, requests, starts: list[int] | None = None) -> np.ndarray:
     """transformers' float32 forward of ``folder``, one tokenized request at a time, mean-pooled from ``starts``
-    (default 0; an instruction's tokens are left out) (the reference of the decoder tests above). ``bidirectional``:
-    an all-zeros additive 4-D mask, which transformers uses as given, so every token sees every token."""
+    (default 0; an instruction's tokens are left out) (the reference of the decoder tests above)."""
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
     starts = starts or [0] * len(requests)
     with torch.no_grad():
-        return np.stack([
-            model(input_ids=torch.tensor([list(r.ids)]),
-                  attention_mask=torch.zeros(1, 1, r.length, r.length) if bidirectional else None,
-                  ).last_hidden_state[0, s:].mean(0).numpy()
-            for r, s in zip(requests, starts)])
+        return np.stack([model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0, s:].mean(0).numpy()
+                         for r, s in zip(requests, starts)])

@@ -78,11 +78,11 @@ def compare_with_transformers(model, ref, lengths, *, causal: bool, what: str) -
             start += n
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "matmul"])  # the CPU ``causal_attention_kernel`` choice, in the plan
+@pytest.mark.parametrize("kernel", ["sdpa", "matmul"])  # the CPU ``attention_kernel`` choice, set in the plan
 @pytest.mark.parametrize("kind", KINDS)
 def test_causal_matches_transformers(folders, kind, kernel):
     model = ours(folders[kind])
-    model.plan["causal_attention_kernel"] = kernel
+    model.plan["attention_kernel"] = kernel
     assert model.default_causal and model.is_decoder
     compare_with_transformers(model, theirs(folders[kind]), LENGTHS, causal=True, what=f"{kind} {kernel}")
 

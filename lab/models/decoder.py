@@ -172,8 +172,8 @@ class DecoderLayer(nn.Module):
         rotate_qk_(q, k, rope, q_rope, both, apply_halves=k_ops.apply_rotary)  # in place
         if only is None:
             block = CAUSAL_BLOCK if self.plan.get("causal_attention") == "blocks" else None
-            kernel = self.plan.get("causal_attention_kernel" if meta.causal else "attention_kernel")
-            a = attention(q, k, v, meta, self.index, causal_block=block, matmul=kernel == "matmul")  # (T, Hq, D)
+            a = attention(q, k, v, meta, self.index, causal_block=block,
+                          matmul=self.plan.get("attention_kernel") == "matmul")  # (T, Hq, D)
         else:
             a = attention(q, k[only.rows], v[only.rows], only.step_meta(meta, self.index, k, v), self.index)
         h, residual = k_ops.add_rms_norm(self.o(a.reshape(tq, nq)), residual, self.ln_mlp, self.eps)
@@ -279,8 +279,8 @@ class DecoderModel(PackedModel):
         float32 and bfloat16. Two sequences of half that length, the earlier probe, gave 1.06-1.13x, and on one
         noisy run of three per dtype picked ``whole``: SmolLM2's 96-text bfloat16 benchmark then spent 1.6x the
         thread time on attention it spent in float32, with blocks), then the other runs in torch's fused kernel vs
-        as three ops, causal and bidirectional apart (``causal_attention_kernel`` / ``attention_kernel``,
-        ``lab.models.probes.attention_probe``)."""
+        as three ops (``attention_kernel``, ``lab.models.probes.attention_probe``, causal; a bidirectional
+        engine uses the same choice)."""
         layer = self.layers[0]
         x = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype)
         b = layer.gate_up.bias
@@ -303,7 +303,6 @@ class DecoderModel(PackedModel):
                      "blocks": lambda: attention(q, k, v, meta, 0, causal_block=CAUSAL_BLOCK)}, threads)
         yield attention_probe(dtype, layer.hq, layer.hkv, layer.d, threads, causal=True,
                               causal_block=CAUSAL_BLOCK if self.plan.get("causal_attention") == "blocks" else None)
-        yield attention_probe(dtype, layer.hq, layer.hkv, layer.d, threads, causal=False)
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMeta, *, last: bool) -> torch.Tensor:
         """The final RMSNorm after the last block (transformers' ``last_hidden_state``); below it, the residual

@@ -178,10 +178,7 @@ def attention_probe(dtype: torch.dtype, hq: int, hkv: int, d: int, threads: int,
                     causal_block: int | None = None) -> Probe:
     """torch's fused attention kernel (``sdpa``, the default) against scores, softmax and weighted sum as three ops
     (``matmul``: ``lab.kernels.reference._matmul_attention``) on one step of ``ATTENTION_PROBE_LENGTHS``, through
-    ``lab.attention.attention`` as a layer calls it (``causal_block``: the model's choice for long causal runs).
-    Bidirectional and causal runs are separate choices, ``attention_kernel`` and ``causal_attention_kernel``: on one
-    AMD EPYC, SmolLM2's heads in bfloat16, ``matmul`` won 1.27x bidirectional (its products skip nothing a mask
-    throws away) and lost 1.02-1.08x causal."""
+    ``lab.attention.attention`` as a layer calls it (``causal_block``: the model's choice for long causal runs)."""
     from lab.attention import attention
     from lab.batch import AttnMeta
 
@@ -190,7 +187,7 @@ def attention_probe(dtype: torch.dtype, hq: int, hkv: int, d: int, threads: int,
     q = torch.randn(t, hq, d, dtype=dtype)
     k, v = (torch.randn(t, hkv, d, dtype=dtype) for _ in range(2))
     return Probe(
-        "causal_attention_kernel" if causal else "attention_kernel", (str(dtype), hq, hkv, d),
+        "attention_kernel", (str(dtype), hq, hkv, d, "causal" if causal else "bidirectional"),
         {m: (lambda m=m: attention(q, k, v, meta, 0, causal_block=causal_block, matmul=m == "matmul"))
          for m in ("sdpa", "matmul")},
         threads,
