@@ -78,21 +78,16 @@ def compare_with_transformers(model, ref, lengths, *, causal: bool, what: str) -
             start += n
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "matmul"])  # the CPU ``attention_kernel`` choice, set in the plan
 @pytest.mark.parametrize("kind", KINDS)
-def test_causal_matches_transformers(folders, kind, kernel):
+def test_causal_matches_transformers(folders, kind):
     model = ours(folders[kind])
-    model.plan["attention_kernel"] = kernel
     assert model.default_causal and model.is_decoder
-    compare_with_transformers(model, theirs(folders[kind]), LENGTHS, causal=True, what=f"{kind} {kernel}")
+    compare_with_transformers(model, theirs(folders[kind]), LENGTHS, causal=True, what=kind)
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "matmul"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_bidirectional_matches_transformers(folders, kind, kernel):
-    model = ours(folders[kind])
-    model.plan["attention_kernel"] = kernel
-    compare_with_transformers(model, theirs(folders[kind]), LENGTHS, causal=False, what=f"{kind} {kernel}")
+def test_bidirectional_matches_transformers(folders, kind):
+    compare_with_transformers(ours(folders[kind]), theirs(folders[kind]), LENGTHS, causal=False, what=kind)
 
 
 def test_bidirectional_config_flag_matches_transformers_is_causal(folders):

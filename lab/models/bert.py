@@ -170,7 +170,7 @@ class BertModel(PackedModel):
                     threads)
         yield Probe("bert_ffn", (str(dtype), self.hidden_size, layer.up.weight.shape[0]),
                     _ordered(ffn, "blocks" if narrow else "fused"), threads)
-        yield attention_probe(dtype, layer.heads, layer.heads, layer.head_dim, threads, causal=False)
+        yield attention_probe(dtype, layer.heads, layer.head_dim, threads)
 
     def _probe_qkv(self, layer: BertLayer, x: torch.Tensor, choice: str):
         self.plan["bert_qkv"] = choice
