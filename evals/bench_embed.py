@@ -135,7 +135,7 @@ def kernel_seconds(eng, texts: list[str], roof: dict) -> dict:
     heads = cfg["num_attention_heads"]
     one_layer = attention_seconds(lengths, heads, cfg["hidden_size"] // heads, dtype=eng.runner.dtype,
                                   threads=max(1, torch.get_num_threads() // workers),
-                                  matmul=eng.cpu_paths.get("attention_kernel") == "matmul")
+                                  kernel=eng.cpu_paths.get("attention_kernel", "sdpa"))
     attn = cfg["num_hidden_layers"] * one_layer / workers
     gemm = sum(lengths) / roof["roofline_tokens_per_s"]
     return {"gemm_seconds_at_roofline": gemm, "attention_seconds": attn, "kernel_seconds": gemm + attn,

@@ -15,14 +15,17 @@ from types import SimpleNamespace
 import torch
 
 from lab.batch import AttnMeta
-from lab.kernels import reference
+from lab.kernels import cpu_attention, reference
 
 BACKENDS = ("auto", "torch", "triton")
-# Scores per group of sequences on the torch kernels' matmul path (``attention(..., matmul=True)``); a sequence with
+# Scores per group of sequences on the torch kernels' matmul path (``attention(..., kernel="matmul")``); a sequence with
 # more (``Hq * L * L``: past 295 tokens for 12 heads) takes the fused kernel. 2 MiB in bfloat16. On one AMD EPYC, one
 # thread, MiniLM's 12 heads of 32 in bfloat16, 8,192 tokens of 8-256-token sequences: 2^20 was the fastest of 2^18-2^21
 # or within 4 % of it at every length; 2^21 ran up to 1.5x slower (64 tokens).
 MATMUL_SCORES = 1 << 20
+# the torch backend's CPU attention kernels (``attention(..., kernel=)``, a probe's choice): torch's fused kernel,
+# scores / softmax / weighted sum as three ops, prefill-lab's own compiled kernel (``lab.kernels.cpu_attention``)
+KERNELS = ("sdpa", "matmul", "lab")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -83,14 +86,18 @@ def ops(meta_or_backend: AttnMeta | str) -> SimpleNamespace:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, layer: int, *,
-              causal_block: int | None = None, matmul: bool = False) -> torch.Tensor:
+              causal_block: int | None = None, kernel: str = "sdpa") -> torch.Tensor:
     """Varlen attention for one layer of one packed step, reading and capturing cached K/V through ``meta.kv``.
 
-    q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` -> ``(T, Hq, D)``. ``causal_block``: the torch kernels' query blocks for
-    long causal sequences; ``matmul``: their runs without a prefix as scores, softmax and weighted sum in groups of
-    ``MATMUL_SCORES`` scores instead of torch's fused kernel (``lab.kernels.reference.varlen_attention``; both a CPU
-    probe's choice), ignored by Triton.
+    q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` -> ``(T, Hq, D)``. The torch kernels' options, both a CPU probe's choice
+    and ignored by Triton: ``causal_block``, query blocks for long causal sequences; ``kernel`` (``KERNELS``) for
+    steps without a cached prefix: ``sdpa``, torch's fused kernel; ``matmul``, scores, softmax and weighted sum in
+    groups of ``MATMUL_SCORES`` scores (``lab.kernels.reference.varlen_attention``); ``lab``, prefill-lab's own CPU
+    kernel (``lab.kernels.cpu_attention``; inputs it does not take, or a machine where it did not build, run
+    ``sdpa``).
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; valid: {', '.join(KERNELS)}")
     if meta.key_lens is not None:
         return visible_keys_attention(q, k, v, meta)
     kw = {}
@@ -105,9 +112,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
             }
     k_ops = ops(meta)
     if k_ops is _TORCH_OPS:
+        if kernel == "lab" and not kw and cpu_attention.supports(q, k) and cpu_attention.available():
+            return cpu_attention.varlen_attention(q, k, v, meta.cu_seqlens, meta.causal)
         if causal_block:
             kw["causal_block"] = causal_block
-        if matmul:
+        if kernel == "matmul":
             kw["matmul_scores"] = MATMUL_SCORES
     return k_ops.varlen_attention(
         q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=meta.causal, seqlens=meta.seqlens, **kw

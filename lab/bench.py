@@ -164,21 +164,25 @@ def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.d
 
 
 def attention_seconds(lengths: list[int], heads: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
-                      threads: int | None = None, run_cap: int = 16, repeats: int = 3, matmul: bool = False) -> float:
-    """Seconds one bidirectional attention layer takes over sequences of these ``lengths`` in the engine's CPU
-    kernel (``lab.kernels.reference.varlen_attention``; ``matmul``: its three-op path, an engine's
-    ``attention_kernel`` = ``matmul``) on ``threads`` intra-op threads (default: the current count; an engine's CPU
-    worker runs with ``torch.get_num_threads() // workers``).
+                      threads: int | None = None, run_cap: int = 16, repeats: int = 3, kernel: str = "sdpa") -> float:
+    """Seconds one bidirectional attention layer takes over sequences of these ``lengths`` in one of the engine's
+    CPU kernels (``kernel``, an engine's ``attention_kernel``: ``sdpa``, torch's fused kernel; ``matmul``, the three-op
+    path of ``lab.kernels.reference.varlen_attention``; ``lab``, ``lab.kernels.cpu_attention``, one thread) on
+    ``threads`` intra-op threads (default: the current count; an engine's CPU worker runs with
+    ``torch.get_num_threads() // workers``).
 
     Per distinct length, a packed run of ``min(count, run_cap)`` random sequences of that length (the runs the
     length-sorted scheduler forms) is timed, best of ``repeats`` after one untimed call, and scaled to the count.
     Measured length by length because the kernel's rate is far from smooth in the length: on one AMD EPYC, one
     thread, float32, a 16-token sequence took less time than a 15-token one.
     """
-    from lab.attention import MATMUL_SCORES
+    from lab.attention import KERNELS, MATMUL_SCORES
+    from lab.kernels import cpu_attention
     from lab.kernels.reference import varlen_attention
 
-    scores = MATMUL_SCORES if matmul else None
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+    scores = MATMUL_SCORES if kernel == "matmul" else None
     counts: dict[int, int] = {}
     for n in lengths:
         if n < 1:
@@ -195,7 +199,11 @@ def attention_seconds(lengths: list[int], heads: int, head_dim: int, *, dtype: t
                 cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32)
 
                 def run(q=q, k=k, v=v, cu=cu, length=length, n=n):
-                    varlen_attention(q, k, v, cu, length, causal=False, seqlens=[length] * n, matmul_scores=scores)
+                    if kernel == "lab":
+                        cpu_attention.varlen_attention(q, k, v, cu, causal=False)
+                    else:
+                        varlen_attention(q, k, v, cu, length, causal=False, seqlens=[length] * n,
+                                         matmul_scores=scores)
 
                 run()
                 total += min(_time(run, repeats)) * count / n

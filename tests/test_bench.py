@@ -225,8 +225,8 @@ def test_embed_benchmark_targets_need_ratio_and_cosine():
 def test_attention_seconds_times_each_length_once_and_scales_by_count(monkeypatch):
     """lab.bench.attention_seconds times one packed run per distinct length (at most ``run_cap`` sequences, laid out
     as the engine packs them), keeps the best timing and scales it to that length's count; threads are restored; with
-    ``matmul`` it times the kernel's three-op path."""
-    from lab.kernels import reference
+    ``kernel`` it times the three-op path or prefill-lab's own kernel."""
+    from lab.kernels import cpu_attention, reference
 
     from lab import bench
     from lab.attention import MATMUL_SCORES
@@ -248,8 +248,15 @@ def test_attention_seconds_times_each_length_once_and_scales_by_count(monkeypatc
     assert [c[2] for c in calls] == [1, 1, 7, 7, 30, 30]
     assert calls[2] == ((21, 2, 4), [0, 7, 14, 21], 7, False, [7, 7, 7], None)
     calls.clear()  # the engine's three-op path (``attention_kernel`` = ``matmul``) when asked
-    bench.attention_seconds([5], heads=2, head_dim=4, threads=1, matmul=True)
+    bench.attention_seconds([5], heads=2, head_dim=4, threads=1, kernel="matmul")
     assert calls and all(c[5] == MATMUL_SCORES for c in calls)
+    calls.clear()  # and prefill-lab's own kernel (``lab``)
+    own = []
+    monkeypatch.setattr(cpu_attention, "varlen_attention", lambda q, k, v, cu, causal: own.append((q.shape, causal)))
+    bench.attention_seconds([5, 5, 3], heads=2, head_dim=16, threads=1, kernel="lab")
+    assert not calls and own == [((3, 2, 16), False)] * 2 + [((10, 2, 16), False)] * 2
+    with pytest.raises(ValueError, match="unknown attention kernel 'fast'"):
+        bench.attention_seconds([5], heads=2, head_dim=16, kernel="fast")
     with pytest.raises(ValueError, match="lengths must be >= 1"):
         bench.attention_seconds([3, 0], heads=2, head_dim=4)
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lab.attention import KERNELS
+from lab.kernels import cpu_attention
 from lab.models.fused import ACTIVATIONS, activation_inplace, fusable, linear, linear_act, row_blocks
 
 
@@ -85,10 +87,11 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
     eng = Engine(minilm_path)
     paths = eng.resolved["cpu_paths"]
     assert set(paths) == {"f32_gemm", "bert_qkv", "bert_ffn", "attention_kernel"}
-    assert paths["bert_qkv"] in ("split", "stacked") and paths["attention_kernel"] in ("sdpa", "matmul")
+    assert paths["bert_qkv"] in ("split", "stacked") and paths["attention_kernel"] in KERNELS
     assert paths["f32_gemm"] in ("blas", "onednn")
     made = {(d.name, d.key): d for d in probes.decisions()}
-    assert all(made[(d.name, d.key)].source == "probe" and len(d.seconds) == 2 for d in eng.runner.decisions)
+    assert all(made[(d.name, d.key)].source == "probe" for d in eng.runner.decisions)
+    assert [len(d.seconds) for d in eng.runner.decisions] == [2, 2, 2, 3 if cpu_attention.available() else 2]
     base = eng.embed(["a probe", "another text, longer than the first one"])
     eng.configure(dtype="bfloat16")
     assert set(eng.cpu_paths) == {"bf16_gemm", "bert_qkv", "bert_ffn", "attention_kernel"}
@@ -98,7 +101,7 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
     monkeypatch.setenv("LAB_CPU_BERT_QKV", other)
     monkeypatch.setattr(probes, "_DECIDED", {})
     monkeypatch.setenv("LAB_CPU_F32_GEMM", "onednn" if paths["f32_gemm"] == "blas" else "blas")
-    monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", "matmul" if paths["attention_kernel"] == "sdpa" else "sdpa")
+    monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", "matmul" if paths["attention_kernel"] != "matmul" else "sdpa")
     forced = Engine(minilm_path)
     assert forced.cpu_paths["bert_qkv"] == other and all(d.source == "env" for d in forced.runner.decisions[:2])
     assert forced.cpu_paths["f32_gemm"] != paths["f32_gemm"]
@@ -107,6 +110,16 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
     np.testing.assert_allclose(forced.embed(["a probe", "another text, longer than the first one"]), base,
                                atol=2e-6)
     assert (calls["n"] > 0) == (forced.cpu_paths["attention_kernel"] == "matmul")
+    if cpu_attention.available():  # prefill-lab's own kernel, forced: it runs, once per layer and step
+        monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", "lab")
+        monkeypatch.setattr(probes, "_DECIDED", {})
+        own, real = [], cpu_attention.varlen_attention
+        monkeypatch.setattr(cpu_attention, "varlen_attention", lambda *a, **kw: own.append(1) or real(*a, **kw))
+        lab_kernel = Engine(minilm_path)
+        assert lab_kernel.cpu_paths["attention_kernel"] == "lab"
+        np.testing.assert_allclose(lab_kernel.embed(["a probe", "another text, longer than the first one"]), base,
+                                   atol=2e-6)
+        assert len(own) == 6
     monkeypatch.setenv("LAB_CPU_BERT_QKV", "sideways")
     monkeypatch.setattr(probes, "_DECIDED", {})
     with pytest.raises(ValueError, match="LAB_CPU_BERT_QKV='sideways'.*valid: split, stacked or auto|valid"):
@@ -228,16 +241,36 @@ def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch
 
     monkeypatch.setattr(probes, "_DECIDED", {})
     monkeypatch.setenv("LAB_CPU_CAUSAL_ATTENTION", mode)
+    monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", "sdpa")  # the torch path, where the blocks live
     folder = str(tiny_llama(tmp_path, "llama"))
     eng = Engine(folder, pooling="mean", max_length=256)
-    assert eng.cpu_paths["causal_attention"] == mode
-    assert "attention_kernel" not in eng.cpu_paths  # decoders keep the fused kernel (probes.attention_probe)
+    assert eng.cpu_paths["causal_attention"] == mode and eng.cpu_paths["attention_kernel"] == "sdpa"
     texts = ["Rotary position embeddings rotate queries and keys. " * 9, "a", "What?", "x y z " * 40,
              "Paris is the capital of France. " * 20]
     reqs = eng.tokenize(texts)
     assert sum(3 * CAUSAL_BLOCK < r.length < 256 for r in reqs) == 3  # the blocked path runs (nothing truncated)
     got = eng.embed(texts)
     np.testing.assert_allclose(got, _transformers_mean(folder, reqs), rtol=1e-5, atol=2e-6)
+
+
+def test_decoder_attention_kernel_is_probed_without_the_three_op_path(tmp_path, monkeypatch):
+    """Decoders probe torch's fused kernel against prefill-lab's own (where it built) and are never offered
+    ``matmul``, which rounds scores to bfloat16: asking for it names the valid choices."""
+    from tiny_models import tiny_llama
+
+    from lab import Engine
+    from lab.models import probes
+
+    monkeypatch.setattr(probes, "_DECIDED", {})
+    folder = str(tiny_llama(tmp_path, "llama"))
+    eng = Engine(folder, pooling="mean")
+    made = [d for d in eng.runner.decisions if d.name == "attention_kernel"]
+    assert len(made) == 1 and set(made[0].seconds) == ({"sdpa", "lab"} if cpu_attention.available() else {"sdpa"})
+    assert eng.cpu_paths["attention_kernel"] == made[0].choice
+    monkeypatch.setattr(probes, "_DECIDED", {})
+    monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", "matmul")
+    with pytest.raises(ValueError, match="LAB_CPU_ATTENTION_KERNEL='matmul' is not a attention_kernel choice"):
+        Engine(folder, pooling="mean")
 
 
 def _count_matmul_attention(monkeypatch) -> dict:

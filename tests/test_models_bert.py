@@ -19,12 +19,18 @@ TEXTS = ["a", "hello world", "the quick brown fox jumps over the lazy dog", "", 
          "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"]
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "matmul"])  # the CPU ``attention_kernel`` choice, set in the plan
+@pytest.mark.parametrize("kernel", ["sdpa", "matmul", "lab"])  # the CPU ``attention_kernel`` choice, in the plan
 @pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta"])
-def test_packed_forward_matches_transformers(tmp_path, minilm_path, kind, kernel):
+def test_packed_forward_matches_transformers(tmp_path, minilm_path, kind, kernel, monkeypatch):
+    from lab.kernels import cpu_attention
     from transformers import AutoModel, AutoTokenizer
 
-    path = tiny_encoder(tmp_path / kind, minilm_path, kind)
+    if kernel == "lab" and not cpu_attention.available():
+        pytest.skip(f"cpu_attention did not build here: {cpu_attention.unavailable_reason()}")
+    calls, real = [], cpu_attention.varlen_attention
+    monkeypatch.setattr(cpu_attention, "varlen_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    # heads of 16 for ``lab`` (its vectors are 16 floats wide; 12-wide heads would run the fused kernel)
+    path = tiny_encoder(tmp_path / kind, minilm_path, kind, heads=3 if kernel == "lab" else 4)
     spec = read_folder(path)
     ours = BertModel.from_hf_config(spec.config).eval()
     ours.load_hf_state_dict(read_state_dict(spec))
@@ -46,6 +52,7 @@ def test_packed_forward_matches_transformers(tmp_path, minilm_path, kind, kernel
             assert cosine_rows(got[s : s + len(x)].numpy(), want.numpy()).min() >= 0.99999
             torch.testing.assert_close(got[s : s + len(x)], want, atol=2e-5, rtol=1e-4)
             s += len(x)
+    assert len(calls) == (2 if kernel == "lab" else 0)  # one call per layer
 
 
 def test_engine_on_roberta_uses_position_offset(tmp_path, minilm_path):

@@ -78,16 +78,37 @@ def compare_with_transformers(model, ref, lengths, *, causal: bool, what: str) -
             start += n
 
 
+def _with_kernel(model: DecoderModel, kernel: str, monkeypatch) -> list:
+    """Set the CPU ``attention_kernel`` choice in the plan; for ``lab``, count its calls (skip where it did not
+    build)."""
+    from lab.kernels import cpu_attention
+
+    model.plan["attention_kernel"] = kernel
+    calls, real = [], cpu_attention.varlen_attention
+    if kernel == "lab":
+        if not cpu_attention.available():
+            pytest.skip(f"cpu_attention did not build here: {cpu_attention.unavailable_reason()}")
+        monkeypatch.setattr(cpu_attention, "varlen_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "lab"])  # torch's fused kernel, prefill-lab's own (CPU choice)
 @pytest.mark.parametrize("kind", KINDS)
-def test_causal_matches_transformers(folders, kind):
+def test_causal_matches_transformers(folders, kind, kernel, monkeypatch):
     model = ours(folders[kind])
+    calls = _with_kernel(model, kernel, monkeypatch)
     assert model.default_causal and model.is_decoder
-    compare_with_transformers(model, theirs(folders[kind]), LENGTHS, causal=True, what=kind)
+    compare_with_transformers(model, theirs(folders[kind]), LENGTHS + [33, 70], causal=True, what=kind)
+    assert len(calls) == (len(model.layers) if kernel == "lab" else 0)
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "lab"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_bidirectional_matches_transformers(folders, kind):
-    compare_with_transformers(ours(folders[kind]), theirs(folders[kind]), LENGTHS, causal=False, what=kind)
+def test_bidirectional_matches_transformers(folders, kind, kernel, monkeypatch):
+    model = ours(folders[kind])
+    calls = _with_kernel(model, kernel, monkeypatch)
+    compare_with_transformers(model, theirs(folders[kind]), LENGTHS + [33, 70], causal=False, what=kind)
+    assert len(calls) == (len(model.layers) if kernel == "lab" else 0)
 
 
 def test_bidirectional_config_flag_matches_transformers_is_causal(folders):

@@ -78,3 +78,16 @@ def test_shadowing_module_stays_empty_without_the_library():
 def test_import_lab_is_light(tmp_path):
     out = _run("import sys, lab; print('torch' in sys.modules, 'transformers' in sys.modules)", tmp_path)
     assert out.split() == ["False", "False"]
+
+
+def test_wheel_carries_the_c_kernel_source(tmp_path):
+    """A regular (non-editable) install has ``cpu_attention.c`` beside its loader, or the kernel cannot build and
+    the probe silently never offers it."""
+    import zipfile
+
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = tmp_path.glob("prefill_lab-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "lab/kernels/cpu_attention.c" in names and "lab/kernels/cpu_attention.py" in names

@@ -78,7 +78,7 @@ class BertLayer(nn.Module):
                          for j in range(3))
         else:
             q, key, v = self.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)  # (T, H, D) each
-        a = attention(q, key, v, meta, self.index, matmul=self.plan.get("attention_kernel") == "matmul")
+        a = attention(q, key, v, meta, self.index, kernel=self.plan.get("attention_kernel", "sdpa"))
         x = k.add_layer_norm(self.attn_out(a.view(t, -1)), x, self.attn_norm.weight, self.attn_norm.bias, self.eps)
         return k.add_layer_norm(self._ffn(x), x, self.out_norm.weight, self.out_norm.bias, self.eps)
 
@@ -156,8 +156,8 @@ class BertModel(PackedModel):
     def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
         """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the FFN's
         up-projection), then q/k/v split vs stacked and the FFN in row blocks vs with a fused epilogue
-        (``BertLayer.forward``), on layer 0's weights, then attention in torch's fused kernel vs as three ops
-        (``attention_kernel``, ``lab.models.probes.attention_probe``)."""
+        (``BertLayer.forward``), on layer 0's weights, then the attention kernel: torch's fused one, three ops, or
+        prefill-lab's own (``attention_kernel``, ``lab.models.probes.attention_probe``)."""
         layer, t = self.layers[0], PROBE_ROWS
         x = torch.randn(t, self.hidden_size, dtype=dtype)
         probe = gemm_probe(x, layer.up.weight, layer.up.bias, threads)

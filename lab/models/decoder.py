@@ -25,7 +25,7 @@ from lab.batch import AttnMeta, OutputRows
 from lab.models.base import PackedModel
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.loading import KeyTracker, warn_unexpected
-from lab.models.probes import Probe, gemm_probe
+from lab.models.probes import Probe, attention_probe, gemm_probe
 from lab.models.rope import RopeSpec, RopeTables, pairs_order, pairs_rows, rope_from_config, rotate_qk_
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -172,7 +172,8 @@ class DecoderLayer(nn.Module):
         rotate_qk_(q, k, rope, q_rope, both, apply_halves=k_ops.apply_rotary)  # in place
         if only is None:
             block = CAUSAL_BLOCK if self.plan.get("causal_attention") == "blocks" else None
-            a = attention(q, k, v, meta, self.index, causal_block=block)  # (T, Hq, D)
+            a = attention(q, k, v, meta, self.index, causal_block=block,
+                          kernel=self.plan.get("attention_kernel", "sdpa"))  # (T, Hq, D)
         else:
             a = attention(q, k[only.rows], v[only.rows], only.step_meta(meta, self.index, k, v), self.index)
         h, residual = k_ops.add_rms_norm(self.o(a.reshape(tq, nq)), residual, self.ln_mlp, self.eps)
@@ -277,7 +278,9 @@ class DecoderModel(PackedModel):
         sequence of ``PROBE_ROWS`` tokens; on one AMD EPYC, one thread, blocks won 1.15-1.33x there, six probes in
         float32 and bfloat16. Two sequences of half that length, the earlier probe, gave 1.06-1.13x, and on one
         noisy run of three per dtype picked ``whole``: SmolLM2's 96-text bfloat16 benchmark then spent 1.6x the
-        thread time on attention it spent in float32, with blocks)."""
+        thread time on attention it spent in float32, with blocks), then that torch path vs prefill-lab's own kernel
+        (``attention_kernel``: ``sdpa`` or ``lab``, ``lab.models.probes.attention_probe``; never the three-op
+        ``matmul``, which rounds scores to bfloat16), on a causal step of mixed lengths."""
         layer = self.layers[0]
         x = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype)
         b = layer.gate_up.bias
@@ -298,6 +301,9 @@ class DecoderModel(PackedModel):
         yield Probe("causal_attention", (str(dtype), layer.hq, layer.hkv, layer.d),
                     {"whole": lambda: attention(q, k, v, meta, 0),
                      "blocks": lambda: attention(q, k, v, meta, 0, causal_block=CAUSAL_BLOCK)}, threads)
+        block = CAUSAL_BLOCK if self.plan.get("causal_attention") == "blocks" else None
+        yield attention_probe(dtype, layer.hq, layer.d, threads, kv_heads=layer.hkv, causal=True, causal_block=block,
+                              kernels=("sdpa", "lab"))
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMeta, *, last: bool) -> torch.Tensor:
         """The final RMSNorm after the last block (transformers' ``last_hidden_state``); below it, the residual

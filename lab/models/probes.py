@@ -174,22 +174,33 @@ def bf16_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 ATTENTION_PROBE_LENGTHS = (224, 64, 64, 24, 24, 24, 24) + (8,) * 8
 
 
-def attention_probe(dtype: torch.dtype, heads: int, d: int, threads: int) -> Probe:
-    """Bidirectional attention in torch's fused kernel (``sdpa``, the default) against scores, softmax and weighted
-    sum as three ops (``matmul``: ``lab.kernels.reference._matmul_attention``) on one step of
-    ``ATTENTION_PROBE_LENGTHS``, through ``lab.attention.attention`` as a layer calls it.
+def attention_probe(dtype: torch.dtype, heads: int, d: int, threads: int, *, kv_heads: int | None = None,
+                    causal: bool = False, causal_block: int | None = None,
+                    kernels: tuple[str, ...] = ("sdpa", "matmul", "lab")) -> Probe:
+    """The attention kernel (``lab.attention.KERNELS``) on one step of ``ATTENTION_PROBE_LENGTHS``, through
+    ``lab.attention.attention`` as a layer calls it: torch's fused kernel (``sdpa``, the default), scores, softmax
+    and weighted sum as three ops (``matmul``: ``lab.kernels.reference._matmul_attention``), prefill-lab's own CPU
+    kernel (``lab``: ``lab.kernels.cpu_attention``, offered where it built on this machine and takes the shapes).
 
-    Encoders only. ``matmul`` rounds the scores to the inputs' dtype, and decoder LLMs' attention logits are large
-    and sharp: SmolLM2 bidirectional in bfloat16, 48 mixed texts, the worst embedding's cosine to the float32 engine
-    fell from 0.981 (fused kernel) to 0.939 (``matmul``), while MiniLM's stayed within ~1e-5 of the fused kernel's.
-    A probe times speed only, so a path that changes results this much is not offered to it."""
+    ``matmul`` is for encoders only: it rounds the scores to the inputs' dtype, and decoder LLMs' attention logits
+    are large and sharp (SmolLM2 bidirectional in bfloat16, 48 mixed texts: the worst embedding's cosine to the
+    float32 engine fell from 0.981 with the fused kernel to 0.939, while MiniLM's stayed within ~1e-5). A probe
+    times speed only, so decoders pass ``kernels=("sdpa", "lab")``: ``lab`` keeps float32 scores (exact sums of
+    exact products, bfloat16 inputs included) and rounds only the softmax weights, as the fused kernel does.
+    ``causal_block``: the torch path's query blocks for long causal sequences (a decoder's ``causal_attention``
+    choice), used by ``sdpa`` and ``matmul`` here as in the layer."""
     from lab.attention import attention
     from lab.batch import AttnMeta
+    from lab.kernels import cpu_attention
 
-    meta = AttnMeta.from_lengths(list(ATTENTION_PROBE_LENGTHS), causal=False)
-    q, k, v = (torch.randn(meta.num_tokens, heads, d, dtype=dtype) for _ in range(3))
+    kv_heads = kv_heads or heads
+    meta = AttnMeta.from_lengths(list(ATTENTION_PROBE_LENGTHS), causal=causal)
+    q = torch.randn(meta.num_tokens, heads, d, dtype=dtype)
+    k, v = (torch.randn(meta.num_tokens, kv_heads, d, dtype=dtype) for _ in range(2))
+    if "lab" in kernels and not (cpu_attention.supports(q, k) and cpu_attention.available()):
+        kernels = tuple(c for c in kernels if c != "lab")
     return Probe(
-        "attention_kernel", (str(dtype), heads, d),
-        {m: (lambda m=m: attention(q, k, v, meta, 0, matmul=m == "matmul")) for m in ("sdpa", "matmul")},
+        "attention_kernel", (str(dtype), heads, kv_heads, d, "causal" if causal else "bidirectional", causal_block or 0),
+        {m: (lambda m=m: attention(q, k, v, meta, 0, causal_block=causal_block, kernel=m)) for m in kernels},
         threads,
     )
