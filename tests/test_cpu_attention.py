@@ -11,6 +11,7 @@ import pytest
 import torch
 from lab.kernels import cpu_attention
 from lab.kernels.reference import varlen_attention, varlen_attention_naive
+
 from lab.models.probes import cpu_info
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from lab.kernels import cpu_attention
 
 from lab.attention import KERNELS
-from lab.kernels import cpu_attention
 from lab.models.fused import ACTIVATIONS, activation_inplace, fusable, linear, linear_act, row_blocks
 
 
