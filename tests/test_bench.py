@@ -286,3 +286,23 @@ def test_decoder_benchmark_profile_sees_the_cpu_workers(tmp_path):
     groups, table = bench_decoder.profile_call(lambda: eng.embed(texts), "cpu")
     assert groups["gemm"] > 0 and groups["attention"] > 0, groups
     assert "scaled_dot_product" in table
+
+
+def test_attention_benchmark_times_every_kernel_at_both_models_shapes(tmp_path):
+    """evals/bench_attention.py: one row per model, dtype, length and kernel offered (``matmul`` for the encoder
+    only, ``lab`` where it built), times relative to ``sdpa`` in the same round, the CPU recorded; files written."""
+    from lab.kernels import cpu_attention
+
+    from lab._repo import import_evals
+
+    bench_attention = import_evals("bench_attention")
+    df = bench_attention.run([5, 16], ["float32", "bfloat16"], tokens=40, rounds=2)
+    own = ["lab"] if cpu_attention.available() else []
+    for model, kernels in (("all-MiniLM-L6-v2", ["sdpa", "matmul", *own]), ("SmolLM2-135M", ["sdpa", *own])):
+        g = df[df.model == model]
+        assert len(g) == 4 * len(kernels) and set(g.kernel) == set(kernels)
+    assert (df[df.kernel == "sdpa"].time_vs_sdpa == 1).all() and (df.gflops > 0).all()
+    assert df.sequences.tolist()[0] == 8 and df.cpu_model.notna().all()
+    bench_attention.main(["--lengths", "7", "--dtypes", "float32", "--tokens", "14", "--rounds", "1",
+                          "--out", str(tmp_path)])
+    assert (tmp_path / "bench_attention.csv").exists() and (tmp_path / "bench_attention.png").exists()
