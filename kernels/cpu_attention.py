@@ -2,7 +2,8 @@
 ctypes: varlen, bidirectional or causal, grouped-query heads, float32 or bfloat16 in, float32 arithmetic.
 
 torch's fused CPU kernel runs MiniLM's 32-wide heads at well under its GEMM rate; this one stages each sequence's
-Q, K^T and V once and computes exact softmax rows over blocks of four queries in registers. It is one candidate of
+K^T and V once and computes exact softmax rows over blocks of 8 queries (4 without AVX-512) with the block's scores
+accumulated in registers. It is one candidate of
 the ``attention_kernel`` probe (``lab.models.probes``), never a default chosen by CPU flags: where it is slower, or
 cannot be built (no C compiler), the probe does not pick it.
 
