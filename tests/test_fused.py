@@ -119,7 +119,7 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
         assert lab_kernel.cpu_paths["attention_kernel"] == "lab"
         np.testing.assert_allclose(lab_kernel.embed(["a probe", "another text, longer than the first one"]), base,
                                    atol=2e-6)
-        assert len(own) == 6
+        assert own and len(own) % 6 == 0  # six layers, once per step of each worker
     monkeypatch.setenv("LAB_CPU_BERT_QKV", "sideways")
     monkeypatch.setattr(probes, "_DECIDED", {})
     with pytest.raises(ValueError, match="LAB_CPU_BERT_QKV='sideways'.*valid: split, stacked or auto|valid"):
