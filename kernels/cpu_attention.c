@@ -95,6 +95,38 @@ static inline float load(int bf16, const void *p, int64_t at) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[at]) : ((const float *)p)[at];
 }
 
+/* out (R x cols, row stride os) = diag(scale) A B: A (R x n, row stride as), B (n x cols, row stride bs), cols a
+ * multiple of W. The block's two products: the scores (A = Q, B = K^T) and the weighted sum (A = weights, B = V).
+ * Two vectors of columns at a time (2R accumulators in registers), one for an odd last vector. */
+static inline __attribute__((always_inline)) void rows_times(const float *A, int64_t as, const float *B, int64_t bs,
+                                                             int n, int cols, const float *scale, float *out,
+                                                             int64_t os) {
+    for (int x = 0; x < cols; x += 2 * W) {
+        if (x + W < cols) {
+            v16 a[R][2] = {{{0}}};
+            for (int k = 0; k < n; k++) {
+                v16 b0 = ld(B + k * bs + x), b1 = ld(B + k * bs + x + W);
+                for (int r = 0; r < R; r++) {
+                    v16 ab = bc(A[r * as + k]);
+                    a[r][0] += ab * b0;
+                    a[r][1] += ab * b1;
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                st(out + r * os + x, a[r][0] * scale[r]);
+                st(out + r * os + x + W, a[r][1] * scale[r]);
+            }
+        } else {
+            v16 a[R] = {{0}};
+            for (int k = 0; k < n; k++) {
+                v16 b0 = ld(B + k * bs + x);
+                for (int r = 0; r < R; r++) a[r] += bc(A[r * as + k]) * b0;
+            }
+            for (int r = 0; r < R; r++) st(out + r * os + x, a[r] * scale[r]);
+        }
+    }
+}
+
 /* The second half of a block: S (R x Lp) holds the block's scores (times log2 e) over its kp keys; turn each row
  * into softmax weights over its visible keys (all kmax, or up to the row when causal) and write the weighted sum of
  * V's rows (row stride vr) to O (R x D). */
@@ -116,30 +148,7 @@ static inline __attribute__((always_inline)) void softmax_and_weighted_sum(const
         }
         inv[r] = 1.0f / hsum(sum);
     }
-    for (int cc = 0; cc < D; cc += 2 * W) {
-        if (cc + W < D) {
-            v16 a[R][2] = {{{0}}};
-            for (int j = 0; j < kmax; j++) {
-                v16 v0 = ld(V + j * vr + cc), v1 = ld(V + j * vr + cc + W);
-                for (int r = 0; r < R; r++) {
-                    v16 p = bc(S[r * Lp + j]);
-                    a[r][0] += p * v0;
-                    a[r][1] += p * v1;
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                st(O + r * D + cc, a[r][0] * inv[r]);
-                st(O + r * D + cc + W, a[r][1] * inv[r]);
-            }
-        } else {
-            v16 a[R] = {{0}};
-            for (int j = 0; j < kmax; j++) {
-                v16 v0 = ld(V + j * vr + cc);
-                for (int r = 0; r < R; r++) a[r] += bc(S[r * Lp + j]) * v0;
-            }
-            for (int r = 0; r < R; r++) st(O + r * D + cc, a[r] * inv[r]);
-        }
-    }
+    rows_times(S, Lp, V, vr, kmax, D, inv, O, D);
 }
 
 /* One block of R query rows of one head: Kt (D x Lp), V (keys x D, row stride vr), Q (R x D, row stride qr), S
@@ -150,30 +159,9 @@ static inline __attribute__((always_inline)) void block(const float *Kt, const f
                                                         int i0, int causal, float c) {
     int kmax = causal ? (i0 + R < L ? i0 + R : L) : L; /* keys any row of the block sees */
     int kp = (kmax + W - 1) / W * W;
-    for (int j = 0; j < kp; j += 2 * W) {
-        if (j + W < kp) {
-            v16 a[R][2] = {{{0}}};
-            for (int d = 0; d < D; d++) {
-                v16 k0 = ld(Kt + d * Lp + j), k1 = ld(Kt + d * Lp + j + W);
-                for (int r = 0; r < R; r++) {
-                    v16 qb = bc(Q[r * qr + d]);
-                    a[r][0] += qb * k0;
-                    a[r][1] += qb * k1;
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                st(S + r * Lp + j, a[r][0] * c);
-                st(S + r * Lp + j + W, a[r][1] * c);
-            }
-        } else {
-            v16 a[R] = {{0}};
-            for (int d = 0; d < D; d++) {
-                v16 k0 = ld(Kt + d * Lp + j);
-                for (int r = 0; r < R; r++) a[r] += bc(Q[r * qr + d]) * k0;
-            }
-            for (int r = 0; r < R; r++) st(S + r * Lp + j, a[r] * c);
-        }
-    }
+    float cs[R];
+    for (int r = 0; r < R; r++) cs[r] = c;
+    rows_times(Q, qr, Kt, Lp, D, kp, cs, S, Lp);
     softmax_and_weighted_sum(V, vr, S, O, Lp, D, i0, causal, kmax, kp);
 }
 
