@@ -169,20 +169,16 @@ def attention_seconds(lengths: list[int], heads: int, head_dim: int, *, dtype: t
     CPU kernels (``kernel``, an engine's ``attention_kernel``: ``sdpa``, torch's fused kernel; ``matmul``, the three-op
     path of ``lab.kernels.reference.varlen_attention``; ``lab``, ``lab.kernels.cpu_attention``, one thread) on
     ``threads`` intra-op threads (default: the current count; an engine's CPU worker runs with
-    ``torch.get_num_threads() // workers``).
+    ``torch.get_num_threads() // workers``), called through ``lab.attention.attention`` as a layer calls it.
 
     Per distinct length, a packed run of ``min(count, run_cap)`` random sequences of that length (the runs the
     length-sorted scheduler forms) is timed, best of ``repeats`` after one untimed call, and scaled to the count.
     Measured length by length because the kernel's rate is far from smooth in the length: on one AMD EPYC, one
     thread, float32, a 16-token sequence took less time than a 15-token one.
     """
-    from lab.attention import KERNELS, MATMUL_SCORES
-    from lab.kernels import cpu_attention
-    from lab.kernels.reference import varlen_attention
+    from lab.attention import attention
+    from lab.batch import AttnMeta
 
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}; valid: {', '.join(KERNELS)}")
-    scores = MATMUL_SCORES if kernel == "matmul" else None
     counts: dict[int, int] = {}
     for n in lengths:
         if n < 1:
@@ -196,14 +192,10 @@ def attention_seconds(lengths: list[int], heads: int, head_dim: int, *, dtype: t
             for length, count in sorted(counts.items()):
                 n = min(count, run_cap)
                 q, k, v = (torch.randn(n * length, heads, head_dim, dtype=dtype) for _ in range(3))
-                cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32)
+                meta = AttnMeta.from_lengths([length] * n, causal=False)
 
-                def run(q=q, k=k, v=v, cu=cu, length=length, n=n):
-                    if kernel == "lab":
-                        cpu_attention.varlen_attention(q, k, v, cu, causal=False)
-                    else:
-                        varlen_attention(q, k, v, cu, length, causal=False, seqlens=[length] * n,
-                                         matmul_scores=scores)
+                def run(q=q, k=k, v=v, meta=meta):
+                    attention(q, k, v, meta, 0, kernel=kernel)
 
                 run()
                 total += min(_time(run, repeats)) * count / n

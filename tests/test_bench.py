@@ -226,18 +226,19 @@ def test_attention_seconds_times_each_length_once_and_scales_by_count(monkeypatc
     """lab.bench.attention_seconds times one packed run per distinct length (at most ``run_cap`` sequences, laid out
     as the engine packs them), keeps the best timing and scales it to that length's count; threads are restored; with
     ``kernel`` it times the three-op path or prefill-lab's own kernel."""
-    from lab.kernels import cpu_attention, reference
+    from lab.kernels import cpu_attention
 
-    from lab import bench
+    from lab import attention, bench
     from lab.attention import MATMUL_SCORES
 
     calls = []
 
-    def fake_attention(q, k, v, cu, max_seqlen, *, causal, seqlens, matmul_scores):
+    def fake_attention(q, k, v, cu, max_seqlen, *, causal, seqlens, matmul_scores=None):
         calls.append((tuple(q.shape), cu.tolist(), max_seqlen, causal, list(seqlens), matmul_scores))
         return q
 
-    monkeypatch.setattr(reference, "varlen_attention", fake_attention)
+    # the torch kernels as ``lab.attention.attention`` dispatches to them (what a layer calls)
+    monkeypatch.setattr(attention._TORCH_OPS, "varlen_attention", fake_attention)
     monkeypatch.setattr(bench, "_time", lambda fn, repeats: [fn(), 0.5, 0.2][1:])  # best of these: 0.2 s
     threads = torch.get_num_threads()
     lengths = [7, 1, 7, 30, 7, 7, 7]  # shuffled; run_cap 3 -> the five 7-token sequences run as 3
@@ -253,6 +254,7 @@ def test_attention_seconds_times_each_length_once_and_scales_by_count(monkeypatc
     calls.clear()  # and prefill-lab's own kernel (``lab``)
     own = []
     monkeypatch.setattr(cpu_attention, "varlen_attention", lambda q, k, v, cu, causal: own.append((q.shape, causal)))
+    monkeypatch.setattr(cpu_attention, "available", lambda: True)  # the fake runs even where the C kernel cannot
     bench.attention_seconds([5, 5, 3], heads=2, head_dim=16, threads=1, kernel="lab")
     assert not calls and own == [((3, 2, 16), False)] * 2 + [((10, 2, 16), False)] * 2
     with pytest.raises(ValueError, match="unknown attention kernel 'fast'"):
