@@ -92,6 +92,8 @@ def build(cc: str | None = None, arch: list[str] | None = None, directory: Path 
 
 def _load() -> ctypes.CDLL | None:
     global _LIB, _REASON
+    if _LIB is not None:  # every layer of every step asks: no lock once loaded
+        return _LIB
     with _LOCK:
         if _LIB is not None or _REASON is not None:
             return _LIB
