@@ -171,8 +171,8 @@ static inline __attribute__((always_inline)) void block(const float *Kt, const f
 /* The same block on bfloat16 inputs, its scores by the CPU's bfloat16 dot products (vdpbf16ps: two exact products
  * per float32 lane, float32 sums): Q (R x D, read in place) and K as pairs along d (D/2 x Lp x 2). The softmax and
  * the weighted sum stay in float32 (V widened while staging): with the weights rounded to bfloat16 for a second
- * vdpbf16ps product, SmolLM2's bidirectional bfloat16 embeddings of 48 mixed texts fell to a worst cosine of
- * 0.971 against the float32 engine, against 0.981-0.982 with float32 weights (and with torch's fused kernel). */
+ * vdpbf16ps product, the median cosine of SmolLM2's bidirectional bfloat16 embeddings of 48 mixed texts to the
+ * float32 engine's was 0.999921, against 0.999933 with float32 weights (torch's fused kernel 0.999942). */
 static inline int32_t pair(const uint16_t *p) {
     int32_t x;
     memcpy(&x, p, 4);
