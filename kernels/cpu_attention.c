@@ -5,16 +5,19 @@
  * (all of them, or those up to itself when causal). Grouped-query heads share a key/value head. Inputs float32 or
  * bfloat16, output in the inputs' dtype (bfloat16 rounds to nearest even); scores and sums in float32.
  *
- * Per sequence, K and V are staged once for all heads, token by token (a token's heads lie together in the packed
- * tensors, so the reads stream): K transposed (head, d, token), V (head, token, d), keys padded to a multiple of
- * the vector width with zeros. Queries are read in place. Then per head, per block of R query rows: the block's
- * scores (R rows x keys, keys across vector lanes, 2R accumulators in registers), an exact softmax per row (max,
- * exp2, sum), and the weighted sum of V, normalised at the end.
+ * Per sequence, K and V are staged once per key/value head: K transposed (head, d, token), V (head, token, d), keys
+ * padded to a multiple of the vector width with zeros; with AVX-512, K is transposed 16 tokens x 16 words at a time
+ * in registers. Queries are read in place. Then per head, per block of R query rows: the block's scores (R rows x
+ * keys, keys across vector lanes, 2R accumulators in registers), masked (padding, the future when causal) and their
+ * row maxima kept as they are stored, an exact softmax per row (exp2, sum), and the weighted sum of V, normalised at
+ * the end. On one AMD EPYC (family 26, one thread, MiniLM's 12 heads of 32, 8192 tokens) staging element by element
+ * and a separate max pass with generic-vector horizontal reductions had cost 1.5x (bfloat16) to 1.75x (float32) at
+ * 256-token sequences and 2-3x at 14 tokens.
  *
  * bfloat16 on a CPU with AVX512-BF16 (known at compile time: the build is for this machine) uses its dot products
- * (vdpbf16ps: two exact products per float32 lane, float32 sums), K and V staged as bfloat16 pairs; elsewhere
- * bfloat16 widens to float32 while staging. The vector type is GCC's generic one (16 floats): AVX-512 where the
- * CPU has it, AVX2 halves or scalar code elsewhere.
+ * (vdpbf16ps: two exact products per float32 lane, float32 sums), K staged as bfloat16 pairs along d, V widened;
+ * elsewhere bfloat16 widens to float32 while staging. The vector type is GCC's generic one (16 floats): AVX-512
+ * where the CPU has it, AVX2 halves or scalar code elsewhere.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,6 +33,10 @@
 #endif
 #endif
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
@@ -38,6 +45,26 @@ static inline v16 ld(const float *p) { return *(const v16u *)p; }
 static inline void st(float *p, v16 x) { *(v16u *)p = x; }
 static inline v16 bc(float x) { return (v16){0} + x; }
 static inline v16 vsel(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
+#ifdef __AVX512F__
+static inline v16 vmax(v16 a, v16 b) { return (v16)_mm512_max_ps((__m512)a, (__m512)b); }
+static inline float hmax(v16 x) { return _mm512_reduce_max_ps((__m512)x); }
+static inline float hsum(v16 x) { return _mm512_reduce_add_ps((__m512)x); }
+
+/* 2^x for x <= 0: x = n + f (n the nearest integer), 2^f by its Taylor series in f to degree 6 (relative error
+ * < 1.3e-7 for |f| <= 1/2), scaled by 2^n in one instruction (0 far below the float range). */
+static inline v16 exp2v(v16 x) {
+    __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v16 f = x - (v16)n;
+    v16 p = bc(1.5403530393381606e-4f); /* ln(2)^k / k!, k = 6 .. 0 */
+    p = p * f + 1.3333558146428441e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    p = p * f + 1.0f;
+    return (v16)_mm512_scalef_ps((__m512)p, n);
+}
+#else
 static inline v16 vmax(v16 a, v16 b) { return vsel(a > b, a, b); }
 
 static inline float hmax(v16 x) {
@@ -56,25 +83,25 @@ static inline float hsum(v16 x) {
     return x[0];
 }
 
-/* 2^x for x <= 0: x = n + f (n integer, |f| <= 1/2), 2^f = e^(f ln 2) by its Taylor series to degree 7 (relative
- * error < 2e-7), then n added to the exponent bits. Below -126 the result is 0 (no subnormals). */
+/* 2^x for x <= 0: x = n + f (n integer, |f| <= 1/2), 2^f by its Taylor series in f to degree 6 (relative error
+ * < 1.3e-7), then n added to the exponent bits. Below -126 the result is 0 (no subnormals). */
 static inline v16 exp2v(v16 x) {
     v16i tiny = x < -126.0f;
     x = vsel(tiny, bc(-126.0f), x);
     const v16 magic = bc(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits */
     v16 t = x + magic;
     v16i n = (v16i)t - (v16i)magic;
-    v16 y = (x - (t - magic)) * 0.6931471805599453f;
-    v16 p = bc(1.0f / 5040);
-    p = p * y + 1.0f / 720;
-    p = p * y + 1.0f / 120;
-    p = p * y + 1.0f / 24;
-    p = p * y + 1.0f / 6;
-    p = p * y + 0.5f;
-    p = p * y + 1.0f;
-    p = p * y + 1.0f;
+    v16 f = x - (t - magic);
+    v16 p = bc(1.5403530393381606e-4f); /* ln(2)^k / k!, k = 6 .. 0 */
+    p = p * f + 1.3333558146428441e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    p = p * f + 1.0f;
     return (v16)(((v16i)p + (n << 23)) & ~tiny);
 }
+#endif
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t b = (uint32_t)h << 16;
@@ -91,16 +118,26 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(b >> 16);
 }
 
-static inline float load(int bf16, const void *p, int64_t at) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[at]) : ((const float *)p)[at];
+/* Store y, one vector of row r's results at column x. A score row (nvis: the keys each row sees) also gets -1e30 for
+ * keys it does not see (padding, the future when causal: x + lane >= nvis[r]) and its running maximum in mx[r]. */
+static inline __attribute__((always_inline)) void put(float *p, v16 y, int x, int r, const int *nvis, v16 *mx) {
+    if (nvis) {
+        if (x + W > nvis[r]) {
+            const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            y = vsel(lane + x < (v16i){0} + nvis[r], y, bc(-1.0e30f));
+        }
+        mx[r] = vmax(mx[r], y);
+    }
+    st(p, y);
 }
 
 /* out (R x cols, row stride os) = diag(scale) A B: A (R x n, row stride as), B (n x cols, row stride bs), cols a
- * multiple of W. The block's two products: the scores (A = Q, B = K^T) and the weighted sum (A = weights, B = V).
- * Two vectors of columns at a time (2R accumulators in registers), one for an odd last vector. */
+ * multiple of W. The block's two products: the scores (A = Q, B = K^T; nvis and mx as in put) and the weighted sum
+ * (A = weights, B = V; nvis NULL). Two vectors of columns at a time (2R accumulators in registers), one for an odd
+ * last vector. */
 static inline __attribute__((always_inline)) void rows_times(const float *A, int64_t as, const float *B, int64_t bs,
                                                              int n, int cols, const float *scale, float *out,
-                                                             int64_t os) {
+                                                             int64_t os, const int *nvis, v16 *mx) {
     for (int x = 0; x < cols; x += 2 * W) {
         if (x + W < cols) {
             v16 a[R][2] = {{{0}}};
@@ -113,8 +150,8 @@ static inline __attribute__((always_inline)) void rows_times(const float *A, int
                 }
             }
             for (int r = 0; r < R; r++) {
-                st(out + r * os + x, a[r][0] * scale[r]);
-                st(out + r * os + x + W, a[r][1] * scale[r]);
+                put(out + r * os + x, a[r][0] * scale[r], x, r, nvis, mx);
+                put(out + r * os + x + W, a[r][1] * scale[r], x + W, r, nvis, mx);
             }
         } else {
             v16 a[R] = {{0}};
@@ -122,33 +159,38 @@ static inline __attribute__((always_inline)) void rows_times(const float *A, int
                 v16 b0 = ld(B + k * bs + x);
                 for (int r = 0; r < R; r++) a[r] += bc(A[r * as + k]) * b0;
             }
-            for (int r = 0; r < R; r++) st(out + r * os + x, a[r] * scale[r]);
+            for (int r = 0; r < R; r++) put(out + r * os + x, a[r] * scale[r], x, r, nvis, mx);
         }
     }
 }
 
-/* The second half of a block: S (R x Lp) holds the block's scores (times log2 e) over its kp keys; turn each row
- * into softmax weights over its visible keys (all kmax, or up to the row when causal) and write the weighted sum of
- * V's rows (row stride vr) to O (R x D). */
+/* The keys each row of the block starting at query i0 sees (all kmax, or up to itself when causal), and the
+ * running maxima of its scores, at -1e30. */
+static inline __attribute__((always_inline)) void visible(int *nvis, v16 *mx, int i0, int causal, int kmax) {
+    for (int r = 0; r < R; r++) {
+        nvis[r] = causal && i0 + r + 1 < kmax ? i0 + r + 1 : kmax;
+        mx[r] = bc(-1.0e30f);
+    }
+}
+
+/* The second half of a block: S (R x Lp) holds the block's scores (times log2 e) over its kp keys, -1e30 where a
+ * row does not see the key, with each row's maximum in mx; turn each row into softmax weights and write the
+ * weighted sum of V's rows (row stride vr) to O (R x D). */
 static inline __attribute__((always_inline)) void softmax_and_weighted_sum(const float *V, int64_t vr, float *S,
-                                                                           float *O, int64_t Lp, int D, int i0,
-                                                                           int causal, int kmax, int kp) {
+                                                                           float *O, int64_t Lp, int D, int kmax,
+                                                                           int kp, const v16 *mx) {
     float inv[R];
     for (int r = 0; r < R; r++) {
-        int n = causal && i0 + r + 1 < kmax ? i0 + r + 1 : kmax;
         float *s = S + r * Lp;
-        for (int j = n; j < kp; j++) s[j] = -1.0e30f; /* padding and (causal) future keys */
-        v16 m = ld(s);
-        for (int j = W; j < kp; j += W) m = vmax(m, ld(s + j));
-        v16 mx = bc(hmax(m)), sum = {0};
+        v16 m = bc(hmax(mx[r])), sum = {0};
         for (int j = 0; j < kp; j += W) {
-            v16 e = exp2v(ld(s + j) - mx);
+            v16 e = exp2v(ld(s + j) - m);
             st(s + j, e);
             sum += e;
         }
         inv[r] = 1.0f / hsum(sum);
     }
-    rows_times(S, Lp, V, vr, kmax, D, inv, O, D);
+    rows_times(S, Lp, V, vr, kmax, D, inv, O, D, NULL, NULL);
 }
 
 /* One block of R query rows of one head: Kt (D x Lp), V (keys x D, row stride vr), Q (R x D, row stride qr), S
@@ -160,19 +202,115 @@ static inline __attribute__((always_inline)) void block(const float *Kt, const f
     int kmax = causal ? (i0 + R < L ? i0 + R : L) : L; /* keys any row of the block sees */
     int kp = (kmax + W - 1) / W * W;
     float cs[R];
+    int nvis[R];
+    v16 mx[R];
     for (int r = 0; r < R; r++) cs[r] = c;
-    rows_times(Q, qr, Kt, Lp, D, kp, cs, S, Lp);
-    softmax_and_weighted_sum(V, vr, S, O, Lp, D, i0, causal, kmax, kp);
+    visible(nvis, mx, i0, causal, kmax);
+    rows_times(Q, qr, Kt, Lp, D, kp, cs, S, Lp, nvis, mx);
+    softmax_and_weighted_sum(V, vr, S, O, Lp, D, kmax, kp, mx);
+}
+
+/* Staging. A head's keys transposed: dst[w * Lp + t] = 32-bit word w of token t's row (rows `rs` bytes apart,
+ * `words` words each; a word is a float32, a bfloat16 widened to float32 when `widen`, or a pair of bfloat16), zeros
+ * for the padding tokens L <= t < Lp. With AVX-512, 16 tokens x 16 words at a time, transposed in registers (at 14
+ * tokens a sequence, staging one element at a time took ~4x the block's arithmetic). */
+#ifdef __AVX512F__
+static inline void transpose16(__m512i r[16]) { /* r[i] word j -> r[j] word i */
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* r[i + p], 128-bit lane l: word 4l + p of rows i..i+3 */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int p = 0; p < 4; p++) { /* a 4 x 4 transpose of 128-bit lanes */
+        __m512i x0 = _mm512_shuffle_i32x4(r[p], r[4 + p], 0x88), x1 = _mm512_shuffle_i32x4(r[p], r[4 + p], 0xdd);
+        __m512i y0 = _mm512_shuffle_i32x4(r[8 + p], r[12 + p], 0x88);
+        __m512i y1 = _mm512_shuffle_i32x4(r[8 + p], r[12 + p], 0xdd);
+        t[p] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+        t[4 + p] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+        t[8 + p] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+        t[12 + p] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+#endif
+
+static inline uint32_t word(const char *row, int w, int widen) {
+    uint32_t x = 0;
+    if (widen) {
+        uint16_t h;
+        memcpy(&h, row + 2 * w, 2);
+        x = (uint32_t)h << 16;
+    } else {
+        memcpy(&x, row + 4 * w, 4);
+    }
+    return x;
+}
+
+static void stage_transposed(const char *src, int64_t rs, int words, int L, int64_t Lp, int widen, uint32_t *dst) {
+    int w0 = 0;
+#ifdef __AVX512F__
+    for (; w0 + 16 <= words; w0 += 16)
+        for (int t = 0; t < Lp; t += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                const char *row = src + (t + i) * rs;
+                if (t + i >= L)
+                    r[i] = _mm512_setzero_si512();
+                else if (widen)
+                    r[i] = _mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(row + 2 * w0))), 16);
+                else
+                    r[i] = _mm512_loadu_si512(row + 4 * w0);
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(dst + (w0 + j) * Lp + t, r[j]);
+        }
+#endif
+    for (int w = w0; w < words; w++)
+        for (int64_t t = 0; t < Lp; t++) dst[w * Lp + t] = t < L ? word(src + t * rs, w, widen) : 0;
+}
+
+/* A head's values (or queries) as rows: dst[t * n + d] = element d of token t as float32 (widened from bfloat16
+ * when `bf16`), zeros for L <= t < Lp. */
+static void stage_rows(const char *src, int64_t rs, int n, int L, int64_t Lp, int bf16, float *dst) {
+    for (int t = 0; t < L; t++) {
+        if (bf16) {
+            const uint16_t *row = (const uint16_t *)(src + t * rs);
+            for (int d = 0; d < n; d++) dst[t * n + d] = bf16_to_f32(row[d]);
+        } else {
+            memcpy(dst + t * n, src + t * rs, (size_t)n * 4);
+        }
+    }
+    memset(dst + (int64_t)L * n, 0, (size_t)(Lp - L) * n * 4);
+}
+
+/* n floats rounded to bfloat16 (nearest even; NaN stays NaN). */
+static inline void store_bf16(uint16_t *dst, const float *src, int n) {
+    int d = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    for (; d + 16 <= n; d += 16)
+        _mm256_storeu_si256((void *)(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d)));
+#endif
+    for (; d < n; d++) dst[d] = f32_to_bf16(src[d]);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
 #define NATIVE_BF16 1
 /* The same block on bfloat16 inputs, its scores by the CPU's bfloat16 dot products (vdpbf16ps: two exact products
  * per float32 lane, float32 sums): Q (R x D, read in place) and K as pairs along d (D/2 x Lp x 2). The softmax and
  * the weighted sum stay in float32 (V widened while staging): with the weights rounded to bfloat16 for a second
  * vdpbf16ps product, the median cosine of SmolLM2's bidirectional bfloat16 embeddings of 48 mixed texts to the
- * float32 engine's was 0.999921, against 0.999933 with float32 weights (torch's fused kernel 0.999942). */
+ * float32 engine's was 0.999921, against 0.999933 with float32 weights (torch's fused kernel 0.999942). Tried
+ * again with this version's staging and softmax (V as bfloat16 pairs along keys): 21-26 % less kernel time at 256
+ * tokens, but SmolLM2's bfloat16 embeddings of 96 mixed texts came only 1.5-3 % faster end to end and further from
+ * the float32 engine's (worst cosine 0.99950 / 0.99662 against 0.99956 / 0.99757, mean / lasttoken pooling), and
+ * MiniLM's mixed corpus 2 %: not kept. */
 static inline int32_t pair(const uint16_t *p) {
     int32_t x;
     memcpy(&x, p, 4);
@@ -184,6 +322,9 @@ static inline __attribute__((always_inline)) void block_bf16(const uint16_t *Kp,
                                                              int i0, int causal, float c) {
     int kmax = causal ? (i0 + R < L ? i0 + R : L) : L;
     int kp = (kmax + W - 1) / W * W;
+    int nvis[R];
+    v16 mx[R];
+    visible(nvis, mx, i0, causal, kmax);
     for (int j = 0; j < kp; j += 2 * W) {
         int two = j + W < kp;
         __m512 a[R][2];
@@ -198,11 +339,11 @@ static inline __attribute__((always_inline)) void block_bf16(const uint16_t *Kp,
             }
         }
         for (int r = 0; r < R; r++) {
-            st(S + r * Lp + j, (v16)a[r][0] * c);
-            if (two) st(S + r * Lp + j + W, (v16)a[r][1] * c);
+            put(S + r * Lp + j, (v16)a[r][0] * c, j, r, nvis, mx);
+            if (two) put(S + r * Lp + j + W, (v16)a[r][1] * c, j + W, r, nvis, mx);
         }
     }
-    softmax_and_weighted_sum(V, D, S, O, Lp, D, i0, causal, kmax, kp);
+    softmax_and_weighted_sum(V, D, S, O, Lp, D, kmax, kp, mx);
 }
 #else
 #define NATIVE_BF16 0
@@ -245,13 +386,12 @@ int lab_varlen_attention(int bf16, const void *q, int64_t qs0, int64_t qs1, cons
             /* K as bfloat16 pairs along d (h, d/2, t, 2), V widened (h, t, d); Q read in place */
             float *Vw = rest;
             uint16_t *Kp = (uint16_t *)(Vw + hkv * Lp * D);
-            const uint16_t *qh = q, *kh = k, *vh = v;
-            for (int64_t t = 0; t < Lp; t++)
-                for (int h = 0; h < hkv; h++)
-                    for (int d = 0; d < D; d++) {
-                        Kp[((h * D / 2 + d / 2) * Lp + t) * 2 + (d & 1)] = t < L ? kh[(t0 + t) * ks0 + h * ks1 + d] : 0;
-                        Vw[(h * Lp + t) * D + d] = t < L ? bf16_to_f32(vh[(t0 + t) * vs0 + h * vs1 + d]) : 0.0f;
-                    }
+            const uint16_t *qh = q;
+            for (int h = 0; h < hkv; h++) {
+                stage_transposed((const char *)k + (t0 * ks0 + h * ks1) * 2, ks0 * 2, D / 2, L, Lp, 0,
+                                 (uint32_t *)Kp + h * (D / 2) * Lp);
+                stage_rows((const char *)v + (t0 * vs0 + h * vs1) * 2, vs0 * 2, D, L, Lp, 1, Vw + h * Lp * D);
+            }
             uint16_t *Qz = (uint16_t *)Qpad;
             for (int h = 0; h < hq; h++) {
                 const uint16_t *Kh = Kp + (h / group) * D * Lp;
@@ -270,10 +410,8 @@ int lab_varlen_attention(int bf16, const void *q, int64_t qs0, int64_t qs1, cons
                         block_bf16(Kh, Vh, Qb, qr, S, Ob, L, Lp, 64, i0, causal, c);
                     else
                         block_bf16(Kh, Vh, Qb, qr, S, Ob, L, Lp, D, i0, causal, c);
-                    for (int r = 0; r < R && i0 + r < L; r++) {
-                        uint16_t *at = (uint16_t *)o + (t0 + i0 + r) * os0 + h * os1;
-                        for (int d = 0; d < D; d++) at[d] = f32_to_bf16(Ob[r * D + d]);
-                    }
+                    for (int r = 0; r < R && i0 + r < L; r++)
+                        store_bf16((uint16_t *)o + (t0 + i0 + r) * os0 + h * os1, Ob + r * D, D);
                 }
             }
 #endif
@@ -283,17 +421,15 @@ int lab_varlen_attention(int bf16, const void *q, int64_t qs0, int64_t qs1, cons
          * queries: from the packed tensor, rows a token's heads apart, it fell out of L1 and ran 1.2x slower at
          * 128 tokens); float32 Q read in place, bfloat16 Q widened into (h, t, d) */
         float *Kt = rest, *Vw = Kt + hkv * Lp * D, *Qw = Vw + hkv * Lp * D;
-        for (int64_t t = 0; t < Lp; t++) {
-            const int live = t < L;
-            for (int h = 0; h < hkv; h++)
-                for (int d = 0; d < D; d++) {
-                    Kt[(h * D + d) * Lp + t] = live ? load(bf16, k, (t0 + t) * ks0 + h * ks1 + d) : 0.0f;
-                    Vw[(h * Lp + t) * D + d] = live ? load(bf16, v, (t0 + t) * vs0 + h * vs1 + d) : 0.0f;
-                }
-            if (bf16)
-                for (int h = 0; h < hq; h++)
-                    for (int d = 0; d < D; d++) Qw[(h * Lp + t) * D + d] = live ? load(1, q, (t0 + t) * qs0 + h * qs1 + d) : 0.0f;
+        const int es = bf16 ? 2 : 4; /* bytes per element */
+        for (int h = 0; h < hkv; h++) {
+            stage_transposed((const char *)k + (t0 * ks0 + h * ks1) * es, ks0 * es, D, L, Lp, bf16,
+                             (uint32_t *)Kt + h * D * Lp);
+            stage_rows((const char *)v + (t0 * vs0 + h * vs1) * es, vs0 * es, D, L, Lp, bf16, Vw + h * Lp * D);
         }
+        if (bf16)
+            for (int h = 0; h < hq; h++)
+                stage_rows((const char *)q + (t0 * qs0 + h * qs1) * 2, qs0 * 2, D, L, Lp, 1, Qw + h * Lp * D);
         for (int h = 0; h < hq; h++) {
             const int hk = h / group;
             const float *Kh = Kt + hk * D * Lp;
@@ -316,7 +452,7 @@ int lab_varlen_attention(int bf16, const void *q, int64_t qs0, int64_t qs1, cons
                 for (int r = 0; r < R && i0 + r < L; r++) {
                     const int64_t at = (t0 + i0 + r) * os0 + h * os1;
                     if (bf16)
-                        for (int d = 0; d < D; d++) ((uint16_t *)o)[at + d] = f32_to_bf16(Ob[r * D + d]);
+                        store_bf16((uint16_t *)o + at, Ob + r * D, D);
                     else
                         memcpy((float *)o + at, Ob + r * D, (size_t)D * 4);
                 }
