@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from lab.kernels import cpu_attention
 
 from lab.attention import KERNELS
-from lab.models.fused import ACTIVATIONS, activation_inplace, fusable, linear, linear_act, row_blocks
+from lab.models.fused import ACTIVATIONS, BF16_GEMM_MODES, activation_inplace, fusable, linear, linear_act, row_blocks
 
 
 @pytest.mark.parametrize("act_name,act", [("gelu", F.gelu), ("gelu_new", lambda x: F.gelu(x, approximate="tanh")),
@@ -28,23 +28,38 @@ def test_fusable_only_for_cpu_float32_bfloat16_and_known_activations():
 
 @pytest.mark.parametrize("mode", ["native", "widened"])
 def test_bfloat16_linear_is_bfloat16_gemm_arithmetic(monkeypatch, mode):
-    """A float32 GEMM over bfloat16 values (exact products, float32 sums) rounded once to bfloat16: within one
-    bfloat16 rounding of the float64 product, like oneDNN's native bfloat16 GEMM; dtype stays bfloat16."""
+    """Both bfloat16 GEMM modes do a bfloat16 GEMM's arithmetic (exact products, float32 sums, rounded once to
+    bfloat16): within one bfloat16 rounding of the float64 product, with and without bias and ``out=`` (a row block
+    of a larger output); dtype stays bfloat16. Native mode calls oneDNN's linear op where it takes bfloat16, and
+    only where autograd does not record."""
     from lab.models import fused
 
     monkeypatch.setitem(fused._BF16, "mode", mode)
+    calls = []
+    real = fused.onednn_linear
+    monkeypatch.setattr(fused, "onednn_linear", lambda *a: calls.append(1) or real(*a))
     x, w, b = torch.randn(33, 48).bfloat16(), (torch.randn(20, 48) * 0.2).bfloat16(), torch.randn(20).bfloat16()
-    want = F.linear(x.double(), w.double(), b.double())
-    got = fused.linear(x, w, b)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3)
-    act = fused.linear_act(x, w, b, "gelu", F.gelu)
-    assert act.dtype == torch.bfloat16
-    torch.testing.assert_close(act.double(), F.gelu(want), rtol=2**-7, atol=1e-2)
+    with torch.inference_mode():
+        for bias in (b, None):
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            got = fused.linear(x, w, bias)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3)
+            out = torch.zeros(40, 20, dtype=torch.bfloat16)
+            fused.linear(x, w, bias, out=out[3:36])
+            torch.testing.assert_close(out[3:36].double(), want, rtol=2**-8, atol=1e-3)
+            assert not out[:3].any() and not out[36:].any()
+        act = fused.linear_act(x, w, b, "gelu", F.gelu)
+        assert act.dtype == torch.bfloat16
+        torch.testing.assert_close(act.double(), F.gelu(F.linear(x.double(), w.double(), b.double())),
+                                   rtol=2**-7, atol=1e-2)
+    onednn = mode == "native" and fused._ONEDNN_BF16
+    assert len(calls) == (4 if onednn else 0)  # the chosen implementation ran
     layer = fused.Linear(48, 20)
     assert isinstance(layer, torch.nn.Linear)
     layer = layer.bfloat16()
     torch.testing.assert_close(layer(x), fused.linear(x, layer.weight, layer.bias))
+    assert len(calls) == (4 if onednn else 0)  # grad mode: never oneDNN's op (it has no backward)
 
 
 def test_bfloat16_gemm_mode_is_validated(monkeypatch):
@@ -95,7 +110,7 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
     base = eng.embed(["a probe", "another text, longer than the first one"])
     eng.configure(dtype="bfloat16")
     assert set(eng.cpu_paths) == {"bf16_gemm", "bert_qkv", "bert_ffn", "attention_kernel"}
-    assert eng.cpu_paths["bf16_gemm"] in ("native", "widened")
+    assert eng.cpu_paths["bf16_gemm"] in BF16_GEMM_MODES
     eng.configure(dtype="float32")
     other = "stacked" if paths["bert_qkv"] == "split" else "split"
     monkeypatch.setenv("LAB_CPU_BERT_QKV", other)
@@ -137,8 +152,8 @@ def test_float32_linear_modes_compute_f_linear(monkeypatch, mode):
     monkeypatch.setitem(fused._F32, "mode", "blas")
     fused.set_f32_gemm(mode)
     calls = []
-    real = fused.onednn_f32_linear
-    monkeypatch.setattr(fused, "onednn_f32_linear", lambda *a: calls.append(1) or real(*a))
+    real = fused.onednn_linear
+    monkeypatch.setattr(fused, "onednn_linear", lambda *a: calls.append(1) or real(*a))
     assert fused.f32_gemm() == mode
     x, w, b = torch.randn(37, 24), torch.randn(40, 24) * 0.2, torch.randn(40)
     with torch.inference_mode():

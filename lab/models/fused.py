@@ -6,7 +6,11 @@ of two bfloat16 numbers is exact in float32, so a float32 GEMM over the bfloat16
 bfloat16, does the arithmetic of a bfloat16 GEMM (exact products, float32 accumulation): the "widened" path. Which
 one runs is decided per process by timing both at the model's shapes (``set_bf16_gemm``); widened GEMMs read one
 float32 copy of each weight, made once per dtype switch (kept on the parameter, dropped when its data changes),
-never one per call. ``LAB_CPU_BF16_GEMM=native`` / ``widened`` forces the choice.
+never one per call. ``LAB_CPU_BF16_GEMM=native`` / ``widened`` forces the choice. Native GEMMs call oneDNN's linear
+op directly where torch has it for bfloat16 (``onednn_linear``, the bias added in the kernel's epilogue) rather than
+``F.linear``, whose ``addmm`` runs the same oneDNN kernel after writing the bias into the output, a second pass over
+an output that at an engine step's size no longer fits in cache (one AMD EPYC with AVX512-BF16, one thread, 8192
+tokens, 384 -> 1152: 476 against 409 GFLOP/s; alike at 512 tokens, so a probe could not tell them apart).
 
 **float32 GEMMs through BLAS or oneDNN, decided by a probe.** torch's CPU ``F.linear`` runs float32 through its
 BLAS (MKL on x86 builds); oneDNN's float32 matmul (``torch.ops.mkldnn._linear_pointwise`` with no epilogue)
@@ -83,7 +87,15 @@ def _has_linear_pointwise() -> bool:
         return False
 
 
+def _has_onednn_bf16() -> bool:
+    try:
+        return _FUSED_CPU and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 _FUSED_CPU = _has_linear_pointwise()
+_ONEDNN_BF16 = _has_onednn_bf16()  # oneDNN's linear op takes bfloat16 on this CPU
 BF16_GEMM_MODES = ("native", "widened")
 _BF16 = {"mode": "native"}  # process-wide, set from the probe (lab.runner) or LAB_CPU_BF16_GEMM
 F32_GEMM_MODES = ("blas", "onednn")
@@ -125,14 +137,20 @@ def f32_gemm() -> str:
 GEMM_SETTERS = {"bf16_gemm": set_bf16_gemm, "f32_gemm": set_f32_gemm}
 
 
-def onednn_f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` as oneDNN's float32 matmul (no epilogue)."""
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` as oneDNN's matmul (float32, or bfloat16 where ``_ONEDNN_BF16``), the bias in its epilogue."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_F32["mode"] == "onednn" and x.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.is_contiguous() and not torch.is_grad_enabled())
+    """Whether ``linear`` calls ``onednn_linear``: float32 where the probe chose ``onednn``, bfloat16 in native mode
+    where oneDNN takes it; CPU, matching contiguous weight, no autograd (the op has no backward)."""
+    if x.dtype == torch.float32:
+        wanted = _F32["mode"] == "onednn"
+    else:
+        wanted = x.dtype == torch.bfloat16 and _BF16["mode"] == "native" and _ONEDNN_BF16
+    return (wanted and x.device.type == "cpu" and weight.dtype == x.dtype and weight.is_contiguous()
+            and not torch.is_grad_enabled())
 
 
 def _widen(x: torch.Tensor) -> bool:
@@ -163,14 +181,15 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; CPU bfloat16 runs as a float32 GEMM over the bfloat16 values when the probe chose ``widened``,
-    CPU float32 through oneDNN when it chose ``onednn``.
+    """``F.linear``; CPU bfloat16 runs as a float32 GEMM over the bfloat16 values when the probe chose ``widened``
+    and through ``onednn_linear`` when it chose ``native`` (where oneDNN takes bfloat16), CPU float32 through
+    ``onednn_linear`` when its probe chose ``onednn``.
     ``out``: a contiguous ``(T, N)`` tensor (a row block of a larger one) to write into, for 2-D ``x``."""
     if _widen(x):
         y = F.linear(x.float(), wide_weight(weight), _f32(bias))
         return y.to(torch.bfloat16) if out is None else out.copy_(y)
     if _onednn(x, weight):
-        y = onednn_f32_linear(x, weight, bias)
+        y = onednn_linear(x, weight, bias)
         return y if out is None else out.copy_(y)
     if out is None:
         return F.linear(x, weight, bias)

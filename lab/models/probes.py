@@ -147,24 +147,29 @@ def gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def f32_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe:
-    """torch's BLAS float32 GEMM (``F.linear``, the default) against oneDNN's (``lab.models.fused.onednn_f32_linear``)
+    """torch's BLAS float32 GEMM (``F.linear``, the default) against oneDNN's (``lab.models.fused.onednn_linear``)
     at one of a model's shapes."""
-    from lab.models.fused import onednn_f32_linear
+    from lab.models.fused import onednn_linear
 
     return Probe(
         "f32_gemm", ("float32", x.shape[1], weight.shape[0]),
-        {"blas": lambda: F.linear(x, weight, bias), "onednn": lambda: onednn_f32_linear(x, weight, bias)},
+        {"blas": lambda: F.linear(x, weight, bias), "onednn": lambda: onednn_linear(x, weight, bias)},
         threads,
     )
 
 
 def bf16_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe:
-    """Native bfloat16 GEMM (the default) against the widened one (float32 GEMM over the bfloat16 values, with
-    the float32 weight made beforehand, as ``lab.models.fused.wide_weight`` keeps it) at one of a model's shapes."""
+    """Native bfloat16 GEMM (the default; oneDNN's linear op where it takes bfloat16, as
+    ``lab.models.fused.linear`` calls it, else ``F.linear``) against the widened one (float32 GEMM over the bfloat16
+    values, with the float32 weight made beforehand, as ``lab.models.fused.wide_weight`` keeps it) at one of a
+    model's shapes."""
+    from lab.models import fused
+
+    native = fused.onednn_linear if fused._ONEDNN_BF16 else F.linear
     w32, b32 = weight.float(), None if bias is None else bias.float()
     return Probe(
         "bf16_gemm", ("bfloat16", x.shape[1], weight.shape[0]),
-        {"native": lambda: F.linear(x, weight, bias), "widened": lambda: F.linear(x.float(), w32, b32).bfloat16()},
+        {"native": lambda: native(x, weight, bias), "widened": lambda: F.linear(x.float(), w32, b32).bfloat16()},
         threads,
     )
 
