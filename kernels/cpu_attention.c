@@ -276,6 +276,12 @@ static void stage_transposed(const char *src, int64_t rs, int words, int L, int6
         for (int64_t t = 0; t < Lp; t++) dst[w * Lp + t] = t < L ? word(src + t * rs, w, widen) : 0;
 }
 
+/* n floats (a multiple of W) from src to dst, inline: the rows are short and many (at 14 tokens a sequence, a
+ * library call per row cost about as much as the block's arithmetic). */
+static inline void copy_row(float *dst, const float *src, int n) {
+    for (int d = 0; d < n; d += W) st(dst + d, ld(src + d));
+}
+
 /* A head's values (or queries) as rows: dst[t * n + d] = element d of token t as float32 (widened from bfloat16
  * when `bf16`), zeros for L <= t < Lp. */
 static void stage_rows(const char *src, int64_t rs, int n, int L, int64_t Lp, int bf16, float *dst) {
@@ -284,10 +290,10 @@ static void stage_rows(const char *src, int64_t rs, int n, int L, int64_t Lp, in
             const uint16_t *row = (const uint16_t *)(src + t * rs);
             for (int d = 0; d < n; d++) dst[t * n + d] = bf16_to_f32(row[d]);
         } else {
-            memcpy(dst + t * n, src + t * rs, (size_t)n * 4);
+            copy_row(dst + t * n, (const float *)(src + t * rs), n);
         }
     }
-    memset(dst + (int64_t)L * n, 0, (size_t)(Lp - L) * n * 4);
+    for (int64_t i = (int64_t)L * n; i < Lp * n; i += W) st(dst + i, bc(0.0f));
 }
 
 /* n floats rounded to bfloat16 (nearest even; NaN stays NaN). */
@@ -373,6 +379,7 @@ int lab_varlen_attention(int bf16, const void *q, int64_t qs0, int64_t qs1, cons
     const float c = scale * 1.4426950408889634f; /* exp(x * scale) = 2^(x * scale * log2 e) */
     const int group = hq / hkv;
     const int native = bf16 && NATIVE_BF16;
+    const int64_t total = cu_seqlens[nseq]; /* rows of q and o */
     for (int64_t s = 0; s < nseq; s++) {
         const int64_t t0 = cu_seqlens[s];
         const int L = (int)(cu_seqlens[s + 1] - t0);
@@ -399,7 +406,9 @@ int lab_varlen_attention(int bf16, const void *q, int64_t qs0, int64_t qs1, cons
                 for (int i0 = 0; i0 < L; i0 += R) {
                     const uint16_t *Qb = qh + (t0 + i0) * qs0 + h * qs1;
                     int64_t qr = qs0;
-                    if (i0 + R > L) { /* the last rows: a zero-padded copy, never reading past the tensor */
+                    if (t0 + i0 + R > total) { /* the tensor's last rows: a zero-padded copy, never reading past
+                                                * it (elsewhere a block's rows past L are the next sequence's
+                                                * tokens, computed and not stored) */
                         memset(Qz, 0, (size_t)R * D * 2);
                         for (int r = 0; i0 + r < L; r++) memcpy(Qz + r * D, Qb + r * qs0, (size_t)D * 2);
                         Qb = Qz, qr = D;
@@ -438,7 +447,7 @@ int lab_varlen_attention(int bf16, const void *q, int64_t qs0, int64_t qs1, cons
             for (int i0 = 0; i0 < L; i0 += R) {
                 const float *Qb = bf16 ? Qw + (h * Lp + i0) * D : (const float *)q + (t0 + i0) * qs0 + h * qs1;
                 int64_t qr = bf16 ? D : qs0;
-                if (!bf16 && i0 + R > L) {
+                if (!bf16 && t0 + i0 + R > total) { /* as in the bfloat16 branch */
                     memset(Qpad, 0, (size_t)R * D * 4);
                     for (int r = 0; i0 + r < L; r++) memcpy(Qpad + r * D, Qb + r * qs0, (size_t)D * 4);
                     Qb = Qpad, qr = D;
@@ -454,7 +463,7 @@ int lab_varlen_attention(int bf16, const void *q, int64_t qs0, int64_t qs1, cons
                     if (bf16)
                         store_bf16((uint16_t *)o + at, Ob + r * D, D);
                     else
-                        memcpy((float *)o + at, Ob + r * D, (size_t)D * 4);
+                        copy_row((float *)o + at, Ob + r * D, D);
                 }
             }
         }
