@@ -45,16 +45,9 @@ static inline v16 ld(const float *p) { return *(const v16u *)p; }
 static inline void st(float *p, v16 x) { *(v16u *)p = x; }
 static inline v16 bc(float x) { return (v16){0} + x; }
 static inline v16 vsel(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
-#ifdef __AVX512F__
-static inline v16 vmax(v16 a, v16 b) { return (v16)_mm512_max_ps((__m512)a, (__m512)b); }
-static inline float hmax(v16 x) { return _mm512_reduce_max_ps((__m512)x); }
-static inline float hsum(v16 x) { return _mm512_reduce_add_ps((__m512)x); }
 
-/* 2^x for x <= 0: x = n + f (n the nearest integer), 2^f by its Taylor series in f to degree 6 (relative error
- * < 1.3e-7 for |f| <= 1/2), scaled by 2^n in one instruction (0 far below the float range). */
-static inline v16 exp2v(v16 x) {
-    __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v16 f = x - (v16)n;
+/* 2^f for |f| <= 1/2: its Taylor series in f to degree 6 (relative error < 1.3e-7); both exp2v below use it. */
+static inline v16 exp2_fraction(v16 f) {
     v16 p = bc(1.5403530393381606e-4f); /* ln(2)^k / k!, k = 6 .. 0 */
     p = p * f + 1.3333558146428441e-3f;
     p = p * f + 9.6181291076284772e-3f;
@@ -62,7 +55,19 @@ static inline v16 exp2v(v16 x) {
     p = p * f + 2.4022650695910071e-1f;
     p = p * f + 6.9314718055994531e-1f;
     p = p * f + 1.0f;
-    return (v16)_mm512_scalef_ps((__m512)p, n);
+    return p;
+}
+
+#ifdef __AVX512F__
+static inline v16 vmax(v16 a, v16 b) { return (v16)_mm512_max_ps((__m512)a, (__m512)b); }
+static inline float hmax(v16 x) { return _mm512_reduce_max_ps((__m512)x); }
+static inline float hsum(v16 x) { return _mm512_reduce_add_ps((__m512)x); }
+
+/* 2^x for x <= 0: x = n + f (n the nearest integer), 2^f by exp2_fraction, scaled by 2^n in one instruction (0 far
+ * below the float range). */
+static inline v16 exp2v(v16 x) {
+    __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return (v16)_mm512_scalef_ps((__m512)exp2_fraction(x - (v16)n), n);
 }
 #else
 static inline v16 vmax(v16 a, v16 b) { return vsel(a > b, a, b); }
@@ -83,23 +88,15 @@ static inline float hsum(v16 x) {
     return x[0];
 }
 
-/* 2^x for x <= 0: x = n + f (n integer, |f| <= 1/2), 2^f by its Taylor series in f to degree 6 (relative error
- * < 1.3e-7), then n added to the exponent bits. Below -126 the result is 0 (no subnormals). */
+/* 2^x for x <= 0: x = n + f (n integer, |f| <= 1/2), 2^f by exp2_fraction, then n added to the exponent bits. Below
+ * -126 the result is 0 (no subnormals). */
 static inline v16 exp2v(v16 x) {
     v16i tiny = x < -126.0f;
     x = vsel(tiny, bc(-126.0f), x);
     const v16 magic = bc(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits */
     v16 t = x + magic;
     v16i n = (v16i)t - (v16i)magic;
-    v16 f = x - (t - magic);
-    v16 p = bc(1.5403530393381606e-4f); /* ln(2)^k / k!, k = 6 .. 0 */
-    p = p * f + 1.3333558146428441e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
-    return (v16)(((v16i)p + (n << 23)) & ~tiny);
+    return (v16)(((v16i)exp2_fraction(x - (t - magic)) + (n << 23)) & ~tiny);
 }
 #endif
 
