@@ -17,8 +17,8 @@ of each sequence, the time against ``sdpa``) and evals/results/bench_attention.p
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -38,6 +38,7 @@ def kernels_for(model: str) -> tuple[str, ...]:
 def run(lengths: list[int], dtypes: list[str], tokens: int, rounds: int) -> pd.DataFrame:
     from lab.attention import attention
     from lab.batch import AttnMeta
+    from lab.bench import interleaved
     from lab.models.probes import cpu_info
 
     info = cpu_info()
@@ -54,15 +55,9 @@ def run(lengths: list[int], dtypes: list[str], tokens: int, rounds: int) -> pd.D
                         meta = AttnMeta.from_lengths([length] * n, causal=False)
                         qkv = torch.randn(n * length, hq + 2 * hkv, d, dtype=dt)  # one fused projection's output
                         q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
-                        times: dict[str, list[float]] = {}
-                        names = kernels_for(model)
-                        for name in names:
-                            attention(q, k, v, meta, 0, kernel=name)
-                        for _ in range(rounds):
-                            for name in names:
-                                t0 = time.perf_counter()
-                                attention(q, k, v, meta, 0, kernel=name)
-                                times.setdefault(name, []).append(time.perf_counter() - t0)
+                        calls = {name: functools.partial(attention, q, k, v, meta, 0, kernel=name)
+                                 for name in kernels_for(model)}
+                        times = {name: wall for name, (wall, _, _) in interleaved(calls, rounds, 1).items()}
                         flops = 4 * n * length * length * hq * d
                         base = statistics.median(times["sdpa"])
                         for name, ts in times.items():

@@ -70,6 +70,7 @@ if str(ROOT) not in sys.path:
 # after the path set-up: this runs as a script
 from evals.criteria import COSINE_TARGET, cosine_note, meets_speed_target, min_cosine
 from evals.data_io import mixed_corpus, read_jsonl, scifact_text, spread
+from lab.bench import interleaved
 
 DATA = ROOT / "evals" / "data"
 RESULTS = ROOT / "evals" / "results"
@@ -259,26 +260,6 @@ class Table:
         import pandas as pd
 
         return pd.DataFrame(self.rows, columns=COLUMNS)
-
-
-def interleaved(systems: dict, repeats: int, warmup: int) -> dict:
-    """Time each ``name -> fn()`` ``repeats`` times, alternating systems within each round (drift in a shared
-    machine's load then hits all of them alike). Returns ``name -> (wall seconds, CPU seconds, last output)``;
-    CPU seconds (``time.process_time``: every thread of this process) are less sensitive to other processes on a
-    shared machine, but count busy-waiting threads as work."""
-    outs = {}
-    for _ in range(warmup):
-        for name, fn in systems.items():
-            outs[name] = fn()
-    wall = {name: [] for name in systems}
-    cpu = {name: [] for name in systems}
-    for _ in range(repeats):
-        for name, fn in systems.items():
-            c0, t0 = time.process_time(), time.perf_counter()
-            outs[name] = fn()
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    return {name: (wall[name], cpu[name], outs[name]) for name in systems}
 
 
 # --------------------------------------------------------------------------------------------------- profile

@@ -70,6 +70,26 @@ def _time(fn: Callable[[], object], repeats: int) -> list[float]:
     return out
 
 
+def interleaved(systems: dict, repeats: int, warmup: int) -> dict:
+    """Time each ``name -> fn()`` ``repeats`` times, alternating systems within each round (drift in a shared
+    machine's load then hits all of them alike). Returns ``name -> (wall seconds, CPU seconds, last output)``;
+    CPU seconds (``time.process_time``: every thread of this process) are less sensitive to other processes on a
+    shared machine, but count busy-waiting threads as work."""
+    outs = {}
+    for _ in range(warmup):
+        for name, fn in systems.items():
+            outs[name] = fn()
+    wall = {name: [] for name in systems}
+    cpu = {name: [] for name in systems}
+    for _ in range(repeats):
+        for name, fn in systems.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            outs[name] = fn()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {name: (wall[name], cpu[name], outs[name]) for name in systems}
+
+
 def throughput(
     systems, texts: list[str], *, sweep: dict[str, list] | None = None, repeats: int = 3, warmup: int = 1,
     show_progress: bool | None = None,
