@@ -44,6 +44,13 @@ PROBE_ROWS = 512  # tokens per probe step (``DecoderModel.cpu_probes``): one wor
 # One AMD EPYC (2 cores, one thread): blocks of 64 beat 32 and 128 at 220-929 tokens in float32 and bfloat16.
 CAUSAL_BLOCK = 64
 
+
+def causal_block(plan: dict[str, str]) -> int | None:
+    """The query block causal attention runs with under ``plan`` (``CAUSAL_BLOCK`` when its ``causal_attention`` is
+    ``blocks``, else ``None``): what a layer passes and what the ``attention_kernel`` probe times."""
+    return CAUSAL_BLOCK if plan.get("causal_attention") == "blocks" else None
+
+
 @dataclass
 class DecoderArgs:
     """Everything the forward pass needs from ``config.json``, with each family's defaults filled in."""
@@ -171,8 +178,7 @@ class DecoderLayer(nn.Module):
         both = qkv[:, : nq + nk].view(t, self.hq + self.hkv, self.d) if only is None and self.q_norm is None else None
         rotate_qk_(q, k, rope, q_rope, both, apply_halves=k_ops.apply_rotary)  # in place
         if only is None:
-            block = CAUSAL_BLOCK if self.plan.get("causal_attention") == "blocks" else None
-            a = attention(q, k, v, meta, self.index, causal_block=block,
+            a = attention(q, k, v, meta, self.index, causal_block=causal_block(self.plan),
                           kernel=self.plan.get("attention_kernel", "sdpa"))  # (T, Hq, D)
         else:
             a = attention(q, k[only.rows], v[only.rows], only.step_meta(meta, self.index, k, v), self.index)
@@ -301,9 +307,8 @@ class DecoderModel(PackedModel):
         yield Probe("causal_attention", (str(dtype), layer.hq, layer.hkv, layer.d),
                     {"whole": lambda: attention(q, k, v, meta, 0),
                      "blocks": lambda: attention(q, k, v, meta, 0, causal_block=CAUSAL_BLOCK)}, threads)
-        block = CAUSAL_BLOCK if self.plan.get("causal_attention") == "blocks" else None
-        yield attention_probe(dtype, layer.hq, layer.d, threads, kv_heads=layer.hkv, causal=True, causal_block=block,
-                              kernels=("sdpa", "lab"))
+        yield attention_probe(dtype, layer.hq, layer.d, threads, kv_heads=layer.hkv, causal=True,
+                              causal_block=causal_block(self.plan), kernels=("sdpa", "lab"))
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMeta, *, last: bool) -> torch.Tensor:
         """The final RMSNorm after the last block (transformers' ``last_hidden_state``); below it, the residual
