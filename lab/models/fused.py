@@ -120,6 +120,11 @@ def onednn_cpu() -> bool:
     return _FUSED_CPU
 
 
+def onednn_bf16() -> bool:
+    """Whether that op takes bfloat16 on this CPU (then native bfloat16 GEMMs call it: ``linear``)."""
+    return _ONEDNN_BF16
+
+
 def set_f32_gemm(mode: str) -> None:
     """Run CPU float32 GEMMs through torch's BLAS (``blas``, ``F.linear``) or oneDNN (``onednn``)."""
     if mode not in F32_GEMM_MODES:

@@ -163,9 +163,9 @@ def bf16_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     ``lab.models.fused.linear`` calls it, else ``F.linear``) against the widened one (float32 GEMM over the bfloat16
     values, with the float32 weight made beforehand, as ``lab.models.fused.wide_weight`` keeps it) at one of a
     model's shapes."""
-    from lab.models import fused
+    from lab.models.fused import onednn_bf16, onednn_linear
 
-    native = fused.onednn_linear if fused._ONEDNN_BF16 else F.linear
+    native = onednn_linear if onednn_bf16() else F.linear
     w32, b32 = weight.float(), None if bias is None else bias.float()
     return Probe(
         "bf16_gemm", ("bfloat16", x.shape[1], weight.shape[0]),
