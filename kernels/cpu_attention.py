@@ -92,7 +92,9 @@ def build(cc: str | None = None, arch: list[str] | None = None, directory: Path 
 
 def _load() -> ctypes.CDLL | None:
     global _LIB, _REASON
-    if _LIB is not None:  # every layer of every step asks: no lock once loaded
+    # every layer of every step asks: no lock once the outcome is known, loaded or not (so a lock an interrupt left
+    # held on its ``with`` line's exit, see lab.models.probes._LOCK, stalls no worker)
+    if _LIB is not None or _REASON is not None:
         return _LIB
     with _LOCK:
         if _LIB is not None or _REASON is not None:

@@ -63,7 +63,10 @@ class Decision:
 
 
 _DECIDED: dict[tuple[str, tuple, int], Decision] = {}
-_LOCK = threading.Lock()
+# Reentrant: a KeyboardInterrupt can land on the ``with`` line's exit (Python runs the lock's ``__exit__`` from that
+# line's bytecode, after a line event where a Ctrl-C or a tracer may raise), leaving the lock held by the interrupted
+# thread; with a plain Lock that thread's next ``decide`` (the next load or ``configure``) then waited forever.
+_LOCK = threading.RLock()
 
 
 def env_name(name: str) -> str:
