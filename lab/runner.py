@@ -56,8 +56,10 @@ class Runner:
         params = dict(self.model.named_parameters())
         if dtype == self.dtype and all(p.dtype == dtype for p in params.values()):
             return
-        with torch.no_grad():  # every cast first: an interrupt here leaves the live weights as they were
-            live = {name: self._merged.get(name, self._master[name]).to(self.device, dtype) for name in params}
+        # every cast first: an interrupt here leaves the live weights as they were. Detached, not under
+        # ``torch.no_grad()``: an interrupt landing on a ``with`` line's exit skips ``__exit__`` and left grad mode off
+        # for the whole thread
+        live = {name: self._merged.get(name, self._master[name]).detach().to(self.device, dtype) for name in params}
         self.dtype = None  # in transition: an interrupt during the swaps below leaves a state the next call repairs
         for name, t in live.items():
             params[name].data = t
