@@ -468,3 +468,76 @@ int lab_varlen_attention(int bf16, const void *q, int64_t qs0, int64_t qs1, cons
     free(buf);
     return 0;
 }
+
+/* ----------------------------------------------------------------------------------------------------------------
+ * LayerNorm(x + residual) over rows, on one CPU thread (lab.kernels.cpu_norms): BERT's post-norm after a GEMM. One
+ * pass over each row's inputs and one store, against torch's two ops (the add writes a (T, n) temporary that the norm
+ * reads back, then the norm allocates its output), and the output may be x itself (the GEMM's own result), so a layer
+ * allocates nothing for it. Row by row: the sum (rounded to bfloat16 for bfloat16 inputs, as torch's bfloat16 add
+ * does), its mean, then the variance about that mean (two passes over the row in L1, not one-pass moments), then
+ * (s - mean) / sqrt(var + eps) * weight + bias in float32, stored in the inputs' dtype. */
+
+/* 16 bfloat16 values widened to float32 */
+static inline v16 ld_bf16(const uint16_t *p) {
+#ifdef __AVX512F__
+    return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+#else
+    v16 y;
+    for (int i = 0; i < W; i++) y[i] = bf16_to_f32(p[i]);
+    return y;
+#endif
+}
+
+/* float32 values rounded to the nearest bfloat16 (even on ties), as float32; NaN stays NaN */
+static inline v16 round_bf16(v16 v) {
+    const v16i b = (v16i)v;
+    const v16i high = (v16i){0} - 65536; /* 0xffff0000 in every lane */
+    return vsel(v != v, v, (v16)((b + 0x7fff + ((b >> 16) & 1)) & high));
+}
+
+static inline v16 ld_row(const void *p, int64_t i, int bf16) {
+    return bf16 ? ld_bf16((const uint16_t *)p + i) : ld((const float *)p + i);
+}
+
+/* x, residual (may be NULL), out: T rows of n elements (n a multiple of 16), row strides in elements, float32 or
+ * bfloat16 (bf16 = 1) alike, as are weight and bias (n each; bias may be NULL). out may be x or residual: each row
+ * is read whole before it is written. Returns 0; 1 for n not a positive multiple of 16; 2 when the row scratch cannot
+ * be allocated. */
+int lab_add_layer_norm(int bf16, const void *x, int64_t xs, const void *res, int64_t rs, const void *weight,
+                       const void *bias, void *out, int64_t os, int64_t T, int n, float eps) {
+    if (n <= 0 || n % W) return 1;
+    float *buf = aligned_alloc(64, (size_t)n * 3 * sizeof(float));
+    if (!buf) return 2;
+    float *s = buf, *w = s + n, *b = w + n;
+    for (int d = 0; d < n; d += W) {
+        st(w + d, ld_row(weight, d, bf16));
+        st(b + d, bias ? ld_row(bias, d, bf16) : bc(0.0f));
+    }
+    const float inv_n = 1.0f / (float)n;
+    for (int64_t t = 0; t < T; t++) {
+        v16 acc = {0};
+        for (int d = 0; d < n; d += W) {
+            v16 y = ld_row(x, t * xs + d, bf16);
+            if (res) {
+                y += ld_row(res, t * rs + d, bf16);
+                if (bf16) y = round_bf16(y);
+            }
+            st(s + d, y);
+            acc += y;
+        }
+        const v16 mean = bc(hsum(acc) * inv_n);
+        v16 sq = {0};
+        for (int d = 0; d < n; d += W) {
+            v16 c = ld(s + d) - mean;
+            sq += c * c;
+        }
+        const v16 rstd = bc(1.0f / __builtin_sqrtf(hsum(sq) * inv_n + eps));
+        for (int d = 0; d < n; d += W) st(s + d, (ld(s + d) - mean) * rstd * ld(w + d) + ld(b + d));
+        if (bf16)
+            store_bf16((uint16_t *)out + t * os, s, n);
+        else
+            copy_row((float *)out + t * os, s, n);
+    }
+    free(buf);
+    return 0;
+}

@@ -81,7 +81,8 @@ def build(cc: str | None = None, arch: list[str] | None = None, directory: Path 
     for flags in tries:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cc, "-O3", *flags, "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi", "-o", str(out), str(SOURCE)]
+            cmd = [cc, "-O3", *flags, "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi", "-o", str(out), str(SOURCE),
+                   "-lm"]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
             if r.returncode == 0:
                 os.replace(out, target)  # atomic: a concurrent build of the same key just overwrites it
@@ -120,6 +121,8 @@ def bind(path: str | os.PathLike) -> ctypes.CDLL:
                                          i32, i32, i32, ctypes.c_float, i32]
     lib.lab_attention_native_bf16.restype = i32
     lib.lab_attention_native_bf16.argtypes = []
+    lib.lab_add_layer_norm.restype = i32  # lab.kernels.cpu_norms
+    lib.lab_add_layer_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i32, ctypes.c_float]
     return lib
 
 

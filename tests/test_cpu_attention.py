@@ -24,20 +24,10 @@ def _cu(lens):
     return torch.tensor([0] + lens).cumsum(0).to(torch.int32)
 
 
-@pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    """This machine's build, and the portable ones a machine without AVX-512 (or any x86 flags) would get."""
-    d = tmp_path_factory.mktemp("kernels")
-    out = {"native": None, "portable": cpu_attention.bind(cpu_attention.build(arch=[], directory=d))}
-    if "avx2" in cpu_info()["cpu_flags"].split():
-        out["avx2"] = cpu_attention.bind(cpu_attention.build(arch=["-mavx2", "-mfma"], directory=d))
-    return out
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hq,hkv,d", [(12, 12, 32), (9, 3, 64), (4, 1, 16), (2, 2, 48)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_oracle_in_every_build(builds, causal, hq, hkv, d, dtype):
+def test_matches_oracle_in_every_build(c_builds, causal, hq, hkv, d, dtype):
     """float32: the explicit-softmax oracle within 1e-5. bfloat16: within the dtype's tolerance, and a root-mean-
     square error within 1.25x torch's fused kernel's on the same inputs (scores, softmax weights and the weighted sum
     stay float32). The shuffled lengths put a partial query block at the tensor's end in some cases (read through a
@@ -49,7 +39,7 @@ def test_matches_oracle_in_every_build(builds, causal, hq, hkv, d, dtype):
     k, v = (torch.randn(t, hkv, d, dtype=dtype) * 2 for _ in range(2))
     exact = varlen_attention_naive(q.float(), k.float(), v.float(), _cu(lens), causal=causal)
     fused = varlen_attention(q, k, v, _cu(lens), max(lens), causal=causal)
-    for name, lib in builds.items():
+    for name, lib in c_builds.items():
         got = cpu_attention.varlen_attention(q, k, v, _cu(lens), causal, lib=lib)
         assert got.dtype == dtype and got.shape == q.shape, name
         if dtype == torch.float32:

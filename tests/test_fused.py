@@ -101,15 +101,17 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
 
     eng = Engine(minilm_path)
     paths = eng.resolved["cpu_paths"]
-    assert set(paths) == {"f32_gemm", "bert_qkv", "bert_ffn", "attention_kernel"}
+    built = cpu_attention.available()  # the C library: the own attention kernel and the in-place post-norm
+    norm = {"add_layer_norm"} if built else set()
+    assert set(paths) == {"f32_gemm", "bert_qkv", "bert_ffn", "attention_kernel"} | norm
     assert paths["bert_qkv"] in ("split", "stacked") and paths["attention_kernel"] in KERNELS
-    assert paths["f32_gemm"] in ("blas", "onednn")
+    assert paths["f32_gemm"] in ("blas", "onednn") and paths.get("add_layer_norm", "torch") in ("torch", "lab")
     made = {(d.name, d.key): d for d in probes.decisions()}
     assert all(made[(d.name, d.key)].source == "probe" for d in eng.runner.decisions)
-    assert [len(d.seconds) for d in eng.runner.decisions] == [2, 2, 2, 3 if cpu_attention.available() else 2]
+    assert [len(d.seconds) for d in eng.runner.decisions] == [2, 2, 2, 3] + [2] if built else [2, 2, 2, 2]
     base = eng.embed(["a probe", "another text, longer than the first one"])
     eng.configure(dtype="bfloat16")
-    assert set(eng.cpu_paths) == {"bf16_gemm", "bert_qkv", "bert_ffn", "attention_kernel"}
+    assert set(eng.cpu_paths) == {"bf16_gemm", "bert_qkv", "bert_ffn", "attention_kernel"} | norm
     assert eng.cpu_paths["bf16_gemm"] in BF16_GEMM_MODES
     eng.configure(dtype="float32")
     other = "stacked" if paths["bert_qkv"] == "split" else "split"
@@ -117,10 +119,14 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
     monkeypatch.setattr(probes, "_DECIDED", {})
     monkeypatch.setenv("LAB_CPU_F32_GEMM", "onednn" if paths["f32_gemm"] == "blas" else "blas")
     monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", "matmul" if paths["attention_kernel"] != "matmul" else "sdpa")
+    if built:
+        monkeypatch.setenv("LAB_CPU_ADD_LAYER_NORM", "torch" if paths["add_layer_norm"] == "lab" else "lab")
     forced = Engine(minilm_path)
     assert forced.cpu_paths["bert_qkv"] == other and all(d.source == "env" for d in forced.runner.decisions[:2])
     assert forced.cpu_paths["f32_gemm"] != paths["f32_gemm"]
     assert forced.cpu_paths["attention_kernel"] != paths["attention_kernel"]
+    assert forced.cpu_paths.get("add_layer_norm") == ({"lab": "torch", "torch": "lab"}[paths["add_layer_norm"]]
+                                                      if built else None)
     calls = _count_matmul_attention(monkeypatch)
     np.testing.assert_allclose(forced.embed(["a probe", "another text, longer than the first one"]), base,
                                atol=2e-6)

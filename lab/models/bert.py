@@ -19,6 +19,7 @@ from torch import nn
 
 from lab.attention import attention, ops
 from lab.batch import AttnMeta, OutputRows
+from lab.kernels import cpu_norms
 from lab.models.base import PackedModel
 from lab.models.fused import (
     ACTIVATIONS,
@@ -47,6 +48,21 @@ def _cpu_default(x: torch.Tensor, name: str, plan: dict[str, str]) -> str:
     return plan.get(name) or (narrow if x.dtype == torch.float32 else wide)
 
 
+def _lab_norm(x: torch.Tensor, norm: nn.LayerNorm, plan: dict[str, str]) -> bool:
+    """Whether ``LayerNorm(x + residual)`` runs in ``lab.kernels.cpu_norms`` (in place): where the
+    ``add_layer_norm`` probe chose it and the kernel takes ``x`` (CPU; elsewhere, and by default, torch's ops)."""
+    return plan.get("add_layer_norm") == "lab" and cpu_norms.supports(x, norm.weight, norm.bias)
+
+
+def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm, eps: float, meta: AttnMeta,
+             plan: dict[str, str]) -> torch.Tensor:
+    """``norm(x + residual)`` for a fresh ``x`` nothing else reads (a GEMM's output, the embeddings' sum): in
+    ``lab.kernels.cpu_norms`` written over ``x`` where the plan chose it, else the backend's ``add_layer_norm``."""
+    if _lab_norm(x, norm, plan):
+        return cpu_norms.add_layer_norm(x, residual, norm.weight, norm.bias, eps, out=x)
+    return ops(meta).add_layer_norm(x, residual, norm.weight, norm.bias, eps)
+
+
 class BertLayer(nn.Module):
     def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, index: int,
                  plan: dict[str, str]):
@@ -71,7 +87,7 @@ class BertLayer(nn.Module):
         core for N = 384 but ~105 for N = 1152 / 1536 and the GELU epilogue at ~80, so float32 took the narrow paths
         (1.12x end to end on SciFact); CUDA runs the stacked / fused ones.
         """
-        t, k = x.shape[0], ops(meta)
+        t = x.shape[0]
         if _cpu_default(x, "bert_qkv", self.plan) == "split":
             n, w, b = self.heads * self.head_dim, self.qkv.weight, self.qkv.bias
             q, key, v = (linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n]).view(t, self.heads, -1)
@@ -79,8 +95,21 @@ class BertLayer(nn.Module):
         else:
             q, key, v = self.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)  # (T, H, D) each
         a = attention(q, key, v, meta, self.index, kernel=self.plan.get("attention_kernel", "sdpa"))
-        x = k.add_layer_norm(self.attn_out(a.view(t, -1)), x, self.attn_norm.weight, self.attn_norm.bias, self.eps)
-        return k.add_layer_norm(self._ffn(x), x, self.out_norm.weight, self.out_norm.bias, self.eps)
+        x = add_norm(self.attn_out(a.view(t, -1)), x, self.attn_norm, self.eps, meta, self.plan)
+        if _lab_norm(x, self.out_norm, self.plan) and _cpu_default(x, "bert_ffn", self.plan) == "blocks":
+            return self._ffn_norm_blocks(x)
+        return add_norm(self._ffn(x), x, self.out_norm, self.eps, meta, self.plan)
+
+    def _ffn_norm_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``out_norm(FFN(x) + x)`` in row blocks of ``FFN_ROWS`` tokens, each block's result written over its own
+        rows of ``x`` (this layer's attention-side output, which nothing else reads; later blocks read only their
+        rows), so the layer's output is ``x`` and no block is copied into an output tensor."""
+        w, b = self.out_norm.weight, self.out_norm.bias
+        for s in range(0, x.shape[0], FFN_ROWS):
+            rows = x[s : s + FFN_ROWS]
+            h = linear(self.act_inplace(linear(rows, self.up.weight, self.up.bias)), self.down.weight, self.down.bias)
+            cpu_norms.add_layer_norm(h, rows, w, b, self.eps, out=rows)
+        return x
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
         if _cpu_default(x, "bert_ffn", self.plan) == "blocks":
@@ -135,12 +164,13 @@ class BertModel(PackedModel):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None,
               meta: AttnMeta) -> torch.Tensor:
         """Input of layer 0: word + position + token-type embeddings, LayerNorm-ed. ``(T, hidden)``."""
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
+        x = self.word_embeddings(input_ids)  # a fresh gather: the sums below go in place
+        x += self.position_embeddings(positions + self.position_offset)
         if token_type_ids is None:  # type 0 everywhere: one row broadcast instead of a gather
-            x = x + self.token_type_embeddings.weight[0]
+            x += self.token_type_embeddings.weight[0]
         else:
-            x = x + self.token_type_embeddings(token_type_ids)
-        return ops(meta).add_layer_norm(x, None, self.emb_norm.weight, self.emb_norm.bias, self.eps)
+            x += self.token_type_embeddings(token_type_ids)
+        return add_norm(x, None, self.emb_norm, self.eps, meta, self.plan)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, layers: range,
                    residual: torch.Tensor | None = None, output_rows: OutputRows | None = None,
@@ -157,7 +187,9 @@ class BertModel(PackedModel):
         """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the FFN's
         up-projection), then q/k/v split vs stacked and the FFN in row blocks vs with a fused epilogue
         (``BertLayer.forward``), on layer 0's weights, then the attention kernel: torch's fused one, three ops, or
-        prefill-lab's own (``attention_kernel``, ``lab.models.probes.attention_probe``)."""
+        prefill-lab's own (``attention_kernel``, ``lab.models.probes.attention_probe``), then the post-norms: torch's
+        add and LayerNorm or prefill-lab's in-place kernel (``add_layer_norm``; ``lab.kernels.cpu_norms``, offered
+        where the C library built)."""
         layer, t = self.layers[0], PROBE_ROWS
         x = torch.randn(t, self.hidden_size, dtype=dtype)
         probe = gemm_probe(x, layer.up.weight, layer.up.bias, threads)
@@ -171,6 +203,12 @@ class BertModel(PackedModel):
         yield Probe("bert_ffn", (str(dtype), self.hidden_size, layer.up.weight.shape[0]),
                     _ordered(ffn, "blocks" if narrow else "fused"), threads)
         yield attention_probe(dtype, layer.heads, layer.head_dim, threads)
+        norm, h = layer.out_norm, torch.randn(t, self.hidden_size, dtype=dtype)
+        if cpu_norms.supports(h, norm.weight, norm.bias) and cpu_norms.available():
+            w, b, eps = norm.weight, norm.bias, self.eps
+            yield Probe("add_layer_norm", (str(dtype), self.hidden_size),
+                        {"torch": lambda: ops("torch").add_layer_norm(h, x, w, b, eps),
+                         "lab": lambda: cpu_norms.add_layer_norm(h, x, w, b, eps)}, threads)
 
     def _probe_qkv(self, layer: BertLayer, x: torch.Tensor, choice: str):
         self.plan["bert_qkv"] = choice
