@@ -116,3 +116,32 @@ def test_bert_layers_in_place_match_transformers(tmp_path, minilm_path, ffn, mon
             s += len(x)
     blocks = -(-batch.meta.num_tokens // 5) if ffn == "blocks" else 1
     assert len(calls) == 1 + spec.config["num_hidden_layers"] * (1 + blocks)  # embeddings; per layer attention, FFN
+
+
+def test_bert_under_autograd_keeps_torchs_norms(tmp_path, minilm_path, monkeypatch):
+    """The kernel has no backward: with gradients recorded (training), a plan that chose it runs torch's ops, and
+    the LayerNorm weights get gradients."""
+    import numpy as np
+    from tiny_encoders import tiny_encoder
+
+    from lab.batch import PackedBatch
+    from lab.models.bert import BertModel
+    from lab.models.loading import read_folder, read_state_dict
+
+    calls, real = [], cpu_norms.add_layer_norm
+    monkeypatch.setattr(cpu_norms, "add_layer_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    spec = read_folder(tiny_encoder(tmp_path / "bert", minilm_path, "bert", hidden=48, heads=3))
+    ours = BertModel.from_hf_config(spec.config)
+    ours.load_hf_state_dict(read_state_dict(spec))
+    ours.plan.update({"add_layer_norm": "lab", "bert_ffn": "fused"})  # (the row blocks write with out=: no autograd)
+    batch = PackedBatch.build([np.array([101, 7592, 2088, 102]), np.array([101, 102])], causal=False,
+                              device=torch.device("cpu"))
+    with torch.enable_grad():
+        out = ours(batch.input_ids, batch.positions, batch.meta)
+        out.sum().backward()
+    assert not calls and out.grad_fn is not None
+    assert ours.layers[0].attn_norm.weight.grad is not None and ours.emb_norm.weight.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(ours(batch.input_ids, batch.positions, batch.meta), out.detach(), atol=2e-5,
+                                   rtol=1e-5)
+    assert calls  # and without gradients, the kernel

@@ -50,8 +50,10 @@ def _cpu_default(x: torch.Tensor, name: str, plan: dict[str, str]) -> str:
 
 def _lab_norm(x: torch.Tensor, norm: nn.LayerNorm, plan: dict[str, str]) -> bool:
     """Whether ``LayerNorm(x + residual)`` runs in ``lab.kernels.cpu_norms`` (in place): where the
-    ``add_layer_norm`` probe chose it and the kernel takes ``x`` (CPU; elsewhere, and by default, torch's ops)."""
-    return plan.get("add_layer_norm") == "lab" and cpu_norms.supports(x, norm.weight, norm.bias)
+    ``add_layer_norm`` probe chose it, the kernel takes ``x`` (CPU) and nothing records gradients (the kernel has no
+    backward: training, e.g. ``lab.adapt``, runs torch's ops); elsewhere, and by default, torch's ops."""
+    return (plan.get("add_layer_norm") == "lab" and not torch.is_grad_enabled()
+            and cpu_norms.supports(x, norm.weight, norm.bias))
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm, eps: float, meta: AttnMeta,
