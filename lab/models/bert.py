@@ -109,15 +109,18 @@ class BertLayer(nn.Module):
         w, b = self.out_norm.weight, self.out_norm.bias
         for s in range(0, x.shape[0], FFN_ROWS):
             rows = x[s : s + FFN_ROWS]
-            h = linear(self.act_inplace(linear(rows, self.up.weight, self.up.bias)), self.down.weight, self.down.bias)
-            cpu_norms.add_layer_norm(h, rows, w, b, self.eps, out=rows)
+            cpu_norms.add_layer_norm(linear(self._up_act(rows), self.down.weight, self.down.bias), rows, w, b,
+                                     self.eps, out=rows)
         return x
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
         if _cpu_default(x, "bert_ffn", self.plan) == "blocks":
-            return row_blocks(x, self.down.weight, self.down.bias, FFN_ROWS,
-                              lambda rows: self.act_inplace(linear(rows, self.up.weight, self.up.bias)))
+            return row_blocks(x, self.down.weight, self.down.bias, FFN_ROWS, self._up_act)
         return self.down(linear_act(x, self.up.weight, self.up.bias, self.act_name, self.act))
+
+    def _up_act(self, rows: torch.Tensor) -> torch.Tensor:
+        """The FFN's up-projection of a row block, its activation in place (the ``blocks`` path)."""
+        return self.act_inplace(linear(rows, self.up.weight, self.up.bias))
 
 
 class BertModel(PackedModel):
