@@ -43,7 +43,10 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 
 static inline v16 ld(const float *p) { return *(const v16u *)p; }
 static inline void st(float *p, v16 x) { *(v16u *)p = x; }
-static inline v16 bc(float x) { return (v16){0} + x; }
+/* x in every lane, written out lane by lane: GCC compiles it to a broadcast from memory that an FMA takes as its
+ * operand, where `(v16){0} + x` (this kernel's spelling until session 21) cost a scalar add (x + 0 is not x for
+ * x = -0) and a register broadcast per row in every inner loop: 1.0-1.1x slower at 64-256 tokens */
+static inline v16 bc(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 static inline v16 vsel(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
 
 /* 2^f for |f| <= 1/2: its Taylor series in f to degree 6 (relative error < 1.3e-7); both exp2v below use it. */
@@ -177,16 +180,17 @@ static inline __attribute__((always_inline)) void softmax_and_weighted_sum(const
                                                                            float *O, int64_t Lp, int D, int kmax,
                                                                            int kp, const v16 *mx) {
     float inv[R];
-    for (int r = 0; r < R; r++) {
-        float *s = S + r * Lp;
-        v16 m = bc(hmax(mx[r])), sum = {0};
-        for (int j = 0; j < kp; j += W) {
-            v16 e = exp2v(ld(s + j) - m);
-            st(s + j, e);
-            sum += e;
+    v16 m[R], sum[R];
+    for (int r = 0; r < R; r++) m[r] = bc(hmax(mx[r])), sum[r] = bc(0.0f);
+    for (int j = 0; j < kp; j += W) /* the rows interleaved: R independent chains of sums (row by row, each
+                                      * exp waited on the previous vector's sum: float32 1.04-1.15x slower on one
+                                      * AMD EPYC, family 26, at 14-256 tokens) */
+        for (int r = 0; r < R; r++) {
+            v16 e = exp2v(ld(S + r * Lp + j) - m[r]);
+            st(S + r * Lp + j, e);
+            sum[r] += e;
         }
-        inv[r] = 1.0f / hsum(sum);
-    }
+    for (int r = 0; r < R; r++) inv[r] = 1.0f / hsum(sum[r]);
     rows_times(S, Lp, V, vr, kmax, D, inv, O, D, NULL, NULL);
 }
 

@@ -8,7 +8,10 @@ Given one wave of ``Request`` objects and a ``Pooler`` (method x head), the exec
 - **KV** (``lab.kv_path``): causal attention with chunked prefill, or with a prefix the inputs share that the
   prefix cache computes once.
 
-Both paths share a step among the CPU workers (``Runner.run_shared``), both
+Both paths share their steps among the CPU workers: the packed path streams every step's shares through them with
+no barrier between steps, the head applied in the workers (``Runner.run_stream``; on one 2-vCPU AMD EPYC it took
+all-MiniLM-L6-v2's STSBenchmark sentences from 1.96 to 1.87 s a call, median of 5 interleaved rounds), the KV path
+shares one step at a time (``Runner.run_shared``). Both
 drive the model through its one forward (``lab.models.base.PackedModel``), and both yield ``(requests, outputs)``
 with outputs aligned to those requests, after the head. A method may return a tuple (several outputs of one
 forward, ``lab.outputs``): the workers' shares are merged per item. The ``rows()`` shortcut applies only when the
@@ -57,7 +60,19 @@ class Executor:
                 stats.add(delta)
                 yield reqs, pooler.outputs(pooled, reqs)
             return
-        for batch in plan_batches(requests, s.max_batch_tokens, s.max_num_seqs):
+        batches = plan_batches(requests, s.max_batch_tokens, s.max_num_seqs)
+        workers = self.workers(s)
+        if workers > 1:  # the steps' shares streamed through the CPU workers, outputs by the head in the workers
+            def share(reqs):
+                pooled, delta = self._forward_pool(reqs, pooler.method, s)
+                return pooler.outputs(pooled, reqs), delta
+
+            for reqs, out, delta, first in self.runner.run_stream(share, batches, workers):
+                delta.batches = int(first)
+                stats.add(delta)
+                yield reqs, out
+            return
+        for batch in batches:
             pooled, delta = self.packed_step(batch, pooler.method, s)
             delta.batches = 1
             stats.add(delta)

@@ -9,8 +9,12 @@ threads, each running its share as its own packed forward with ``1/workers`` of 
 thread count is per thread; weights are shared). Every op then runs without the fork/join barriers of
 multi-threaded kernels, and each GEMM stays on one core's cache; on the 2-core development machine this measured
 1.09-1.13x (MiniLM, SciFact) and 1.08-1.09x (SmolLM2) end to end over one multi-threaded forward (paired,
-interleaved runs), same embeddings. ``run_shared`` runs the shares; ``lab.scheduler.split_for_workers`` decides
-them (a step that cannot be shared evenly, say one long input with a few short ones, runs undivided).
+interleaved runs), same embeddings. ``run_shared`` runs the shares of one step; ``lab.scheduler.split_for_workers``
+decides them (a step that cannot be shared evenly, say one long input with a few short ones, runs undivided).
+``run_stream`` runs the shares of a sequence of steps with no barrier between steps: the next steps' shares wait in
+the pool's queue, so a worker done with its share of one step starts on the next step instead of waiting for the
+other worker (the shares' costs are estimates, and one worker may be slowed for a while by the other's memory
+traffic or the machine).
 
     >>> runner = Runner(model, device=torch.device("cpu"), dtype=torch.float32)
     >>> hidden = runner.forward(runner.pack(requests, causal=False, backend="torch"))     # (T, hidden)
@@ -18,8 +22,9 @@ them (a step that cannot be shared evenly, say one long input with a few short o
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import torch
@@ -33,6 +38,8 @@ from lab.models.probes import Decision, decide
 from lab.scheduler import split_for_workers
 
 T = TypeVar("T")
+
+STREAM_AHEAD = 1  # steps queued beyond the one ``run_stream`` is collecting
 
 
 class Runner:
@@ -140,6 +147,44 @@ class Runner:
         for _, delta in results:
             total.add(delta, concurrent=True)
         return _merge(parts, [rows for rows, _ in results], len(items)), total
+
+    def run_stream(self, fn: Callable[[list], tuple[object, Stats]], steps: Iterable[list], workers: int, *,
+                   ahead: int = STREAM_AHEAD) -> Iterator[tuple[list, object, Stats, bool]]:
+        """Run ``fn`` on the CPU workers' shares of every step of ``steps`` (as ``run_shared`` shares one step) and
+        yield ``(share items, fn's outputs aligned with them, Stats, first share of its step)`` per share, step by
+        step, in order. Up to ``ahead`` steps beyond the one being collected have their shares queued, so the
+        workers never wait at a step's end. A step that cannot be shared runs undivided on the calling thread with
+        all its intra-op threads once the steps before it are done. On an error, an interrupt, or the caller
+        closing the iterator, queued shares are cancelled and running ones finish before it returns or raises."""
+        pool = self._workers(workers)
+        pending: deque[tuple[list, list[list[int]], list[Future]]] = deque()
+
+        def collect(keep: int):  # yield the oldest steps' shares until `keep` steps are pending
+            while len(pending) > keep:
+                step, parts, futures = pending[0]  # stays pending (its futures awaited on exit) until collected
+                for k, (part, future) in enumerate(zip(parts, futures)):
+                    out, delta = future.result()
+                    yield [step[i] for i in part], out, delta, k == 0
+                pending.popleft()
+
+        try:
+            for step in steps:
+                parts = split_for_workers([x.length for x in step], workers)
+                if parts is None:  # runs alone, with every intra-op thread: everything queued before it first
+                    yield from collect(0)
+                    with torch.inference_mode():
+                        out, delta = fn(step)
+                    yield step, out, delta, True
+                    continue
+                pending.append((step, parts, [pool.submit(_inference, fn, [step[i] for i in part])
+                                              for part in parts]))
+                yield from collect(ahead)
+            yield from collect(0)
+        finally:
+            futures = [f for _, _, fs in pending for f in fs]
+            for f in futures:
+                f.cancel()
+            wait(futures)
 
     def cpu_workers(self, workers: int | None, backend: str) -> int:
         """Workers a step may be split across: the knob's value (``None`` = ``torch.get_num_threads()``) on CPU

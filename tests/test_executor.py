@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import random
 import threading
+import time
 import warnings
 from dataclasses import MISSING, fields
 
@@ -16,6 +17,7 @@ from conftest import cosine_rows
 from tiny_models import tiny_llama
 
 from lab import Engine
+from lab.call import Stats
 from lab.knobs import Knobs
 
 LONG = "Rotary position embeddings rotate queries and keys by their positions. "
@@ -133,8 +135,9 @@ def test_engine_arguments_are_the_knobs_by_name(minilm_path):
     assert {k: eng.knobs[k] for k in chosen} == chosen
 
 
-def test_failed_call_leaves_stats_as_they_were(minilm_path, monkeypatch):
-    eng = Engine(minilm_path, max_batch_tokens=64)
+@pytest.mark.parametrize("workers", [1, 2])  # one forward per step / the steps' shares streamed through 2 workers
+def test_failed_call_leaves_stats_as_they_were(minilm_path, monkeypatch, workers):
+    eng = Engine(minilm_path, max_batch_tokens=64, cpu_workers=workers)
     eng.embed(["one text", "another text"])
     before = eng.stats
     calls = []
@@ -145,10 +148,94 @@ def test_failed_call_leaves_stats_as_they_were(minilm_path, monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
-    real = eng.executor.packed_step
-    monkeypatch.setattr(eng.executor, "packed_step", boom)
+    real = eng.executor._forward_pool
+    monkeypatch.setattr(eng.executor, "_forward_pool", boom)
     with pytest.raises(KeyboardInterrupt):
         eng.embed(["some words here"] * 40)  # several batches: the second one is interrupted
     assert eng.stats is before
     monkeypatch.undo()
     np.testing.assert_allclose(eng.embed(["one text"]), Engine(minilm_path).embed(["one text"]), atol=1e-6)
+
+
+def test_packed_steps_count_the_same_work_however_shared(minilm_path):
+    """The packed path streams its steps' shares through the CPU workers: the same rows in input order and the same
+    counts (batches are steps, not shares) as one forward per step."""
+    texts = shuffled([LONG * (i % 4) + f"text {i}" for i in range(60)], 2)
+    eng = Engine(minilm_path, max_batch_tokens=256)
+    rows, counts = [], []
+    for workers in (1, 2):
+        eng.configure(cpu_workers=workers)
+        rows.append(eng.embed(texts))
+        s = eng.stats
+        counts.append((s.sequences, s.tokens, s.batches, s.tokens_computed, s.padded_tokens))
+    assert counts[0] == counts[1] and counts[0][2] > 3
+    np.testing.assert_allclose(rows[1], rows[0], atol=2e-6)
+
+
+class Item:
+    def __init__(self, length: int, tag: str):
+        self.length, self.tag = length, tag
+
+
+def _stream_steps():
+    # step 1 (index 1) cannot be shared evenly: one long item among short ones
+    return [[Item(10, f"s{k}i{i}") for i in range(4)] if k != 1 else [Item(4000, "long"), Item(3, "x")]
+            for k in range(5)]
+
+
+def test_run_stream_yields_every_share_in_step_order(minilm_path):
+    runner = Engine(minilm_path).runner
+    seen = []
+
+    def fn(items):
+        seen.append(threading.current_thread().name)
+        return [it.tag for it in items], Stats(tokens_computed=sum(it.length for it in items))
+
+    steps = _stream_steps()
+    got = list(runner.run_stream(fn, steps, 2))
+    tags = [t for items, out, _, _ in got for t in out]
+    assert [t for items, _, _, _ in got for t in (it.tag for it in items)] == tags  # outputs aligned with items
+    for k, step in enumerate(steps):  # every item once, each step's shares before the next step's
+        want = sorted(it.tag for it in step)
+        assert sorted(tags[:len(want)]) == want
+        tags = tags[len(want):]
+    assert sum(first for *_, first in got) == len(steps)
+    assert sum(delta.tokens_computed for _, _, delta, _ in got) == sum(it.length for s in steps for it in s)
+    assert threading.current_thread().name in seen  # the unshareable step ran on the calling thread
+    assert sum(name.startswith("lab-cpu-worker") for name in seen) == 8  # 4 shared steps x 2 shares
+
+
+@pytest.mark.parametrize("how", ["error", "close"])
+def test_run_stream_leaves_no_worker_running(minilm_path, how):
+    """An error in a share, or the caller stopping early: queued shares are cancelled, running ones have finished
+    when ``run_stream`` returns or raises."""
+    runner = Engine(minilm_path).runner
+    running, ran = [0], []
+    lock = threading.Lock()
+
+    def fn(items):
+        with lock:
+            running[0] += 1
+        try:
+            time.sleep(0.05)
+            if how == "error" and items[0].tag.startswith("s2"):
+                raise RuntimeError("share failed")
+            ran.append(items[0].tag)
+            return [it.tag for it in items], Stats()
+        finally:
+            with lock:
+                running[0] -= 1
+
+    steps = _stream_steps() * 3
+    stream = runner.run_stream(fn, steps, 2)
+    if how == "error":
+        with pytest.raises(RuntimeError, match="share failed"):
+            for _ in stream:
+                pass
+    else:
+        next(stream)
+        stream.close()
+    assert running[0] == 0
+    assert len(ran) < 2 * len(steps) - 2  # the later steps' shares never ran
+    time.sleep(0.2)
+    assert running[0] == 0
