@@ -545,3 +545,55 @@ int lab_add_layer_norm(int bf16, const void *x, int64_t xs, const void *res, int
     free(buf);
     return 0;
 }
+
+/* ----------------------------------------------------------------------------------------------------------------
+ * RMSNorm(x + residual) over rows, on one CPU thread (lab.kernels.cpu_norms): the pre-norm of Llama-style blocks,
+ * returning both the sum (the next residual) and its norm. torch's path (lab.kernels.reference.add_rms_norm) makes
+ * five passes over (T, n) tensors, each writing a temporary (the add, the float32 copy, the norm, the scaling, the
+ * weight); here one pass reads x and the residual, writes the sum (rounded to bfloat16 for bfloat16 inputs, as
+ * torch's add does) and keeps it in float32 for a second pass over the row in L1: s / rms (rms = sqrt(mean(s^2) +
+ * eps) in float32), rounded to the inputs' dtype as torch's cast back does, times the weight, stored in that dtype.
+ *
+ * x, residual (may be NULL: the sum is x), sum (may be NULL: not stored; may be x or residual), out: T rows of n
+ * elements (n a multiple of 16), row strides in elements, all float32 or all bfloat16 (bf16 = 1), as is weight (n).
+ * out may be x only when sum is not x. Returns 0; 1 for n not a positive multiple of 16; 2 when the row scratch
+ * cannot be allocated. */
+int lab_add_rms_norm(int bf16, const void *x, int64_t xs, const void *res, int64_t rs, const void *weight,
+                     void *sum, int64_t ss, void *out, int64_t os, int64_t T, int n, float eps) {
+    if (n <= 0 || n % W) return 1;
+    float *buf = aligned_alloc(64, (size_t)n * 2 * sizeof(float));
+    if (!buf) return 2;
+    float *s = buf, *w = s + n;
+    for (int d = 0; d < n; d += W) st(w + d, ld_row(weight, d, bf16));
+    const float inv_n = 1.0f / (float)n;
+    for (int64_t t = 0; t < T; t++) {
+        v16 sq = {0};
+        for (int d = 0; d < n; d += W) {
+            v16 y = ld_row(x, t * xs + d, bf16);
+            if (res) {
+                y += ld_row(res, t * rs + d, bf16);
+                if (bf16) y = round_bf16(y);
+            }
+            st(s + d, y);
+            sq += y * y;
+        }
+        if (sum) {
+            if (bf16)
+                store_bf16((uint16_t *)sum + t * ss, s, n);
+            else
+                copy_row((float *)sum + t * ss, s, n);
+        }
+        const v16 inv = bc(1.0f / __builtin_sqrtf(hsum(sq) * inv_n + eps));
+        for (int d = 0; d < n; d += W) {
+            v16 y = ld(s + d) * inv;
+            if (bf16) y = round_bf16(y);
+            st(s + d, y * ld(w + d));
+        }
+        if (bf16)
+            store_bf16((uint16_t *)out + t * os, s, n);
+        else
+            copy_row((float *)out + t * os, s, n);
+    }
+    free(buf);
+    return 0;
+}

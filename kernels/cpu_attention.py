@@ -123,6 +123,8 @@ def bind(path: str | os.PathLike) -> ctypes.CDLL:
     lib.lab_attention_native_bf16.argtypes = []
     lib.lab_add_layer_norm.restype = i32  # lab.kernels.cpu_norms
     lib.lab_add_layer_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i32, ctypes.c_float]
+    lib.lab_add_rms_norm.restype = i32
+    lib.lab_add_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, ctypes.c_float]
     return lib
 
 

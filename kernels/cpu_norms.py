@@ -1,13 +1,17 @@
-"""``LayerNorm(x + residual)`` on CPU in prefill-lab's own C library (``cpu_attention.c``, built and loaded by
-``lab.kernels.cpu_attention``), one pass per row, written where the caller says: into ``x`` itself when ``x`` is a
-GEMM output nothing else reads, so a BERT layer's two post-norms allocate nothing. A candidate of the
-``add_layer_norm`` probe (``lab.models.bert``), never a default chosen by CPU flags.
+"""``LayerNorm(x + residual)`` and ``RMSNorm(x + residual)`` on CPU in prefill-lab's own C library
+(``cpu_attention.c``, built and loaded by ``lab.kernels.cpu_attention``), one pass per row.
+
+``add_layer_norm`` writes where the caller says: into ``x`` itself when ``x`` is a GEMM output nothing else reads,
+so a BERT layer's two post-norms allocate nothing. ``add_rms_norm`` is the pre-norm of Llama-style blocks: the sum
+(the next residual) and its norm from one pass, against torch's five (``lab.models.decoder``). Candidates of the
+``add_layer_norm`` / ``add_rms_norm`` probes, never defaults chosen by CPU flags.
 
 Arithmetic in float32 for float32 and bfloat16 inputs alike; for bfloat16 the sum is rounded to bfloat16 first and
-the output at the end, as torch's ``x + residual`` then ``F.layer_norm`` round them. Matches
-``lab.kernels.reference.add_layer_norm`` within float32 rounding (``tests/test_cpu_norms.py``).
+the output at the end (RMSNorm: also the normalised value before the weight), as torch's ops round them. Matches
+``lab.kernels.reference.add_layer_norm`` / ``add_rms_norm`` within float32 rounding (``tests/test_cpu_norms.py``).
 
     >>> y = add_layer_norm(h, x, weight, bias, 1e-12, out=h)      # h (T, n), x (T, n); returns h
+    >>> y, s = add_rms_norm(h, residual, weight, 1e-5)             # s = h + residual, y = RMSNorm(s) * weight
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 from lab.kernels import cpu_attention
 from lab.kernels.cpu_attention import DTYPES, WIDTH, available, unavailable_reason
 
-__all__ = ["add_layer_norm", "available", "supports", "unavailable_reason"]
+__all__ = ["add_layer_norm", "add_rms_norm", "available", "supports", "unavailable_reason"]
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -38,12 +42,9 @@ def _rows(name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                   eps: float, *, out: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``LayerNorm(x + residual) * weight + bias`` over the last dim of ``x`` ``(T, n)`` (``residual=None``: plain
-    LayerNorm), into ``out`` (a ``(T, n)`` tensor like ``x``, which may be ``x`` or ``residual`` themselves: each row
-    is read before it is written; default a new tensor), which it returns. Runs on the calling thread. ``lib``: a
-    build other than this machine's (``cpu_attention.bind``)."""
+def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    """The library to call (``lib`` or this machine's build), once ``x`` and the parameters are ones it takes."""
     lib = lib or cpu_attention._load()
     if lib is None:
         raise RuntimeError(f"lab.kernels.cpu_norms is not available: {unavailable_reason()}")
@@ -52,6 +53,23 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
                          f"{WIDTH}, and weight/bias (n,) of x's dtype; got x {tuple(x.shape)} {x.dtype} on {x.device} "
                          f"(strides {x.stride()}), weight {tuple(weight.shape)} {weight.dtype}"
                          + ("" if bias is None else f", bias {tuple(bias.shape)} {bias.dtype}"))
+    return lib
+
+
+def _returned(rc: int) -> None:
+    if rc == 2:
+        raise MemoryError("cpu_norms could not allocate its row scratch")
+    if rc:
+        raise ValueError(f"cpu_norms rejected the shapes (code {rc})")
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float, *, out: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``LayerNorm(x + residual) * weight + bias`` over the last dim of ``x`` ``(T, n)`` (``residual=None``: plain
+    LayerNorm), into ``out`` (a ``(T, n)`` tensor like ``x``, which may be ``x`` or ``residual`` themselves: each row
+    is read before it is written; default a new tensor), which it returns. Runs on the calling thread. ``lib``: a
+    build other than this machine's (``cpu_attention.bind``)."""
+    lib = _checked(x, weight, bias, lib)
     if residual is not None:
         _rows("residual", residual, x)
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else _rows("out", out, x)
@@ -62,8 +80,30 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
         w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
         float(eps),
     )
-    if rc == 2:
-        raise MemoryError("cpu_norms could not allocate its row scratch")
-    if rc:
-        raise ValueError(f"cpu_norms rejected the shapes (code {rc})")
+    _returned(rc)
     return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                 out: torch.Tensor | None = None, lib: ctypes.CDLL | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(RMSNorm(s) * weight, s)`` with ``s = x + residual`` (``residual=None``: ``s`` is ``x`` itself) over the
+    last dim of ``x`` ``(T, n)``, as ``lab.kernels.reference.add_rms_norm`` returns them; ``s`` is a new tensor,
+    the norm goes into ``out`` (a ``(T, n)`` tensor like ``x``, which may be ``x`` itself when ``residual`` is given;
+    default a new tensor). Runs on the calling thread. ``lib``: a build other than this machine's."""
+    lib = _checked(x, weight, None, lib)
+    if residual is not None:
+        _rows("residual", residual, x)
+    if out is not None and residual is None and out.data_ptr() == x.data_ptr():
+        raise ValueError("add_rms_norm: out may be x only when a residual is given (x is then the returned sum)")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else _rows("out", out, x)
+    s = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    w = weight.contiguous()  # held until the call returns
+    rc = lib.lab_add_rms_norm(
+        int(x.dtype == torch.bfloat16), x.data_ptr(), x.stride(0),
+        None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+        w.data_ptr(), None if residual is None else s.data_ptr(), s.stride(0), out.data_ptr(),
+        out.stride(0), x.shape[0], x.shape[1], float(eps),
+    )
+    _returned(rc)
+    return out, s

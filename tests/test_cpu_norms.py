@@ -1,14 +1,15 @@
-"""prefill-lab's own CPU LayerNorm(x + residual) (lab.kernels.cpu_norms, in the C library lab.kernels.cpu_attention
-builds): torch's add + LayerNorm (lab.kernels.reference.add_layer_norm) in every build (this machine's, AVX2-only,
-portable), float32 and bfloat16, odd row counts, one row, strided rows, written over x or the residual; bad input;
-and the BERT layer's in-place path (its blocks overwrite their own rows) against transformers."""
+"""prefill-lab's own CPU LayerNorm(x + residual) and RMSNorm(x + residual) (lab.kernels.cpu_norms, in the C library
+lab.kernels.cpu_attention builds): torch's ops (lab.kernels.reference.add_layer_norm / add_rms_norm) in every build
+(this machine's, AVX2-only, portable), float32 and bfloat16, odd row counts, one row, strided rows, written over x or
+the residual; bad input; and the BERT layer's in-place path (its blocks overwrite their own rows) against
+transformers (the decoders' pre-norms: tests/test_models_decoder.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from lab.kernels import cpu_norms
-from lab.kernels.reference import add_layer_norm
+from lab.kernels.reference import add_layer_norm, add_rms_norm
 
 pytestmark = pytest.mark.skipif(not cpu_norms.available(),
                                 reason=f"the C kernels did not build here: {cpu_norms.unavailable_reason()}")
@@ -33,13 +34,50 @@ def test_matches_torch_in_every_build(c_builds, dtype, t, n, residual, bias):
     for name, lib in c_builds.items():
         got = cpu_norms.add_layer_norm(x, r, w, b, 1e-12, lib=lib)
         assert got.dtype == dtype and got.shape == x.shape
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5, msg=name)
-        else:  # the same float32 value rounded once: at most one bfloat16 step apart, almost always equal
-            diff = (got.float() - want.float()).abs()
-            step = want.float().abs().clamp_min(1e-3) * 2 ** -7
-            assert bool((diff <= step).all()), name
-            assert (got != want).float().mean().item() < 1e-3, name
+        _close_to_torch(got, want, name)
+
+
+def _close_to_torch(got, want, name):
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5, msg=name)
+    else:  # the same float32 value rounded once: at most one bfloat16 step apart, almost always equal
+        diff = (got.float() - want.float()).abs()
+        step = want.float().abs().clamp_min(1e-3) * 2 ** -7
+        assert bool((diff <= step).all()), name
+        assert (got != want).float().mean().item() < 1e-3, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,n", [(1, 16), (7, 576), (1001, 576), (33, 64), (5, 48)])
+@pytest.mark.parametrize("residual", [True, False])
+def test_rms_norm_matches_torch_in_every_build(c_builds, dtype, t, n, residual):
+    x, r, w, _ = _inputs(t, n, dtype, seed=t + n)
+    r = r if residual else None
+    want, want_sum = add_rms_norm(x, r, w, 1e-6)
+    for name, lib in c_builds.items():
+        got, got_sum = cpu_norms.add_rms_norm(x, r, w, 1e-6, lib=lib)
+        assert got.dtype == dtype and got.shape == x.shape
+        assert torch.equal(got_sum, want_sum), name  # the sum rounded as torch's add rounds it
+        assert (got_sum is x) == (not residual), name
+        _close_to_torch(got, want, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_into_x_and_strided_rows(dtype):
+    x, r, w, _ = _inputs(9, 64, dtype, seed=4)
+    plain, plain_sum = cpu_norms.add_rms_norm(x, r, w, 1e-6)
+    over_x = x.clone()
+    got, got_sum = cpu_norms.add_rms_norm(over_x, r, w, 1e-6, out=over_x)
+    assert got.data_ptr() == over_x.data_ptr() and torch.equal(got, plain) and torch.equal(got_sum, plain_sum)
+    wide = torch.zeros(9, 3 * 64, dtype=dtype)
+    wide[:, 64:128] = x
+    strided_out = torch.full((9, 2 * 64), 7.0, dtype=dtype)
+    cpu_norms.add_rms_norm(wide[:, 64:128], r, w, 1e-6, out=strided_out[:, :64])
+    assert torch.equal(strided_out[:, :64], plain) and bool((strided_out[:, 64:] == 7).all())
+    with pytest.raises(ValueError, match="out may be x only when a residual is given"):
+        cpu_norms.add_rms_norm(x, None, w, 1e-6, out=x)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_norms.add_rms_norm(x[:, :40], None, w[:40], 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -423,3 +423,26 @@ def test_rotate_pairs_equals_apply_rotary_in_the_permuted_layout():
     halves = RopeTables.at(positions, inv_freq, 1.3, "halves", torch.bfloat16)
     err_halves = (apply_rotary(x.to(torch.bfloat16), halves.cos, halves.sin).double() - want).abs().max()
     assert err_pairs <= err_halves, (err_pairs, err_halves)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_pass_pre_norms_match_transformers(folders, kind, monkeypatch):
+    """The pre-norms (and the final norm) in prefill-lab's one-pass C kernel, as the ``add_rms_norm`` probe may
+    choose: transformers' hidden states; with gradients recorded the plan's choice gives way to torch's ops."""
+    from lab.kernels import cpu_norms
+
+    if not cpu_norms.available():
+        pytest.skip(f"the C kernels did not build here: {cpu_norms.unavailable_reason()}")
+    calls, real = [], cpu_norms.add_rms_norm
+    monkeypatch.setattr(cpu_norms, "add_rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = ours(folders[kind])
+    model.plan["add_rms_norm"] = "lab"
+    compare_with_transformers(model, theirs(folders[kind]), LENGTHS + [33], causal=True, what=kind)
+    assert len(calls) == 2 * len(model.layers) + 1  # two per block, the final norm
+    calls.clear()
+    from lab.models.decoder import add_rms_norm
+
+    x, r, meta = torch.randn(6, 64), torch.randn(6, 64), AttnMeta.from_lengths([4, 2], causal=True)
+    with torch.enable_grad():  # nothing to differentiate through in the kernel: torch's ops
+        add_rms_norm(x, r, model.layers[0].ln_attn, model.eps, meta, model.plan)
+    assert not calls

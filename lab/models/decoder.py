@@ -22,6 +22,7 @@ from torch import nn
 
 from lab.attention import attention, ops
 from lab.batch import AttnMeta, OutputRows
+from lab.kernels import cpu_norms
 from lab.models.base import PackedModel
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.loading import KeyTracker, warn_unexpected
@@ -122,6 +123,17 @@ def _sliding_window(c: dict, mt: str) -> int | None:
     return None
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, meta: AttnMeta,
+                 plan: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(RMSNorm(x + residual) * weight, x + residual)``: in ``lab.kernels.cpu_norms`` (one pass per row) where the
+    ``add_rms_norm`` probe chose it, the torch backend runs, the kernel takes ``x`` and nothing records gradients (it
+    has no backward: training, e.g. ``lab.adapt``, runs torch's ops); elsewhere, and by default, the backend's ops."""
+    if (plan.get("add_rms_norm") == "lab" and meta.backend != "triton" and not torch.is_grad_enabled()
+            and cpu_norms.supports(x, weight)):
+        return cpu_norms.add_rms_norm(x, residual, weight, eps)
+    return ops(meta).add_rms_norm(x, residual, weight, eps)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the residual adds live in the norms."""
 
@@ -157,7 +169,7 @@ class DecoderLayer(nn.Module):
         rows. For SmolLM2 (30 blocks) that skips ~3 % of the forward's FLOPs."""
         k_ops = ops(meta)
         t = x.shape[0]
-        h, residual = k_ops.add_rms_norm(x, residual, self.ln_attn, self.eps)
+        h, residual = add_rms_norm(x, residual, self.ln_attn, self.eps, meta, self.plan)
         nq, nk = self.hq * self.d, self.hkv * self.d
         if only is None:
             qkv = self.qkv(h)  # (T, (Hq + 2 Hkv) * D)
@@ -182,7 +194,7 @@ class DecoderLayer(nn.Module):
                           kernel=self.plan.get("attention_kernel", "sdpa"))  # (T, Hq, D)
         else:
             a = attention(q, k[only.rows], v[only.rows], only.step_meta(meta, self.index, k, v), self.index)
-        h, residual = k_ops.add_rms_norm(self.o(a.reshape(tq, nq)), residual, self.ln_mlp, self.eps)
+        h, residual = add_rms_norm(self.o(a.reshape(tq, nq)), residual, self.ln_mlp, self.eps, meta, self.plan)
         return self._mlp(h), residual
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
@@ -286,7 +298,9 @@ class DecoderModel(PackedModel):
         noisy run of three per dtype picked ``whole``: SmolLM2's 96-text bfloat16 benchmark then spent 1.6x the
         thread time on attention it spent in float32, with blocks), then that torch path vs prefill-lab's own kernel
         (``attention_kernel``: ``sdpa`` or ``lab``, ``lab.models.probes.attention_probe``; never the three-op
-        ``matmul``, which rounds scores to bfloat16), on a causal step of mixed lengths."""
+        ``matmul``, which rounds scores to bfloat16), on a causal step of mixed lengths; then the pre-norms: torch's
+        add and RMSNorm or prefill-lab's one-pass kernel (``add_rms_norm``; ``lab.kernels.cpu_norms``, offered where
+        the C library built)."""
         layer = self.layers[0]
         x = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype)
         b = layer.gate_up.bias
@@ -309,13 +323,18 @@ class DecoderModel(PackedModel):
                      "blocks": lambda: attention(q, k, v, meta, 0, causal_block=CAUSAL_BLOCK)}, threads)
         yield attention_probe(dtype, layer.hq, layer.d, threads, kv_heads=layer.hkv, causal=True,
                               causal_block=causal_block(self.plan), kernels=("sdpa", "lab"))
+        h, w, eps = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype), layer.ln_mlp, self.eps
+        if cpu_norms.supports(h, w) and cpu_norms.available():
+            yield Probe("add_rms_norm", (str(dtype), self.hidden_size),
+                        {"torch": lambda: ops("torch").add_rms_norm(h, x, w, eps),
+                         "lab": lambda: cpu_norms.add_rms_norm(h, x, w, eps)}, threads)
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMeta, *, last: bool) -> torch.Tensor:
         """The final RMSNorm after the last block (transformers' ``last_hidden_state``); below it, the residual
         stream ``x + residual`` without a norm (transformers' ``hidden_states[k]``)."""
         if not last:
             return x if residual is None else x + residual
-        return ops(meta).add_rms_norm(x, residual, self.norm, self.eps)[0]
+        return add_rms_norm(x, residual, self.norm, self.eps, meta, self.plan)[0]
 
     @property
     def has_lm_head(self) -> bool:
