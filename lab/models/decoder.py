@@ -127,7 +127,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  plan: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(RMSNorm(x + residual) * weight, x + residual)``: in ``lab.kernels.cpu_norms`` (one pass per row) where the
     ``add_rms_norm`` probe chose it, the torch backend runs, the kernel takes ``x`` and nothing records gradients (it
-    has no backward: training, e.g. ``lab.adapt``, runs torch's ops); elsewhere, and by default, the backend's ops."""
+    has no backward); elsewhere, and by default, the backend's ops."""
     if (plan.get("add_rms_norm") == "lab" and meta.backend != "triton" and not torch.is_grad_enabled()
             and cpu_norms.supports(x, weight)):
         return cpu_norms.add_rms_norm(x, residual, weight, eps)
