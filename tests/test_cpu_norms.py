@@ -183,3 +183,28 @@ def test_bert_under_autograd_keeps_torchs_norms(tmp_path, minilm_path, monkeypat
         torch.testing.assert_close(ours(batch.input_ids, batch.positions, batch.meta), out.detach(), atol=2e-5,
                                    rtol=1e-5)
     assert calls  # and without gradients, the kernel
+
+
+def test_the_triton_backend_keeps_its_own_norms(monkeypatch):
+    """A plan that chose the C kernels does not reroute the Triton backend's norms (BERT's post-norm, the decoders'
+    pre-norm): only the torch backend's."""
+    from lab.attention import ops
+    from lab.batch import AttnMeta
+    from lab.models import bert, decoder
+
+    calls = []
+    for name in ("add_layer_norm", "add_rms_norm"):
+        real = getattr(cpu_norms, name)
+        monkeypatch.setattr(cpu_norms, name, lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
+    norm = torch.nn.LayerNorm(32)
+    x, r = torch.randn(6, 32), torch.randn(6, 32)
+    plan = {"add_layer_norm": "lab", "add_rms_norm": "lab"}
+    triton = AttnMeta.from_lengths([4, 2], causal=False, backend="triton")
+    monkeypatch.setattr(decoder, "ops", lambda meta: ops("torch"))  # Triton's kernels are not what this checks
+    with torch.no_grad():
+        assert not bert._lab_norm(x, norm, triton, plan)
+        assert bert._lab_norm(x, norm, AttnMeta.from_lengths([4, 2], causal=False), plan)
+        decoder.add_rms_norm(x, r, norm.weight, 1e-6, triton, plan)
+        assert not calls
+        decoder.add_rms_norm(x, r, norm.weight, 1e-6, AttnMeta.from_lengths([4, 2], causal=False), plan)
+    assert calls == [1]

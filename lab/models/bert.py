@@ -48,11 +48,12 @@ def _cpu_default(x: torch.Tensor, name: str, plan: dict[str, str]) -> str:
     return plan.get(name) or (narrow if x.dtype == torch.float32 else wide)
 
 
-def _lab_norm(x: torch.Tensor, norm: nn.LayerNorm, plan: dict[str, str]) -> bool:
+def _lab_norm(x: torch.Tensor, norm: nn.LayerNorm, meta: AttnMeta, plan: dict[str, str]) -> bool:
     """Whether ``LayerNorm(x + residual)`` runs in ``lab.kernels.cpu_norms`` (in place): where the
-    ``add_layer_norm`` probe chose it, the kernel takes ``x`` (CPU) and nothing records gradients (the kernel has no
-    backward: training, e.g. ``lab.adapt``, runs torch's ops); elsewhere, and by default, torch's ops."""
-    return (plan.get("add_layer_norm") == "lab" and not torch.is_grad_enabled()
+    ``add_layer_norm`` probe chose it, the torch backend runs (``attention_backend="triton"`` keeps Triton's norms),
+    the kernel takes ``x`` (CPU) and nothing records gradients (the kernel has no backward: training, e.g.
+    ``lab.adapt``, runs torch's ops); elsewhere, and by default, the backend's ops."""
+    return (plan.get("add_layer_norm") == "lab" and meta.backend != "triton" and not torch.is_grad_enabled()
             and cpu_norms.supports(x, norm.weight, norm.bias))
 
 
@@ -60,7 +61,7 @@ def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm,
              plan: dict[str, str]) -> torch.Tensor:
     """``norm(x + residual)`` for a fresh ``x`` nothing else reads (a GEMM's output, the embeddings' sum): in
     ``lab.kernels.cpu_norms`` written over ``x`` where the plan chose it, else the backend's ``add_layer_norm``."""
-    if _lab_norm(x, norm, plan):
+    if _lab_norm(x, norm, meta, plan):
         return cpu_norms.add_layer_norm(x, residual, norm.weight, norm.bias, eps, out=x)
     return ops(meta).add_layer_norm(x, residual, norm.weight, norm.bias, eps)
 
@@ -98,7 +99,7 @@ class BertLayer(nn.Module):
             q, key, v = self.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)  # (T, H, D) each
         a = attention(q, key, v, meta, self.index, kernel=self.plan.get("attention_kernel", "sdpa"))
         x = add_norm(self.attn_out(a.view(t, -1)), x, self.attn_norm, self.eps, meta, self.plan)
-        if _lab_norm(x, self.out_norm, self.plan) and _cpu_default(x, "bert_ffn", self.plan) == "blocks":
+        if _lab_norm(x, self.out_norm, meta, self.plan) and _cpu_default(x, "bert_ffn", self.plan) == "blocks":
             return self._ffn_norm_blocks(x)
         return add_norm(self._ffn(x), x, self.out_norm, self.eps, meta, self.plan)
 
