@@ -193,9 +193,9 @@ def test_run_stream_yields_every_share_in_step_order(minilm_path):
 
     steps = _stream_steps()
     got = list(runner.run_stream(fn, steps, 2))
-    tags = [t for items, out, _, _ in got for t in out]
-    assert [t for items, _, _, _ in got for t in (it.tag for it in items)] == tags  # outputs aligned with items
-    for k, step in enumerate(steps):  # every item once, each step's shares before the next step's
+    tags = [t for _, out, _, _ in got for t in out]
+    assert [it.tag for items, *_ in got for it in items] == tags  # outputs aligned with items
+    for step in steps:  # every item once, each step's shares before the next step's
         want = sorted(it.tag for it in step)
         assert sorted(tags[:len(want)]) == want
         tags = tags[len(want):]
