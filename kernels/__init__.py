@@ -8,8 +8,8 @@
 - ``rotary``: in-place NeoX rotary embedding.
 - ``cpu_attention``: prefill-lab's own CPU attention kernel (C, ``cpu_attention.c``, compiled on the running machine
   and called through ctypes; varlen, causal / bidirectional, GQA; a candidate of the ``attention_kernel`` probe).
-- ``cpu_norms``: ``LayerNorm(x + residual)`` in the same C library, in place; a candidate of the ``add_layer_norm``
-  probe.
+- ``cpu_norms``: ``LayerNorm(x + residual)`` (in place) and ``RMSNorm(x + residual)`` (the sum and its norm in one
+  pass) in the same C library; candidates of the ``add_layer_norm`` / ``add_rms_norm`` probes.
 - ``tolerances``: the one (atol, rtol) table for comparing each Triton kernel with its torch reference (torch
   only; read by the kernel tests and ``evals/gpu_check.py``).
 

@@ -307,6 +307,14 @@ static inline void store_bf16(uint16_t *dst, const float *src, int n) {
     for (; d < n; d++) dst[d] = f32_to_bf16(src[d]);
 }
 
+/* n floats from src to dst + at, a float32 tensor's row or (bf16) a bfloat16 one's, rounded as store_bf16 rounds. */
+static inline void store_row(void *dst, int64_t at, const float *src, int n, int bf16) {
+    if (bf16)
+        store_bf16((uint16_t *)dst + at, src, n);
+    else
+        copy_row((float *)dst + at, src, n);
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define NATIVE_BF16 1
 /* The same block on bfloat16 inputs, its scores by the CPU's bfloat16 dot products (vdpbf16ps: two exact products
@@ -459,13 +467,8 @@ int lab_varlen_attention(int bf16, const void *q, int64_t qs0, int64_t qs1, cons
                     block(Kh, Vh, vr, Qb, qr, S, Ob, L, Lp, 64, i0, causal, c);
                 else
                     block(Kh, Vh, vr, Qb, qr, S, Ob, L, Lp, D, i0, causal, c);
-                for (int r = 0; r < R && i0 + r < L; r++) {
-                    const int64_t at = (t0 + i0 + r) * os0 + h * os1;
-                    if (bf16)
-                        store_bf16((uint16_t *)o + at, Ob + r * D, D);
-                    else
-                        copy_row((float *)o + at, Ob + r * D, D);
-                }
+                for (int r = 0; r < R && i0 + r < L; r++)
+                    store_row(o, (t0 + i0 + r) * os0 + h * os1, Ob + r * D, D, bf16);
             }
         }
     }
@@ -503,6 +506,17 @@ static inline v16 ld_row(const void *p, int64_t i, int bf16) {
     return bf16 ? ld_bf16((const uint16_t *)p + i) : ld((const float *)p + i);
 }
 
+/* x's 16 elements at xi plus, where res is not NULL, the residual's at ri: the sum both norms start from, rounded to
+ * bfloat16 for bfloat16 inputs as torch's add rounds it. */
+static inline v16 ld_sum(const void *x, int64_t xi, const void *res, int64_t ri, int bf16) {
+    v16 y = ld_row(x, xi, bf16);
+    if (res) {
+        y += ld_row(res, ri, bf16);
+        if (bf16) y = round_bf16(y);
+    }
+    return y;
+}
+
 /* x, residual (may be NULL), out: T rows of n elements (n a multiple of 16), row strides in elements, float32 or
  * bfloat16 (bf16 = 1) alike, as are weight and bias (n each; bias may be NULL). out may be x or residual: each row
  * is read whole before it is written. Returns 0; 1 for n not a positive multiple of 16; 2 when the row scratch cannot
@@ -521,11 +535,7 @@ int lab_add_layer_norm(int bf16, const void *x, int64_t xs, const void *res, int
     for (int64_t t = 0; t < T; t++) {
         v16 acc = {0};
         for (int d = 0; d < n; d += W) {
-            v16 y = ld_row(x, t * xs + d, bf16);
-            if (res) {
-                y += ld_row(res, t * rs + d, bf16);
-                if (bf16) y = round_bf16(y);
-            }
+            v16 y = ld_sum(x, t * xs + d, res, t * rs + d, bf16);
             st(s + d, y);
             acc += y;
         }
@@ -537,10 +547,7 @@ int lab_add_layer_norm(int bf16, const void *x, int64_t xs, const void *res, int
         }
         const v16 rstd = bc(1.0f / __builtin_sqrtf(hsum(sq) * inv_n + eps));
         for (int d = 0; d < n; d += W) st(s + d, (ld(s + d) - mean) * rstd * ld(w + d) + ld(b + d));
-        if (bf16)
-            store_bf16((uint16_t *)out + t * os, s, n);
-        else
-            copy_row((float *)out + t * os, s, n);
+        store_row(out, t * os, s, n, bf16);
     }
     free(buf);
     return 0;
@@ -569,30 +576,18 @@ int lab_add_rms_norm(int bf16, const void *x, int64_t xs, const void *res, int64
     for (int64_t t = 0; t < T; t++) {
         v16 sq = {0};
         for (int d = 0; d < n; d += W) {
-            v16 y = ld_row(x, t * xs + d, bf16);
-            if (res) {
-                y += ld_row(res, t * rs + d, bf16);
-                if (bf16) y = round_bf16(y);
-            }
+            v16 y = ld_sum(x, t * xs + d, res, t * rs + d, bf16);
             st(s + d, y);
             sq += y * y;
         }
-        if (sum) {
-            if (bf16)
-                store_bf16((uint16_t *)sum + t * ss, s, n);
-            else
-                copy_row((float *)sum + t * ss, s, n);
-        }
+        if (sum) store_row(sum, t * ss, s, n, bf16);
         const v16 inv = bc(1.0f / __builtin_sqrtf(hsum(sq) * inv_n + eps));
         for (int d = 0; d < n; d += W) {
             v16 y = ld(s + d) * inv;
             if (bf16) y = round_bf16(y);
             st(s + d, y * ld(w + d));
         }
-        if (bf16)
-            store_bf16((uint16_t *)out + t * os, s, n);
-        else
-            copy_row((float *)out + t * os, s, n);
+        store_row(out, t * os, s, n, bf16);
     }
     free(buf);
     return 0;

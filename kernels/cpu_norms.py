@@ -22,7 +22,7 @@ import torch
 from lab.kernels import cpu_attention
 from lab.kernels.cpu_attention import DTYPES, WIDTH, available, unavailable_reason
 
-__all__ = ["add_layer_norm", "add_rms_norm", "available", "supports", "unavailable_reason"]
+__all__ = ["add_layer_norm", "add_rms_norm", "available", "chosen", "supports", "unavailable_reason"]
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -33,6 +33,14 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return (x.device.type == "cpu" and x.dtype in DTYPES and x.dim() == 2 and n > 0 and n % WIDTH == 0
             and x.stride(-1) == 1 and all(p.dtype == x.dtype and p.device.type == "cpu" and p.shape == (n,)
                                           for p in params))
+
+
+def chosen(choice: str | None, backend: str, x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> bool:
+    """Whether a layer runs its norm here: its probe's ``choice`` is ``lab``, the ``backend`` is not Triton (which
+    keeps its own norms), nothing records gradients (these kernels have no backward), and they take ``x``."""
+    return (choice == "lab" and backend != "triton" and not torch.is_grad_enabled()
+            and supports(x, weight, bias))
 
 
 def _rows(name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -53,8 +53,7 @@ def _lab_norm(x: torch.Tensor, norm: nn.LayerNorm, meta: AttnMeta, plan: dict[st
     ``add_layer_norm`` probe chose it, the torch backend runs (``attention_backend="triton"`` keeps Triton's norms),
     the kernel takes ``x`` (CPU) and nothing records gradients (the kernel has no backward: training, e.g.
     ``lab.adapt``, runs torch's ops); elsewhere, and by default, the backend's ops."""
-    return (plan.get("add_layer_norm") == "lab" and meta.backend != "triton" and not torch.is_grad_enabled()
-            and cpu_norms.supports(x, norm.weight, norm.bias))
+    return cpu_norms.chosen(plan.get("add_layer_norm"), meta.backend, x, norm.weight, norm.bias)
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm, eps: float, meta: AttnMeta,

@@ -128,8 +128,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """``(RMSNorm(x + residual) * weight, x + residual)``: in ``lab.kernels.cpu_norms`` (one pass per row) where the
     ``add_rms_norm`` probe chose it, the torch backend runs, the kernel takes ``x`` and nothing records gradients (it
     has no backward); elsewhere, and by default, the backend's ops."""
-    if (plan.get("add_rms_norm") == "lab" and meta.backend != "triton" and not torch.is_grad_enabled()
-            and cpu_norms.supports(x, weight)):
+    if cpu_norms.chosen(plan.get("add_rms_norm"), meta.backend, x, weight):
         return cpu_norms.add_rms_norm(x, residual, weight, eps)
     return ops(meta).add_rms_norm(x, residual, weight, eps)
 
