@@ -97,21 +97,27 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
     """The engine's CPU fast paths come from probes on this machine (reported in ``resolved``), per dtype, and
     ``LAB_CPU_<NAME>`` forces one without changing a single output."""
     from lab import Engine
-    from lab.models import probes
+    from lab.models import fused, probes
 
     eng = Engine(minilm_path)
     paths = eng.resolved["cpu_paths"]
     built = cpu_attention.available()  # the C library: the own attention kernel and the in-place post-norm
     norm = {"add_layer_norm"} if built else set()
-    assert set(paths) == {"f32_gemm", "bert_qkv", "bert_ffn", "attention_kernel"} | norm
+    # the weight layout is probed where float32 GEMMs went to oneDNN (and torch can reorder weights)
+    layout = {"f32_weights"} if paths["f32_gemm"] == "onednn" and fused.onednn_packing() else set()
+    assert set(paths) == {"f32_gemm", "bert_qkv", "bert_ffn", "attention_kernel"} | norm | layout
     assert paths["bert_qkv"] in ("split", "stacked") and paths["attention_kernel"] in KERNELS
     assert paths["f32_gemm"] in ("blas", "onednn") and paths.get("add_layer_norm", "torch") in ("torch", "lab")
+    assert paths.get("f32_weights", "plain") in fused.WEIGHT_LAYOUTS
     made = {(d.name, d.key): d for d in probes.decisions()}
     assert all(made[(d.name, d.key)].source == "probe" for d in eng.runner.decisions)
-    assert [len(d.seconds) for d in eng.runner.decisions] == [2, 2, 2, 3] + [2] if built else [2, 2, 2, 2]
+    assert ([len(d.seconds) for d in eng.runner.decisions]
+            == [2] + [2] * len(layout) + [2, 2, 3] + [2] * len(norm))
     base = eng.embed(["a probe", "another text, longer than the first one"])
     eng.configure(dtype="bfloat16")
-    assert set(eng.cpu_paths) == {"bf16_gemm", "bert_qkv", "bert_ffn", "attention_kernel"} | norm
+    native = eng.cpu_paths["bf16_gemm"] == "native" and fused.onednn_bf16() and fused.onednn_packing()
+    assert set(eng.cpu_paths) == ({"bf16_gemm", "bert_qkv", "bert_ffn", "attention_kernel"} | norm
+                                  | ({"bf16_weights"} if native else set()))
     assert eng.cpu_paths["bf16_gemm"] in BF16_GEMM_MODES
     eng.configure(dtype="float32")
     other = "stacked" if paths["bert_qkv"] == "split" else "split"
@@ -147,16 +153,53 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
         Engine(minilm_path)
 
 
-@pytest.mark.parametrize("mode", ["blas", "onednn"])
-def test_float32_linear_modes_compute_f_linear(monkeypatch, mode):
-    """Both float32 GEMM modes give ``F.linear`` (to float32 rounding), with and without bias and ``out=`` (a row
-    block of a larger output); oneDNN is not used where autograd records (it has no backward)."""
+def test_weight_layout_is_probed_and_can_be_forced(minilm_path, monkeypatch):
+    """Where float32 GEMMs run in oneDNN, the weight layout is probed (``f32_weights``, reported in ``cpu_paths``);
+    ``LAB_CPU_F32_WEIGHTS=plain`` / ``packed`` forces it with the same embeddings (the same products, summed in
+    another order: float32 rounding), and a wrong value names the valid ones."""
+    from lab import Engine
+    from lab.models import fused, probes
+
+    if not (_has_fused_op() and fused.onednn_packing()):
+        pytest.skip("this torch build cannot reorder weights for oneDNN")
+    monkeypatch.setitem(fused._F32, "mode", fused.f32_gemm())
+    monkeypatch.setitem(fused._PACK, torch.float32, fused.gemm_weights(torch.float32))
+    monkeypatch.setenv("LAB_CPU_F32_GEMM", "onednn")
+    texts = ["a", "weights reordered once into oneDNN's blocked layout " * 9, "Paris", "x y z " * 40]
+    got = {}
+    for layout in ("plain", "packed"):
+        monkeypatch.setattr(probes, "_DECIDED", {})
+        monkeypatch.setenv("LAB_CPU_F32_WEIGHTS", layout)
+        eng = Engine(minilm_path)
+        d = {d.name: d for d in eng.runner.decisions}["f32_weights"]
+        assert eng.cpu_paths["f32_weights"] == layout == fused.gemm_weights(torch.float32) and d.source == "env"
+        got[layout] = eng.embed(texts)
+    np.testing.assert_allclose(got["plain"], got["packed"], atol=2e-6)
+    monkeypatch.setattr(probes, "_DECIDED", {})
+    monkeypatch.delenv("LAB_CPU_F32_WEIGHTS")
+    probed = {d.name: d for d in Engine(minilm_path).runner.decisions}["f32_weights"]
+    assert probed.source == "probe" and set(probed.seconds) == {"packed", "plain"}
+    monkeypatch.setattr(probes, "_DECIDED", {})
+    monkeypatch.setenv("LAB_CPU_F32_WEIGHTS", "blocked")
+    with pytest.raises(ValueError, match="LAB_CPU_F32_WEIGHTS='blocked'.*valid: packed, plain or auto"):
+        Engine(minilm_path)
+
+
+@pytest.mark.parametrize("mode,layout", [("blas", "plain"), ("onednn", "plain"), ("onednn", "packed")])
+def test_float32_linear_modes_compute_f_linear(monkeypatch, mode, layout):
+    """Both float32 GEMM modes, oneDNN's with each weight layout, give ``F.linear`` (to float32 rounding), with and
+    without bias and ``out=`` (a row block of a larger output); oneDNN is not used where autograd records (it has
+    no backward)."""
     from lab.models import fused
 
     if mode == "onednn" and not _has_fused_op():
         pytest.skip("this torch build has no oneDNN torch.ops.mkldnn._linear_pointwise")
+    if layout == "packed" and not fused.onednn_packing():
+        pytest.skip("this torch build cannot reorder weights for oneDNN")
     monkeypatch.setitem(fused._F32, "mode", "blas")
+    monkeypatch.setitem(fused._PACK, torch.float32, "plain")
     fused.set_f32_gemm(mode)
+    fused.set_f32_weights(layout)
     calls = []
     real = fused.onednn_linear
     monkeypatch.setattr(fused, "onednn_linear", lambda *a: calls.append(1) or real(*a))
@@ -177,6 +220,60 @@ def test_float32_linear_modes_compute_f_linear(monkeypatch, mode):
     assert len(calls) == (4 if mode == "onednn" else 0)
     with pytest.raises(ValueError, match="valid: blas, onednn"):
         fused.set_f32_gemm("tf32")
+    with pytest.raises(ValueError, match="valid: packed, plain"):
+        fused.set_f32_weights("blocked")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weight_is_made_once_per_view_until_its_data_changes(monkeypatch, dtype):
+    """In ``packed`` mode oneDNN's GEMMs read each weight reordered once into its blocked layout: one copy per base
+    tensor and row block (q/k/v slices), reused by every call and by the fused-activation path, remade when the
+    data changes (``.data`` replaced, as a dtype switch or adapter merge does, or changed in place); outputs equal
+    the plain layout's to float32 / bfloat16 rounding, for odd shapes, one row, and no bias."""
+    from lab.models import fused
+
+    if not (_has_fused_op() and fused.onednn_packing()):
+        pytest.skip("this torch build cannot reorder weights for oneDNN")
+    if dtype == torch.bfloat16 and not fused.onednn_bf16():
+        pytest.skip("oneDNN does not take bfloat16 on this CPU")
+    monkeypatch.setitem(fused._F32, "mode", "onednn")
+    monkeypatch.setitem(fused._BF16, "mode", "native")
+    monkeypatch.setitem(fused._PACK, dtype, "packed")
+    monkeypatch.setattr(fused, "PACK_ROWS", 256)
+    layer = fused.Linear(29, 3 * 37).to(dtype)
+    rows = [layer.weight[j * 37 : (j + 1) * 37] for j in range(3)]
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2**-7}
+    with torch.inference_mode():
+        first = fused.packed_weight(layer.weight)
+        assert first is fused.packed_weight(layer.weight) and first.layout == torch._mkldnn
+        blocks = [fused.packed_weight(r) for r in rows]
+        assert len({id(b) for b in blocks + [first]}) == 4 and all(fused.packed_weight(r) is b
+                                                                  for r, b in zip(rows, blocks))
+        asked, real = [], fused.packed_weight
+        monkeypatch.setattr(fused, "packed_weight", lambda w: asked.append(w.shape) or real(w))
+        for n in (1, 2, 33):
+            x = torch.randn(n, 29, dtype=dtype)
+            want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+            torch.testing.assert_close(layer(x).double(), want, **tol)
+            torch.testing.assert_close(fused.linear(x, rows[1], None).double(),
+                                       F.linear(x.double(), rows[1].double()), **tol)
+            torch.testing.assert_close(fused.linear_act(x, layer.weight, layer.bias, "gelu", F.gelu).double(),
+                                       F.gelu(want), **tol)
+        assert asked == [(111, 29), (37, 29), (111, 29)] * 3  # every GEMM read the packed layout
+        assert fused.packed_weight(layer.weight) is first  # and reused it
+    layer.weight.data = (layer.weight.float() * 2).to(dtype)  # what Runner.set_dtype / set_merged do
+    with torch.inference_mode():
+        again = fused.packed_weight(layer.weight)
+        assert again is not first
+        x = torch.randn(5, 29, dtype=dtype)
+        torch.testing.assert_close(layer(x).double(), F.linear(x.double(), layer.weight.double(),
+                                                               layer.bias.double()), **tol)
+    with torch.no_grad():
+        layer.weight.mul_(-1)  # in place: the version changes
+    with torch.inference_mode():
+        assert fused.packed_weight(layer.weight) is not again
+        torch.testing.assert_close(layer(x).double(), F.linear(x.double(), layer.weight.double(),
+                                                               layer.bias.double()), **tol)
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))

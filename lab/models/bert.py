@@ -31,7 +31,7 @@ from lab.models.fused import (
     row_blocks,
 )
 from lab.models.loading import KeyTracker, warn_unexpected
-from lab.models.probes import Probe, attention_probe, gemm_probe
+from lab.models.probes import Probe, attention_probe, gemm_probes
 
 # Tokens per FFN block on the CPU row-blocked path (``BertLayer._ffn``): 512-2048 measured alike, 256 3 % slower.
 FFN_ROWS = 1024
@@ -197,9 +197,7 @@ class BertModel(PackedModel):
         where the C library built)."""
         layer, t = self.layers[0], PROBE_ROWS
         x = torch.randn(t, self.hidden_size, dtype=dtype)
-        probe = gemm_probe(x, layer.up.weight, layer.up.bias, threads)
-        if probe is not None:
-            yield probe
+        yield from gemm_probes(x, layer.up.weight, layer.up.bias, threads)
         qkv = {c: (lambda c=c: self._probe_qkv(layer, x, c)) for c in ("split", "stacked")}
         ffn = {c: (lambda c=c: self._probe_ffn(layer, x, c)) for c in ("blocks", "fused")}
         narrow = dtype == torch.float32  # the default (the first candidate): the narrow paths in float32

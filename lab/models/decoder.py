@@ -26,7 +26,7 @@ from lab.kernels import cpu_norms
 from lab.models.base import PackedModel
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.loading import KeyTracker, warn_unexpected
-from lab.models.probes import Probe, attention_probe, gemm_probe
+from lab.models.probes import Probe, attention_probe, gemm_probes
 from lab.models.rope import RopeSpec, RopeTables, pairs_order, pairs_rows, rope_from_config, rotate_qk_
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -303,9 +303,8 @@ class DecoderModel(PackedModel):
         layer = self.layers[0]
         x = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype)
         b = layer.gate_up.bias
-        probe = gemm_probe(x, layer.gate_up.weight[: layer.inter], None if b is None else b[: layer.inter], threads)
-        if probe is not None:
-            yield probe
+        yield from gemm_probes(x, layer.gate_up.weight[: layer.inter], None if b is None else b[: layer.inter],
+                               threads)
 
         def mlp(choice: str):
             self.plan["decoder_mlp"] = choice

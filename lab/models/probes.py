@@ -20,7 +20,7 @@ import os
 import platform
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -137,16 +137,42 @@ def cpu_info() -> dict[str, str]:
             "torch": torch.__version__, "threads": str(torch.get_num_threads())}
 
 
-def gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe | None:
-    """The GEMM implementation choice for ``x``'s dtype at one of a model's shapes: ``bf16_gemm_probe`` for
-    bfloat16, ``f32_gemm_probe`` for float32 (where torch has oneDNN), else ``None``."""
+def gemm_probes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Iterator[Probe]:
+    """The GEMM choices for ``x``'s dtype at one of a model's shapes: the implementation (``bf16_gemm_probe`` for
+    bfloat16, ``f32_gemm_probe`` for float32 where torch has oneDNN), then, where the decision just applied sends
+    that dtype's GEMMs to oneDNN, the weight layout (``weights_probe``). A generator: the runner applies each decision
+    before asking for the next probe."""
     from lab.models.fused import onednn_cpu
 
     if x.dtype == torch.bfloat16:
-        return bf16_gemm_probe(x, weight, bias, threads)
-    if x.dtype == torch.float32 and onednn_cpu():
-        return f32_gemm_probe(x, weight, bias, threads)
-    return None
+        yield bf16_gemm_probe(x, weight, bias, threads)
+    elif x.dtype == torch.float32 and onednn_cpu():
+        yield f32_gemm_probe(x, weight, bias, threads)
+    else:
+        return
+    probe = weights_probe(x, weight, bias, threads)
+    if probe is not None:
+        yield probe
+
+
+def weights_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe | None:
+    """oneDNN's GEMM on the weight reordered once into its blocked layout (``packed``, the default: the same
+    products; on one AMD EPYC 1.03-1.07x at 128-1,024 rows in float32 and bfloat16, and up to 1.8x at 7 rows) against
+    the weight as stored (``plain``, reordered in blocks on every call), at one of a model's shapes, where ``x``'s
+    dtype runs through oneDNN (``lab.models.fused.linear``: float32 in ``onednn`` mode, bfloat16 in ``native`` mode
+    where oneDNN takes it) and torch can reorder; else ``None``. The packed copy costs one more copy of every
+    projection weight (``LAB_CPU_F32_WEIGHTS=plain`` / ``LAB_CPU_BF16_WEIGHTS=plain`` keep the memory)."""
+    from lab.models.fused import onednn_gemms, onednn_linear, onednn_packing, packed_weight
+
+    if not (onednn_packing() and onednn_gemms(x.dtype) and weight.dtype == x.dtype and weight.is_contiguous()):
+        return None
+    packed = packed_weight(weight)  # made before the timing, as the engine keeps it
+    name = "f32_weights" if x.dtype == torch.float32 else "bf16_weights"
+    return Probe(
+        name, (str(x.dtype).removeprefix("torch."), x.shape[1], weight.shape[0]),
+        {"packed": lambda: onednn_linear(x, packed, bias), "plain": lambda: onednn_linear(x, weight, bias)},
+        threads,
+    )
 
 
 def f32_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe:
