@@ -274,6 +274,10 @@ def test_packed_weight_is_made_once_per_view_until_its_data_changes(monkeypatch,
         assert fused.packed_weight(layer.weight) is not again
         torch.testing.assert_close(layer(x).double(), F.linear(x.double(), layer.weight.double(),
                                                                layer.bias.double()), **tol)
+        made_here = torch.randn(11, 29, dtype=dtype)  # an inference tensor: no version counter
+        torch.testing.assert_close(fused.linear(x, made_here).double(), F.linear(x.double(), made_here.double()),
+                                   **tol)
+        assert fused.packed_weight(made_here) is fused.packed_weight(made_here)
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))

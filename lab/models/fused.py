@@ -209,18 +209,23 @@ def _widen(x: torch.Tensor) -> bool:
     return _BF16["mode"] == "widened" and x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t._version``; an inference tensor (made under ``torch.inference_mode``) has none: -1."""
+    return -1 if t.is_inference() else t._version
+
+
 def _derived(w: torch.Tensor, name: str, key, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``make(w)`` for weight ``w`` (a parameter, or a view of one such as a row block), made once and kept on ``w``'s
     base tensor under ``name`` and ``key`` until the base's data changes (a dtype switch or an adapter merge replaces
     ``.data``; an in-place change bumps its version), when every entry under ``name`` is dropped and remade."""
     base = w if w._base is None else w._base
     entry = getattr(base, name, None)
-    if entry is None or entry[0].data_ptr() != base.data_ptr() or entry[1] != base._version or key not in entry[2]:
+    if entry is None or entry[0].data_ptr() != base.data_ptr() or entry[1] != _version(base) or key not in entry[2]:
         with _DERIVED_LOCK:  # CPU workers may ask at once; one copy
             entry = getattr(base, name, None)
-            if entry is None or entry[0].data_ptr() != base.data_ptr() or entry[1] != base._version:
+            if entry is None or entry[0].data_ptr() != base.data_ptr() or entry[1] != _version(base):
                 # ``held`` keeps the source's memory alive, so its address cannot be reused by another weight
-                entry = (base.detach(), base._version, {})
+                entry = (base.detach(), _version(base), {})
             if key not in entry[2]:
                 entry[2][key] = make(w)
             setattr(base, name, entry)
