@@ -33,7 +33,7 @@ from lab.batch import OutputRows, PackedBatch
 from lab.call import Stats
 from lab.inputs import Request
 from lab.models.base import PackedModel
-from lab.models.fused import GEMM_SETTERS
+from lab.models.fused import GEMM_SETTERS, drop_derived
 from lab.models.probes import Decision, decide
 from lab.scheduler import split_for_workers
 
@@ -70,6 +70,7 @@ class Runner:
         self.dtype = None  # in transition: an interrupt during the swaps below leaves a state the next call repairs
         for name, t in live.items():
             params[name].data = t
+            drop_derived(params[name])
         self.dtype = dtype
 
     @property
@@ -93,6 +94,7 @@ class Runner:
                     for name in set(self._merged) | set(merged)}
             for name, t in live.items():
                 params[name].data = t
+                drop_derived(params[name])
         self._merged = dict(merged)
 
     def plan_cpu_paths(self, workers: int) -> list[Decision]:

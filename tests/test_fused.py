@@ -185,6 +185,38 @@ def test_weight_layout_is_probed_and_can_be_forced(minilm_path, monkeypatch):
         Engine(minilm_path)
 
 
+def test_dtype_switch_drops_derived_weights(minilm_path, monkeypatch):
+    """A dtype switch (and an adapter merge, through the same swap) drops every copy derived from a weight (packed,
+    widened): nothing stale is kept in memory, and switching back remakes them with the same embeddings."""
+    from lab import Engine
+    from lab.models import fused
+
+    if not (_has_fused_op() and fused.onednn_packing()):
+        pytest.skip("this torch build cannot reorder weights for oneDNN")
+    monkeypatch.setitem(fused._F32, "mode", fused.f32_gemm())
+    monkeypatch.setitem(fused._PACK, torch.float32, fused.gemm_weights(torch.float32))
+    monkeypatch.setenv("LAB_CPU_F32_GEMM", "onednn")
+    monkeypatch.setenv("LAB_CPU_F32_WEIGHTS", "packed")
+    monkeypatch.setattr("lab.models.probes._DECIDED", {})
+    eng = Engine(minilm_path)
+    texts = ["packed weights", "and a dtype switch " * 5]
+    first = eng.embed(texts)
+
+    def derived(stale: bool):
+        """(parameter, attribute) of the copies kept: made from the live data, or (``stale``) from older data."""
+        return [(n, a) for n, p in eng.model.named_parameters() for a in fused.DERIVED
+                if a in p.__dict__ and (p.__dict__[a][0].data_ptr() != p.data_ptr()) == stale]
+
+    assert any(a == "_lab_packed" for _, a in derived(False)) and derived(True) == []
+    eng.configure(dtype="bfloat16")  # the bfloat16 probes may make copies of layer 0's weights, from the new data
+    assert derived(True) == []
+    eng.embed(texts)
+    eng.configure(dtype="float32")
+    assert derived(True) == []
+    np.testing.assert_allclose(eng.embed(texts), first, rtol=0, atol=1e-7)
+    assert any(a == "_lab_packed" for _, a in derived(False)) and derived(True) == []
+
+
 @pytest.mark.parametrize("mode,layout", [("blas", "plain"), ("onednn", "plain"), ("onednn", "packed")])
 def test_float32_linear_modes_compute_f_linear(monkeypatch, mode, layout):
     """Both float32 GEMM modes, oneDNN's with each weight layout, give ``F.linear`` (to float32 rounding), with and

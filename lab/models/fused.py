@@ -232,6 +232,17 @@ def _derived(w: torch.Tensor, name: str, key, make: Callable[[torch.Tensor], tor
     return entry[2][key]
 
 
+DERIVED = ("_lab_wide", "_lab_packed")  # the attributes ``_derived`` keeps copies under
+
+
+def drop_derived(t: torch.Tensor) -> None:
+    """Forget the copies derived from ``t`` (``wide_weight``, ``packed_weight``): its data was just replaced, so
+    they are stale, and their memory is freed now rather than at the next call that would have remade them (a
+    ``widened`` bfloat16 run never asks for the float32 packed copies)."""
+    for name in DERIVED:
+        t.__dict__.pop(name, None)
+
+
 def wide_weight(w: torch.Tensor) -> torch.Tensor:
     """A float32 copy of bfloat16 weight ``w`` (a parameter or a view of one), one per base tensor (``_derived``):
     a view of ``w`` reads the same view of its base's copy."""
