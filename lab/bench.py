@@ -158,9 +158,9 @@ def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.d
     output ``h -> h``, FFN ``h -> i -> h``). FLOPs per token count those projections at 2 FLOPs per multiply-add;
     the attention scores (a few % for short inputs) are left out, so the roofline is a ceiling for the GEMM work.
     The GEMM timed is the engine's (``lab.models.fused.linear``, in the mode the engine's probes chose: native or
-    widened bfloat16, BLAS or oneDNN float32), i.e. the fastest GEMM this machine offers for the dtype. The rate is
-    the best of ``repeats`` timings, not their median: a ceiling, which a slow moment on a shared machine cannot
-    lower much.
+    widened bfloat16, BLAS or oneDNN float32, oneDNN's on packed or plain weights), i.e. the fastest GEMM this
+    machine offers for the dtype. The rate is the best of ``repeats`` timings, not their median: a ceiling, which a
+    slow moment on a shared machine cannot lower much.
     """
     from lab.models.fused import linear
 
