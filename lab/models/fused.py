@@ -312,6 +312,6 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             out = torch.ops.mkldnn._linear_pointwise(x.float(), wide_weight(weight), _f32(bias), kind, [],
                                                      algorithm)
             return out.to(torch.bfloat16)
-        w = gemm_weight(x, weight) if weight.is_contiguous() else weight
+        w = gemm_weight(x, weight) if weight.is_contiguous() and not torch.is_grad_enabled() else weight
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, kind, [], algorithm)
     return act(linear(x, weight, bias))
