@@ -125,6 +125,8 @@ def bind(path: str | os.PathLike) -> ctypes.CDLL:
     lib.lab_add_layer_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i32, ctypes.c_float]
     lib.lab_add_rms_norm.restype = i32
     lib.lab_add_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, ctypes.c_float]
+    lib.lab_rope_pairs.restype = i32  # lab.kernels.cpu_rope
+    lib.lab_rope_pairs.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i32, i32]
     return lib
 
 

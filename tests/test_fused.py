@@ -441,22 +441,29 @@ def _count_matmul_attention(monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("layout", ["halves", "pairs"])
-def test_decoder_rope_layouts_match_transformers(tmp_path, monkeypatch, layout):
-    """Each rotary layout forced (``LAB_CPU_ROPE_LAYOUT``; ``pairs`` permutes the q/k projection rows at load): the
-    layout is the one reported, the embeddings equal transformers' forward within float32 rounding, plainly, in
-    chunks of 7 tokens (keys cached in the model's own layout) and behind a cached instruction prefix, and a dtype
-    round trip keeps the layout and the outputs."""
+@pytest.mark.parametrize("layout,kernel", [("halves", None), ("pairs", "torch"), ("pairs", "lab")])
+def test_decoder_rope_layouts_match_transformers(tmp_path, monkeypatch, layout, kernel):
+    """Each rotary layout forced (``LAB_CPU_ROPE_LAYOUT``; ``pairs`` permutes the q/k projection rows at load), the
+    ``pairs`` rotation in torch or prefill-lab's C kernel (``LAB_CPU_ROPE_KERNEL``): the choices are the ones
+    reported, the embeddings equal transformers' forward within float32 rounding, plainly, in chunks of 7 tokens
+    (keys cached in the model's own layout) and behind a cached instruction prefix, and a dtype round trip keeps the
+    layout and the outputs."""
     from tiny_models import tiny_llama
 
     from lab import Engine
+    from lab.kernels import cpu_rope
     from lab.models import probes
 
+    if kernel == "lab" and not cpu_rope.available():
+        pytest.skip(f"the C kernels did not build here: {cpu_rope.unavailable_reason()}")
     monkeypatch.setattr(probes, "_DECIDED", {})
     monkeypatch.setenv("LAB_CPU_ROPE_LAYOUT", layout)
+    if kernel:
+        monkeypatch.setenv("LAB_CPU_ROPE_KERNEL", kernel)
     folder = str(tiny_llama(tmp_path, "qwen2"))  # q/k/v biases and grouped-query attention
     eng = Engine(folder, pooling="mean")
     assert eng.cpu_paths["rope_layout"] == layout == eng.model.rope_layout
+    assert eng.cpu_paths.get("rope_kernel") == (kernel if cpu_rope.available() else None)
     texts = ["Rotary position embeddings rotate queries and keys. " * 3, "a", "Paris is the capital of France",
              "x y z " * 11, "What?"]
     want = _transformers_mean(folder, eng.tokenize(texts))

@@ -22,12 +22,20 @@ from torch import nn
 
 from lab.attention import attention, ops
 from lab.batch import AttnMeta, OutputRows
-from lab.kernels import cpu_norms
+from lab.kernels import cpu_norms, cpu_rope
 from lab.models.base import PackedModel
 from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.loading import KeyTracker, warn_unexpected
 from lab.models.probes import Probe, attention_probe, gemm_probes
-from lab.models.rope import RopeSpec, RopeTables, pairs_order, pairs_rows, rope_from_config, rotate_qk_
+from lab.models.rope import (
+    RopeSpec,
+    RopeTables,
+    pairs_order,
+    pairs_rows,
+    rope_from_config,
+    rotate_pairs_,
+    rotate_qk_,
+)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = tuple(
@@ -133,6 +141,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return ops(meta).add_rms_norm(x, residual, weight, eps)
 
 
+def _rope_kernel(q: torch.Tensor, rope: RopeTables, meta: AttnMeta, plan: dict[str, str]):
+    """The ``pairs`` rotation a layer runs: ``lab.kernels.cpu_rope``'s where the ``rope_kernel`` probe chose ``lab``,
+    the torch backend runs and nothing records gradients (the kernel has no backward), else ``None`` (torch's)."""
+    if (plan.get("rope_kernel") == "lab" and rope.cis is not None and rope.cis.dtype == torch.complex64
+            and q.dtype in cpu_rope.DTYPES and q.device.type == "cpu" and meta.backend != "triton"
+            and not torch.is_grad_enabled()):
+        return cpu_rope.rotate_pairs_
+    return None
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the residual adds live in the norms."""
 
@@ -187,7 +205,8 @@ class DecoderLayer(nn.Module):
         q, k, v = q.view(tq, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         # queries and keys side by side in qkv (no q/k norm, every row): one pass in the pairs layout
         both = qkv[:, : nq + nk].view(t, self.hq + self.hkv, self.d) if only is None and self.q_norm is None else None
-        rotate_qk_(q, k, rope, q_rope, both, apply_halves=k_ops.apply_rotary)  # in place
+        rotate_qk_(q, k, rope, q_rope, both, apply_halves=k_ops.apply_rotary,
+                   apply_pairs=_rope_kernel(q, rope, meta, self.plan))  # in place
         if only is None:
             a = attention(q, k, v, meta, self.index, causal_block=causal_block(self.plan),
                           kernel=self.plan.get("attention_kernel", "sdpa"))  # (T, Hq, D)
@@ -326,6 +345,16 @@ class DecoderModel(PackedModel):
             yield Probe("add_rms_norm", (str(dtype), self.hidden_size),
                         {"torch": lambda: ops("torch").add_rms_norm(h, x, w, eps),
                          "lab": lambda: cpu_norms.add_rms_norm(h, x, w, eps)}, threads)
+        if self.rope_layout == "pairs" and cpu_rope.available():  # as DecoderLayer.forward rotates q and k
+            a = self.args
+            qkv = torch.randn(PROBE_ROWS, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim, dtype=dtype)
+            both = qkv[:, : (a.num_heads + a.num_kv_heads) * a.head_dim].view(PROBE_ROWS, -1, a.head_dim)
+            tables = RopeTables.at(torch.arange(PROBE_ROWS), self.rope.inv_freq, self.rope.attention_scaling,
+                                   "pairs", dtype)
+            if cpu_rope.supports(both, tables.cis):
+                yield Probe("rope_kernel", (str(dtype), a.num_heads + a.num_kv_heads, a.head_dim),
+                            {"torch": lambda: rotate_pairs_(both, tables.cis),
+                             "lab": lambda: cpu_rope.rotate_pairs_(both, tables.cis)}, threads)
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMeta, *, last: bool) -> torch.Tensor:
         """The final RMSNorm after the last block (transformers' ``last_hidden_state``); below it, the residual
