@@ -318,7 +318,8 @@ class DecoderModel(PackedModel):
         (``attention_kernel``: ``sdpa`` or ``lab``, ``lab.models.probes.attention_probe``; never the three-op
         ``matmul``, which rounds scores to bfloat16), on a causal step of mixed lengths; then the pre-norms: torch's
         add and RMSNorm or prefill-lab's one-pass kernel (``add_rms_norm``; ``lab.kernels.cpu_norms``, offered where
-        the C library built)."""
+        the C library built); then, in the ``pairs`` rotary layout, the rotation: torch's or the same library's one
+        pass (``rope_kernel``; ``lab.kernels.cpu_rope``)."""
         layer = self.layers[0]
         x = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype)
         b = layer.gate_up.bias
