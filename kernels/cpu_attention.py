@@ -147,6 +147,22 @@ def unavailable_reason() -> str | None:
     return _REASON
 
 
+def library(lib: ctypes.CDLL | None = None, module: str = "lab.kernels.cpu_attention") -> ctypes.CDLL:
+    """``lib`` (a build other than this machine's, ``bind``) or this machine's build; a ``RuntimeError`` naming
+    ``module`` (the caller: this module, ``cpu_norms``, ``cpu_rope``) and the reason when there is none."""
+    lib = lib or _load()
+    if lib is None:
+        raise RuntimeError(f"{module} is not available: {_REASON}")
+    return lib
+
+
+def chosen(choice: str | None, backend: str) -> bool:
+    """Whether a layer runs one of this library's kernels for a step its probe decided: the probe's ``choice`` is
+    ``lab``, the ``backend`` is not Triton (which keeps its own kernels), and nothing records gradients (these
+    kernels have no backward: training, e.g. ``lab.adapt``, runs torch's ops)."""
+    return choice == "lab" and backend != "triton" and not torch.is_grad_enabled()
+
+
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether this kernel takes these inputs: CPU float32 / bfloat16, head size a multiple of ``WIDTH``, query
     heads a multiple of key/value heads."""
@@ -159,9 +175,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """Attention within each packed sequence: q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` (any token / head strides, D
     contiguous), ``cu_seqlens`` ``(B + 1,)`` -> ``(T, Hq, D)`` in q's dtype. Runs on the calling thread. ``lib``: a
     build other than this machine's (``bind``; the tests run the portable builds through it)."""
-    lib = lib or _load()
-    if lib is None:
-        raise RuntimeError(f"lab.kernels.cpu_attention is not available: {_REASON}")
+    lib = library(lib)
     if not supports(q, k) or v.dtype != q.dtype or v.shape != k.shape:
         raise ValueError(f"cpu_attention takes CPU float32/bfloat16 q (T, Hq, D), k/v (T, Hkv, D) with D a multiple "
                          f"of {WIDTH} and Hq a multiple of Hkv; got q {tuple(q.shape)} {q.dtype}, k "

@@ -39,8 +39,7 @@ def chosen(choice: str | None, backend: str, x: torch.Tensor, weight: torch.Tens
            bias: torch.Tensor | None = None) -> bool:
     """Whether a layer runs its norm here: its probe's ``choice`` is ``lab``, the ``backend`` is not Triton (which
     keeps its own norms), nothing records gradients (these kernels have no backward), and they take ``x``."""
-    return (choice == "lab" and backend != "triton" and not torch.is_grad_enabled()
-            and supports(x, weight, bias))
+    return cpu_attention.chosen(choice, backend) and supports(x, weight, bias)
 
 
 def _rows(name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -53,9 +52,7 @@ def _rows(name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              lib: ctypes.CDLL | None) -> ctypes.CDLL:
     """The library to call (``lib`` or this machine's build), once ``x`` and the parameters are ones it takes."""
-    lib = lib or cpu_attention._load()
-    if lib is None:
-        raise RuntimeError(f"lab.kernels.cpu_norms is not available: {unavailable_reason()}")
+    lib = cpu_attention.library(lib, "lab.kernels.cpu_norms")
     if not supports(x, weight, bias):
         raise ValueError(f"cpu_norms takes a CPU float32/bfloat16 x (T, n) with contiguous rows, n a multiple of "
                          f"{WIDTH}, and weight/bias (n,) of x's dtype; got x {tuple(x.shape)} {x.dtype} on {x.device} "

@@ -19,7 +19,7 @@ import torch
 from lab.kernels import cpu_attention
 from lab.kernels.cpu_attention import DTYPES, available, unavailable_reason
 
-__all__ = ["available", "rotate_pairs_", "supports", "unavailable_reason"]
+__all__ = ["available", "chosen", "rotate_pairs_", "supports", "unavailable_reason"]
 
 
 def supports(x: torch.Tensor, cis: torch.Tensor) -> bool:
@@ -30,12 +30,17 @@ def supports(x: torch.Tensor, cis: torch.Tensor) -> bool:
             and cis.shape == (x.shape[0], x.shape[2] // 2))
 
 
+def chosen(choice: str | None, backend: str, x: torch.Tensor) -> bool:
+    """Whether a decoder layer rotates ``x``'s heads here: the ``rope_kernel`` probe's ``choice`` is ``lab``, the
+    torch backend runs and nothing records gradients (``cpu_attention.chosen``), and ``x`` is a CPU float32 /
+    bfloat16 tensor (the layout's tables are complex64 whatever the dtype)."""
+    return cpu_attention.chosen(choice, backend) and x.device.type == "cpu" and x.dtype in DTYPES
+
+
 def rotate_pairs_(x: torch.Tensor, cis: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Rotate ``x`` ``(T, H, D)`` in place by ``cis`` ``(T, D/2)`` (any token and head strides, D contiguous);
     returns ``x``. ``lib``: a build other than this machine's (``cpu_attention.bind``)."""
-    lib = lib or cpu_attention._load()
-    if lib is None:
-        raise RuntimeError(f"lab.kernels.cpu_rope is not available: {unavailable_reason()}")
+    lib = cpu_attention.library(lib, "lab.kernels.cpu_rope")
     if not supports(x, cis):
         raise ValueError(f"cpu_rope takes a CPU float32/bfloat16 x (T, H, D) with D even and contiguous and a "
                          f"complex64 cis (T, D/2); got x {tuple(x.shape)} {x.dtype} strides {x.stride()} on "

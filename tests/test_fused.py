@@ -448,10 +448,10 @@ def test_decoder_rope_layouts_match_transformers(tmp_path, monkeypatch, layout, 
     reported, the embeddings equal transformers' forward within float32 rounding, plainly, in chunks of 7 tokens
     (keys cached in the model's own layout) and behind a cached instruction prefix, and a dtype round trip keeps the
     layout and the outputs."""
+    from lab.kernels import cpu_rope
     from tiny_models import tiny_llama
 
     from lab import Engine
-    from lab.kernels import cpu_rope
     from lab.models import probes
 
     if kernel == "lab" and not cpu_rope.available():

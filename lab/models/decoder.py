@@ -141,14 +141,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return ops(meta).add_rms_norm(x, residual, weight, eps)
 
 
-def _rope_kernel(q: torch.Tensor, rope: RopeTables, meta: AttnMeta, plan: dict[str, str]):
-    """The ``pairs`` rotation a layer runs: ``lab.kernels.cpu_rope``'s where the ``rope_kernel`` probe chose ``lab``,
-    the torch backend runs and nothing records gradients (the kernel has no backward), else ``None`` (torch's)."""
-    if (plan.get("rope_kernel") == "lab" and rope.cis is not None and rope.cis.dtype == torch.complex64
-            and q.dtype in cpu_rope.DTYPES and q.device.type == "cpu" and meta.backend != "triton"
-            and not torch.is_grad_enabled()):
-        return cpu_rope.rotate_pairs_
-    return None
+def _rope_kernel(q: torch.Tensor, meta: AttnMeta, plan: dict[str, str]):
+    """The ``pairs`` rotation a layer runs: ``lab.kernels.cpu_rope``'s where the ``rope_kernel`` probe chose it and
+    it applies (``cpu_rope.chosen``), else torch's (``lab.models.rope.rotate_pairs_``)."""
+    return cpu_rope.rotate_pairs_ if cpu_rope.chosen(plan.get("rope_kernel"), meta.backend, q) else rotate_pairs_
 
 
 class DecoderLayer(nn.Module):
@@ -206,7 +202,7 @@ class DecoderLayer(nn.Module):
         # queries and keys side by side in qkv (no q/k norm, every row): one pass in the pairs layout
         both = qkv[:, : nq + nk].view(t, self.hq + self.hkv, self.d) if only is None and self.q_norm is None else None
         rotate_qk_(q, k, rope, q_rope, both, apply_halves=k_ops.apply_rotary,
-                   apply_pairs=_rope_kernel(q, rope, meta, self.plan))  # in place
+                   apply_pairs=_rope_kernel(q, meta, self.plan))  # in place
         if only is None:
             a = attention(q, k, v, meta, self.index, causal_block=causal_block(self.plan),
                           kernel=self.plan.get("attention_kernel", "sdpa"))  # (T, Hq, D)

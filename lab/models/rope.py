@@ -190,19 +190,18 @@ def rotate_pairs_(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_qk_(q: torch.Tensor, k: torch.Tensor, rope: RopeTables, q_rope: RopeTables | None = None,
-               both: torch.Tensor | None = None, apply_halves=apply_rotary, apply_pairs=None) -> None:
+               both: torch.Tensor | None = None, apply_halves=apply_rotary, apply_pairs=rotate_pairs_) -> None:
     """Rotate queries ``q`` ``(Tq, Hq, D)`` and keys ``k`` ``(T, Hkv, D)`` in place, in ``rope``'s layout
     (``q_rope``: the queries' own tables when they are a subset of the rows). ``halves`` goes through
-    ``apply_halves`` (the backend's kernel); ``pairs`` through ``apply_pairs`` (default ``rotate_pairs_``; the
-    ``rope_kernel`` probe may pick ``lab.kernels.cpu_rope``'s), rotating ``both`` in one pass when given, the
+    ``apply_halves`` (the backend's kernel); ``pairs`` through ``apply_pairs`` (torch's ``rotate_pairs_``, or the
+    ``rope_kernel`` probe's pick, ``lab.kernels.cpu_rope``'s), rotating ``both`` in one pass when given, the
     ``(T, Hq + Hkv, D)`` view of a fused projection's q/k columns that ``q`` and ``k`` are views of."""
     q_rope = rope if q_rope is None else q_rope
-    pairs = apply_pairs or rotate_pairs_
     if rope.cis is None:
         apply_halves(q, q_rope.cos, q_rope.sin)
         apply_halves(k, rope.cos, rope.sin)
     elif both is not None:
-        pairs(both, rope.cis)
+        apply_pairs(both, rope.cis)
     else:
-        pairs(q, q_rope.cis)
-        pairs(k, rope.cis)
+        apply_pairs(q, q_rope.cis)
+        apply_pairs(k, rope.cis)
