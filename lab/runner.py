@@ -137,12 +137,11 @@ class Runner:
         doc): each worker runs ``fn`` on its share under inference mode, and the shares' outputs are put back in
         item order (``_merge``) and their stats added up. Every share finishes before this returns or raises, so no
         worker is still running when the caller moves on."""
-        parts = split_for_workers([x.length for x in items], workers)
-        if parts is None:
+        shared = self._submit_shares(fn, items, workers)
+        if shared is None:
             with torch.inference_mode():
                 return fn(items)
-        pool = self._workers(workers)
-        futures = [pool.submit(_inference, fn, [items[i] for i in part]) for part in parts]
+        parts, futures = shared
         wait(futures)
         results = [f.result() for f in futures]
         total = Stats()
@@ -158,7 +157,6 @@ class Runner:
         workers never wait at a step's end. A step that cannot be shared runs undivided on the calling thread with
         all its intra-op threads once the steps before it are done. On an error, an interrupt, or the caller
         closing the iterator, queued shares are cancelled and running ones finish before it returns or raises."""
-        pool = self._workers(workers)
         pending: deque[tuple[list, list[list[int]], list[Future]]] = deque()
 
         def collect(keep: int):  # yield the oldest steps' shares until `keep` steps are pending
@@ -171,15 +169,14 @@ class Runner:
 
         try:
             for step in steps:
-                parts = split_for_workers([x.length for x in step], workers)
-                if parts is None:  # runs alone, with every intra-op thread: everything queued before it first
+                shared = self._submit_shares(fn, step, workers)
+                if shared is None:  # runs alone, with every intra-op thread: everything queued before it first
                     yield from collect(0)
                     with torch.inference_mode():
                         out, delta = fn(step)
                     yield step, out, delta, True
                     continue
-                pending.append((step, parts, [pool.submit(_inference, fn, [step[i] for i in part])
-                                              for part in parts]))
+                pending.append((step, *shared))
                 yield from collect(ahead)
             yield from collect(0)
         finally:
@@ -187,6 +184,17 @@ class Runner:
             for f in futures:
                 f.cancel()
             wait(futures)
+
+    def _submit_shares(self, fn: Callable[[list], T], items: list, workers: int,
+                       ) -> tuple[list[list[int]], list[Future]] | None:
+        """``items`` split among ``workers`` by their ``length`` (``split_for_workers``) and each share submitted
+        to the worker pool (``fn`` under inference mode): ``(parts, futures)``, or ``None`` (nothing submitted)
+        when the items cannot be shared evenly and must run undivided."""
+        parts = split_for_workers([x.length for x in items], workers)
+        if parts is None:
+            return None
+        pool = self._workers(workers)
+        return parts, [pool.submit(_inference, fn, [items[i] for i in part]) for part in parts]
 
     def cpu_workers(self, workers: int | None, backend: str) -> int:
         """Workers a step may be split across: the knob's value (``None`` = ``torch.get_num_threads()``) on CPU
