@@ -220,16 +220,21 @@ def _derived(w: torch.Tensor, name: str, key, make: Callable[[torch.Tensor], tor
     ``.data``; an in-place change bumps its version), when every entry under ``name`` is dropped and remade."""
     base = w if w._base is None else w._base
     entry = getattr(base, name, None)
-    if entry is None or entry[0].data_ptr() != base.data_ptr() or entry[1] != _version(base) or key not in entry[2]:
+    if not _current(entry, base) or key not in entry[2]:
         with _DERIVED_LOCK:  # CPU workers may ask at once; one copy
             entry = getattr(base, name, None)
-            if entry is None or entry[0].data_ptr() != base.data_ptr() or entry[1] != _version(base):
+            if not _current(entry, base):
                 # ``held`` keeps the source's memory alive, so its address cannot be reused by another weight
                 entry = (base.detach(), _version(base), {})
             if key not in entry[2]:
                 entry[2][key] = make(w)
             setattr(base, name, entry)
     return entry[2][key]
+
+
+def _current(entry: tuple | None, base: torch.Tensor) -> bool:
+    """Whether ``_derived``'s ``entry`` (held source, its version, copies) was made from ``base``'s present data."""
+    return entry is not None and entry[0].data_ptr() == base.data_ptr() and entry[1] == _version(base)
 
 
 DERIVED = ("_lab_wide", "_lab_packed")  # the attributes ``_derived`` keeps copies under
@@ -263,7 +268,7 @@ def packed_weight(w: torch.Tensor) -> torch.Tensor:
 def gemm_weight(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The weight ``onednn_linear`` / ``linear_act`` hand oneDNN for input ``x``: ``packed_weight(w)`` where the
     probe chose ``packed`` for ``x``'s dtype, else ``w``."""
-    return packed_weight(w) if _PACK.get(x.dtype) == "packed" else w
+    return packed_weight(w) if gemm_weights(x.dtype) == "packed" else w
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
