@@ -292,16 +292,24 @@ class DecoderModel(PackedModel):
         one AMD EPYC 6.5x faster in float32, 2.1x in bfloat16, one thread). Timed on one thread over ``PROBE_ROWS``
         tokens of a fused q/k/v output, as the forward rotates them."""
         a = self.args
+        q, k, both = self._rotation_inputs(dtype)
+        tables = {layout: self._rotation_tables(layout, dtype) for layout in ("halves", "pairs")}
+        yield Probe("rope_layout", (str(dtype), a.num_heads, a.num_kv_heads, a.head_dim),
+                    {layout: (lambda r=rope: rotate_qk_(q, k, r, both=both)) for layout, rope in tables.items()})
+
+    def _rotation_inputs(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Queries, keys and their joint view (``rotate_qk_``'s ``both``) over ``PROBE_ROWS`` tokens of a random
+        fused q/k/v output, as ``DecoderLayer.forward`` rotates them (normed queries and keys, Qwen3: no joint
+        view, they are separate tensors)."""
+        a = self.args
         hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
         qkv = torch.randn(PROBE_ROWS, (hq + 2 * hkv) * d, dtype=dtype)
-        positions = torch.arange(PROBE_ROWS)
-        tables = {layout: RopeTables.at(positions, self.rope.inv_freq, self.rope.attention_scaling, layout, dtype)
-                  for layout in ("halves", "pairs")}
         q, k = qkv[:, : hq * d].view(-1, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
-        # as ``DecoderLayer.forward`` rotates them: normed queries and keys (Qwen3) are separate tensors
-        both = None if a.qk_norm else qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
-        yield Probe("rope_layout", (str(dtype), hq, hkv, d),
-                    {layout: (lambda r=rope: rotate_qk_(q, k, r, both=both)) for layout, rope in tables.items()})
+        return q, k, None if a.qk_norm else qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
+
+    def _rotation_tables(self, layout: str, dtype: torch.dtype) -> RopeTables:
+        return RopeTables.at(torch.arange(PROBE_ROWS), self.rope.inv_freq, self.rope.attention_scaling, layout,
+                             dtype)
 
     def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
         """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the gate projection's
@@ -342,16 +350,14 @@ class DecoderModel(PackedModel):
             yield Probe("add_rms_norm", (str(dtype), self.hidden_size),
                         {"torch": lambda: ops("torch").add_rms_norm(h, x, w, eps),
                          "lab": lambda: cpu_norms.add_rms_norm(h, x, w, eps)}, threads)
-        if self.rope_layout == "pairs" and cpu_rope.available():  # as DecoderLayer.forward rotates q and k
-            a = self.args
-            qkv = torch.randn(PROBE_ROWS, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim, dtype=dtype)
-            both = qkv[:, : (a.num_heads + a.num_kv_heads) * a.head_dim].view(PROBE_ROWS, -1, a.head_dim)
-            tables = RopeTables.at(torch.arange(PROBE_ROWS), self.rope.inv_freq, self.rope.attention_scaling,
-                                   "pairs", dtype)
-            if cpu_rope.supports(both, tables.cis):
-                yield Probe("rope_kernel", (str(dtype), a.num_heads + a.num_kv_heads, a.head_dim),
-                            {"torch": lambda: rotate_pairs_(both, tables.cis),
-                             "lab": lambda: cpu_rope.rotate_pairs_(both, tables.cis)}, threads)
+        if self.rope_layout == "pairs" and cpu_rope.available():
+            q, k, both = self._rotation_inputs(dtype)
+            pairs = self._rotation_tables("pairs", dtype)
+            if cpu_rope.supports(q, pairs.cis):
+                yield Probe("rope_kernel", (str(dtype), q.shape[1] + k.shape[1], q.shape[2]),
+                            {kernel: (lambda f=f: rotate_qk_(q, k, pairs, both=both, apply_pairs=f))
+                             for kernel, f in (("torch", rotate_pairs_), ("lab", cpu_rope.rotate_pairs_))},
+                            threads)
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMeta, *, last: bool) -> torch.Tensor:
         """The final RMSNorm after the last block (transformers' ``last_hidden_state``); below it, the residual
