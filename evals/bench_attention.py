@@ -1,6 +1,6 @@
 """Benchmark: the CPU attention kernels alone, one thread (one CPU worker's share), at the shapes of two models.
 
-Kernels (``lab.attention.KERNELS``): torch's fused kernel (``sdpa``), the three-op path (``matmul``: scores, softmax,
+Kernels (``lab.ops.attention.KERNELS``): torch's fused kernel (``sdpa``), the three-op path (``matmul``: scores, softmax,
 weighted sum in groups of ``MATMUL_SCORES`` scores) and prefill-lab's own (``lab``: ``lab.kernels.cpu_attention``),
 all through ``lab.kernels`` as a layer calls them. Per shape, dtype and sequence length, ``--tokens`` tokens of
 equal-length random sequences run bidirectionally; the kernels take turns, ``--rounds`` rounds after one untimed
@@ -36,10 +36,10 @@ def kernels_for(model: str) -> tuple[str, ...]:
 
 
 def run(lengths: list[int], dtypes: list[str], tokens: int, rounds: int) -> pd.DataFrame:
-    from lab.attention import attention
-    from lab.batch import AttnMeta
-    from lab.bench import interleaved
-    from lab.models.probes import cpu_info
+    from lab.ops.attention import attention
+    from lab.ops.batch import AttnMeta
+    from lab.eval.bench import interleaved
+    from lab.ops.probes import cpu_info
 
     info = cpu_info()
     rows = []

@@ -9,7 +9,7 @@
    with their repeats interleaved (median / min / max). Both systems see identical tokens: the baseline truncates
    and appends EOS exactly as the Engine's ``InputProcessor`` does (checked, and the result is a row). Reports
    tokens/s, the speed-up (baseline seconds / Engine seconds), the embeddings' minimum cosine agreement, the
-   engine's share of the GEMM roofline (``lab.bench.gemm_roofline`` at the decoder's projections, in the GEMM mode
+   engine's share of the GEMM roofline (``lab.eval.bench.gemm_roofline`` at the decoder's projections, in the GEMM mode
    its probes chose) and the speed-up ceiling that roofline allows. Targets (issue 15): >= 2.0x in float32 and
    bfloat16, at a minimum cosine of 0.9999 against the same-dtype baseline (``meets_target`` requires both). In
    dtypes other than float32, each system's rows are also compared with the float32 baseline's
@@ -22,8 +22,8 @@
    up, the kernel's RSS high-water mark is reset (``/proc/self/clear_refs``), the long input is embedded, and
    ``VmHWM`` is read (falling back to ``ru_maxrss``, which includes loading, where the reset is not allowed; on
    CUDA ``torch.cuda.max_memory_allocated``). A second, profiled run gives the peak of torch tensor memory
-   (``lab.bench.peak_memory``; exact, unlike RSS, which the allocator's retained heap blurs). Also the time and
-   the state chunked prefill holds across steps (hidden states + one layer's K/V, ``lab.kv_path``).
+   (``lab.eval.bench.peak_memory``; exact, unlike RSS, which the allocator's retained heap blurs). Also the time and
+   the state chunked prefill holds across steps (hidden states + one layer's K/V, ``lab.engine.kv_path``).
 3. ``prefix``: queries that share a long instruction (>= 3/4 of every input's tokens; ~130-token instruction +
    SciFact claims) with ``prefix_cache=True`` vs ``False`` on one Engine: speed-up and cosine agreement. Target
    >= 2.5x.
@@ -70,7 +70,7 @@ if str(ROOT) not in sys.path:
 # after the path set-up: this runs as a script
 from evals.criteria import COSINE_TARGET, cosine_note, meets_speed_target, min_cosine
 from evals.data_io import mixed_corpus, read_jsonl, scifact_text, spread
-from lab.bench import interleaved
+from lab.eval.bench import interleaved
 
 DATA = ROOT / "evals" / "data"
 RESULTS = ROOT / "evals" / "results"
@@ -140,7 +140,7 @@ class PaddedTransformersEmbedder:
     texts sorted longest first, with an attention mask; mean pooling masks the padding, lasttoken takes each row's
     last real token. The model is loaded in float32 and kept: another dtype runs a cast copy of it, so switching
     back to float32 runs the loaded weights again, not weights rounded by a trip through bfloat16. Tokenization
-    matches ``lab.inputs.InputProcessor``: truncation at ``max_length`` (one token less when EOS is appended), then
+    matches ``lab.engine.inputs.InputProcessor``: truncation at ``max_length`` (one token less when EOS is appended), then
     EOS appended unless the text already ends with it. Returns float32 numpy rows in input order (not normalized;
     compare by cosine).
     """
@@ -232,7 +232,7 @@ class Table:
         import transformers
 
         self.rows: list[dict] = []
-        from lab.models.probes import cpu_info
+        from lab.ops.probes import cpu_info
 
         info = cpu_info()
         self.common = {"run": run, "device": device, "torch": torch.__version__,
@@ -306,11 +306,11 @@ def profile_call(fn, device: str) -> tuple[dict, str]:
 
 # ------------------------------------------------------------------------------------------------ throughput
 def decoder_roofline(eng, dtype: str) -> dict:
-    """``lab.bench.gemm_roofline`` at a Llama-family decoder's projections (q/k/v with its key/value heads, output,
+    """``lab.eval.bench.gemm_roofline`` at a Llama-family decoder's projections (q/k/v with its key/value heads, output,
     gate, up, down), in the GEMM mode the engine's probes chose for ``dtype``."""
     import torch
 
-    from lab.bench import gemm_roofline
+    from lab.eval.bench import gemm_roofline
 
     a = eng.runner.model.args
     h, i = a.hidden_size, a.intermediate_size
@@ -484,7 +484,7 @@ def memory_point(spec: dict) -> dict:
                hwm=_read_status("VmHWM"), hwm_reset=reset,
                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     out["state_bytes"] = eng.stats.state_bytes
-    from lab.bench import peak_memory
+    from lab.eval.bench import peak_memory
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -547,7 +547,7 @@ def bench_prefix(args, path: str, table: Table) -> None:
 
     eng = Engine(path, max_length=args.max_length, device=args.device, dtype=args.prefix_dtype,
                  instruction=INSTRUCTION)
-    from lab.inputs import InputProcessor
+    from lab.engine.inputs import InputProcessor
 
     # keep claims short enough that the instruction is >= 3/4 of every input (counted with EOS appended, the
     # longer of the two tokenizations, so it holds for every pooling)

@@ -19,7 +19,7 @@ on STSBenchmark and SciFact.
 
 Where the engine's time goes, per corpus and dtype (``kernel_seconds``): ``gemm_seconds_at_roofline`` plus
 ``attention_seconds``, every layer's attention timed in the engine's own CPU kernel at the corpus's token lengths
-(``lab.bench.attention_seconds``). ``kernel_share`` is their sum over the engine's median (near 1: nothing but GEMMs
+(``lab.eval.bench.attention_seconds``). ``kernel_share`` is their sum over the engine's median (near 1: nothing but GEMMs
 and attention left to remove), ``roofline_cap`` the highest roofline share reachable without a faster attention
 kernel, ``ratio_at_kernel_seconds`` the ratio an engine spending only ``kernel_seconds`` would reach.
 """
@@ -59,8 +59,8 @@ def load_corpus(name: str, scifact_docs: int) -> list[str]:
 
 def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact_docs: int) -> pd.DataFrame:
     from lab import Engine
-    from lab.bench import SentenceTransformerBaseline, gemm_roofline
-    from lab.models.probes import cpu_info
+    from lab.eval.bench import SentenceTransformerBaseline, gemm_roofline
+    from lab.ops.probes import cpu_info
 
     machine = cpu_info()
     rows = []
@@ -122,13 +122,13 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
 
 def kernel_seconds(eng, texts: list[str], roof: dict) -> dict:
     """What the engine's GEMMs and attention alone would take on ``texts``: the GEMMs at the roofline
-    (``gemm_seconds_at_roofline``, ``roof`` from ``lab.bench.gemm_roofline``) plus every layer's attention in the
+    (``gemm_seconds_at_roofline``, ``roof`` from ``lab.eval.bench.gemm_roofline``) plus every layer's attention in the
     engine's CPU kernel (the one its ``attention_kernel`` probe chose) at the texts' exact token lengths, one
     worker's thread count, shared evenly among its CPU workers (``attention_seconds``, from
-    ``lab.bench.attention_seconds``). ``roofline_cap``: the share of the GEMM roofline an engine doing nothing but
+    ``lab.eval.bench.attention_seconds``). ``roofline_cap``: the share of the GEMM roofline an engine doing nothing but
     these two would reach, i.e. the highest ``roofline_fraction`` attainable without a faster attention kernel. An
     estimate from separate timings (a few % either way), not a bound."""
-    from lab.bench import attention_seconds
+    from lab.eval.bench import attention_seconds
 
     cfg, workers = eng.spec.config, eng.resolved["cpu_workers"]
     lengths = [r.length for r in eng.tokenize(texts)]

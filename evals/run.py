@@ -4,7 +4,7 @@
         [--sweep bidirectional=false,true] [--set dtype=float32] [--limit 100] [--out evals/results]
 
 Writes ``<out>/<model>.csv`` (every metric), ``<out>/<model>.md`` (main scores x100, variant x task) and, when
-``lab.plots.scores`` exists, ``<out>/<model>.png``. Results are cached by mteb (``--cache``, default
+``lab.eval.plots.scores`` exists, ``<out>/<model>.png``. Results are cached by mteb (``--cache``, default
 ``evals/results/cache`` or ``$LAB_MTEB_CACHE``), so a rerun only evaluates what is missing.
 """
 
@@ -67,9 +67,9 @@ def to_markdown(table) -> str:
 
 
 def save_plot(df, path: Path) -> Path | None:
-    """``lab.plots.scores(df)`` saved as PNG when the plotting module exists; otherwise nothing."""
+    """``lab.eval.plots.scores(df)`` saved as PNG when the plotting module exists; otherwise nothing."""
     try:
-        from lab.plots import scores
+        from lab.eval.plots import scores
     except ImportError:
         return None
     import matplotlib
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None, *, engine=None):
     """Run the CLI; ``engine`` lets notebooks and tests pass an already-loaded Engine. Returns the DataFrame."""
     args = build_parser().parse_args(argv)
     from evals.tasks import get_tasks
-    from lab.mteb_adapter import model_name
-    from lab.sweeps import DEFAULT_CACHE, evaluate
+    from lab.eval.mteb_adapter import model_name
+    from lab.eval.sweeps import DEFAULT_CACHE, evaluate
 
     if engine is None:
         from lab.engine import Engine

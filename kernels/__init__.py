@@ -15,7 +15,7 @@
 - ``tolerances``: the one (atol, rtol) table for comparing each Triton kernel with its torch reference (torch
   only; read by the kernel tests and ``evals/gpu_check.py``).
 
-The Triton modules import ``triton`` and are loaded lazily (``lab.attention.ops("triton")`` or an explicit
+The Triton modules import ``triton`` and are loaded lazily (``lab.ops.attention.ops("triton")`` or an explicit
 import), so ``import lab.kernels`` and ``lab.kernels.reference`` work where triton is absent.
 
     >>> from lab.kernels import reference

@@ -4,7 +4,7 @@ ctypes: varlen, bidirectional or causal, grouped-query heads, float32 or bfloat1
 torch's fused CPU kernel runs MiniLM's 32-wide heads at well under its GEMM rate; this one stages each sequence's
 K^T and V once and computes exact softmax rows over blocks of 8 queries (4 without AVX-512) with the block's scores
 accumulated in registers. It is one candidate of
-the ``attention_kernel`` probe (``lab.models.probes``), never a default chosen by CPU flags: where it is slower, or
+the ``attention_kernel`` probe (``lab.ops.probes``), never a default chosen by CPU flags: where it is slower, or
 cannot be built (no C compiler), the probe does not pick it.
 
 The library is built once per machine with the first C compiler found (``$CC``, ``cc``, ``gcc``, ``clang``) at
@@ -94,7 +94,7 @@ def build(cc: str | None = None, arch: list[str] | None = None, directory: Path 
 def _load() -> ctypes.CDLL | None:
     global _LIB, _REASON
     # every layer of every step asks: no lock once the outcome is known, loaded or not (so a lock an interrupt left
-    # held on its ``with`` line's exit, see lab.models.probes._LOCK, stalls no worker)
+    # held on its ``with`` line's exit, see lab.ops.probes._LOCK, stalls no worker)
     if _LIB is not None or _REASON is not None:
         return _LIB
     with _LOCK:

@@ -4,7 +4,7 @@ One program per sequence holds the whole hidden row (``BLOCK_H`` = next power of
 tokens ``BLOCK_T`` at a time, accumulating in float32 (vLLM: mean pooling "otherwise precision will be lost
 significantly"), then stores the row once. ``cls`` and ``lasttoken`` load one row. Index rules (``pool_start``
 clamped to the sequence end, ``cls`` clamped to the last row, the 1-based weighted-mean positions within the pooled
-span) follow the reference line for line. No normalization: ``lab.heads.EmbeddingHead`` does that afterwards.
+span) follow the reference line for line. No normalization: ``lab.outputs.heads.EmbeddingHead`` does that afterwards.
 
     >>> emb = segment_pool(hidden, cu_seqlens, "mean")    # hidden (T, H) -> (B, H) float32
 """

@@ -175,7 +175,7 @@ def _matmul_attention(q, k, v, scale, causal, max_scores):
     rounded to the inputs' dtype (bfloat16: MiniLM's sentence embeddings moved by a cosine of ~1e-5, the size of
     what bfloat16 weights themselves move them by; but a decoder LLM's large, sharp logits suffer: SmolLM2
     bidirectional, the worst of 48 embeddings went from a cosine of 0.981 to the float32 engine to 0.939, so only
-    encoders are offered this path, ``lab.models.probes.attention_probe``).
+    encoders are offered this path, ``lab.ops.probes.attention_probe``).
 
     q ``(n, Hq, L, D)``, k/v ``(n, Hkv, L, D)`` -> ``(n, Hq, L, D)``, a view of ``(n, L, Hq, D)`` memory as the
     flash kernel's own output is.
@@ -261,7 +261,7 @@ def segment_pool(
     pool_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pool packed hidden states ``(total, H)`` per sequence into ``(B, H)`` float32 (not normalized: the
-    embedding head, ``lab.heads.EmbeddingHead``, truncates and L2-normalizes afterwards).
+    embedding head, ``lab.outputs.heads.EmbeddingHead``, truncates and L2-normalizes afterwards).
 
     Args:
         method: one of ``cls``, ``mean``, ``max``, ``lasttoken``, ``weightedmean`` (sentence-transformers names;

@@ -5,22 +5,21 @@
     >>> E = eng.embed(["a text", "another"])  # (2, dim) float32, input order
     >>> eng.configure(pooling="cls")          # live knob, no reload
 
-Nothing heavy is imported at import time: ``Engine`` and ``evaluate`` (``lab.sweeps.evaluate``) load on first
+The package is laid out by layer (``tests/test_structure.py`` holds each layer to what it may import):
+``lab.kernels`` (Triton and C kernels beside torch references) < ``lab.ops`` (batch layout, attention and GEMM
+dispatch, CPU probes and plan) < ``lab.models`` (families, loading) < ``lab.runtime`` (weights, CPU plan, worker
+pool, runner) and ``lab.outputs`` (pooling, heads, output kinds, scoring) < ``lab.adapt`` (LoRA adapters, MNTP /
+SimCSE training) < ``lab.engine`` (the Engine and its call pipeline) < ``lab.eval`` (MTEB, sweeps, bench, plots,
+panel) < ``lab.distributed`` (Ray, Parquet shards).
+
+Nothing heavy is imported at import time: ``Engine`` and ``evaluate`` (``lab.eval.sweeps.evaluate``) load on first
 use.
 """
 
 from __future__ import annotations
 
+from lab._lazy import exports
+
 __version__ = "0.1.0"
 __all__ = ["Engine", "evaluate"]
-
-
-def __getattr__(name: str):
-    if name == "Engine":
-        from lab.engine import Engine as obj
-    elif name == "evaluate":
-        from lab.sweeps import evaluate as obj
-    else:
-        raise AttributeError(f"module 'lab' has no attribute {name!r}")
-    globals()[name] = obj  # later lookups (and `from lab import ...`) find it directly
-    return obj
+__getattr__ = exports(globals(), {"Engine": "lab.engine.engine", "evaluate": "lab.eval.sweeps"})

@@ -29,7 +29,7 @@ def c_builds(tmp_path_factory):
     x86 flags (``portable``) would build them."""
     from lab.kernels import cpu_attention
 
-    from lab.models.probes import cpu_info
+    from lab.ops.probes import cpu_info
 
     d = tmp_path_factory.mktemp("kernels")
     out = {"native": None, "portable": cpu_attention.bind(cpu_attention.build(arch=[], directory=d))}

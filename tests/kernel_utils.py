@@ -6,7 +6,7 @@ read when ``@triton.jit`` *decorates* a function — ``import triton`` decorates
 launch, when triton lazily imports ``triton.experimental.gluon`` (which asserts the interpreter flag). Whoever
 imports ``triton`` first fixes the mode for the whole process, and ``import sentence_transformers`` already
 imports it. Setting the variable at the top of a test module therefore works only by luck of import order, and
-leaves it set for every other test (``lab.attention.resolve_backend`` reads it). So each kernel test module asks
+leaves it set for every other test (``lab.ops.attention.resolve_backend`` reads it). So each kernel test module asks
 :func:`kernel_module` which of three modes applies:
 
 - ``TRITON_INTERPRET=1`` already in the environment (``TRITON_INTERPRET=1 pytest -m interpreter``, Triton's own

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import tiny_llama
 
-from lab import adapt
-from lab.adapt import LoraSpec, mntp, set_bidirectional, simcse
+from lab.adapt import train as adapt
+from lab.adapt.train import LoraSpec, mntp, set_bidirectional, simcse
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters (``lab.adapters``, ``Engine(..., adapters=[...])``): parity with peft's own merge, live
+"""PEFT LoRA adapters (``lab.adapt.adapters``, ``Engine(..., adapters=[...])``): parity with peft's own merge, live
 switching, and the errors for what is not supported.
 
 The reference is peft itself: ``PeftModel.from_pretrained(fresh transformers model, folder).merge_and_unload()``
@@ -161,7 +161,7 @@ def test_decoder_lora_matches_peft_merge(root, kind, causal):
 def test_decoder_lora_in_each_rope_layout(root, monkeypatch, layout):
     """LoRA on q/k merges through ``hf_linear_map`` into rows the ``pairs`` rotary layout permuted at load (index
     rows, not slices): both layouts match peft's merge (Qwen3: per-head q/k norms; grouped-query attention)."""
-    from lab.models import probes
+    from lab.ops import probes
 
     monkeypatch.setattr(probes, "_DECIDED", {})
     monkeypatch.setenv("LAB_CPU_ROPE_LAYOUT", layout)
@@ -280,7 +280,7 @@ def test_adapter_only_folder_as_model(llama, lora_a, lora_b, tmp_path):
 
 
 def test_mteb_variants_are_named_by_adapters(llama, lora_a, lora_b, tmp_path):
-    from lab.mteb_adapter import result_knobs
+    from lab.eval.mteb_adapter import result_knobs
 
     eng = Engine(llama, pooling="mean")
     assert "adapters" not in result_knobs(eng)  # no adapters: the base model's experiment, as before

@@ -1,4 +1,4 @@
-"""lab.bench on tiny workloads: table rows and columns, token and padding counts, knob restoration. No speed claims."""
+"""lab.eval.bench on tiny workloads: table rows and columns, token and padding counts, knob restoration. No speed claims."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from tiny_models import tiny_llama
 
 from lab import Engine
-from lab.bench import (
+from lab.eval.bench import (
     SentenceTransformerBaseline,
     chunked_prefill,
     peak_memory,
@@ -223,13 +223,14 @@ def test_embed_benchmark_targets_need_ratio_and_cosine():
 
 
 def test_attention_seconds_times_each_length_once_and_scales_by_count(monkeypatch):
-    """lab.bench.attention_seconds times one packed run per distinct length (at most ``run_cap`` sequences, laid out
+    """lab.eval.bench.attention_seconds times one packed run per distinct length (at most ``run_cap`` sequences, laid out
     as the engine packs them), keeps the best timing and scales it to that length's count; threads are restored; with
     ``kernel`` it times the three-op path or prefill-lab's own kernel."""
     from lab.kernels import cpu_attention
 
-    from lab import attention, bench
-    from lab.attention import MATMUL_SCORES
+    from lab.eval import bench
+    from lab.ops import attention
+    from lab.ops.attention import MATMUL_SCORES
 
     calls = []
 
@@ -237,7 +238,7 @@ def test_attention_seconds_times_each_length_once_and_scales_by_count(monkeypatc
         calls.append((tuple(q.shape), cu.tolist(), max_seqlen, causal, list(seqlens), matmul_scores))
         return q
 
-    # the torch kernels as ``lab.attention.attention`` dispatches to them (what a layer calls)
+    # the torch kernels as ``lab.ops.attention.attention`` dispatches to them (what a layer calls)
     monkeypatch.setattr(attention._TORCH_OPS, "varlen_attention", fake_attention)
     monkeypatch.setattr(bench, "_time", lambda fn, repeats: [fn(), 0.5, 0.2][1:])  # best of these: 0.2 s
     threads = torch.get_num_threads()

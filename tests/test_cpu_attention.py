@@ -12,7 +12,7 @@ import torch
 from lab.kernels import cpu_attention
 from lab.kernels.reference import varlen_attention, varlen_attention_naive
 
-from lab.models.probes import cpu_info
+from lab.ops.probes import cpu_info
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),
                                 reason=f"cpu_attention did not build here: {cpu_attention.unavailable_reason()}")
@@ -106,9 +106,9 @@ def test_unbuildable_machine_falls_back(tmp_path, monkeypatch):
     """No working compiler: ``available()`` is False with the compiler's complaint, the probe does not offer the
     kernel, and ``attention(..., kernel="lab")`` runs torch's fused kernel; the build cache is keyed by source,
     compiler and CPU, so the same request is compiled once."""
-    from lab.attention import attention
-    from lab.batch import AttnMeta
-    from lab.models import probes
+    from lab.ops.attention import attention
+    from lab.ops.batch import AttnMeta
+    from lab.ops import probes
 
     broken = tmp_path / "cc"
     broken.write_text("#!/bin/sh\necho 'cc: no such thing' >&2\nexit 1\n")

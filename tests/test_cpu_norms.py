@@ -126,7 +126,7 @@ def test_bert_layers_in_place_match_transformers(tmp_path, minilm_path, ffn, mon
     from tiny_encoders import tiny_encoder
     from transformers import AutoModel, AutoTokenizer
 
-    from lab.batch import PackedBatch
+    from lab.ops.batch import PackedBatch
     from lab.models import bert
     from lab.models.loading import read_folder, read_state_dict
 
@@ -162,7 +162,7 @@ def test_bert_under_autograd_keeps_torchs_norms(tmp_path, minilm_path, monkeypat
     import numpy as np
     from tiny_encoders import tiny_encoder
 
-    from lab.batch import PackedBatch
+    from lab.ops.batch import PackedBatch
     from lab.models.bert import BertModel
     from lab.models.loading import read_folder, read_state_dict
 
@@ -188,8 +188,8 @@ def test_bert_under_autograd_keeps_torchs_norms(tmp_path, minilm_path, monkeypat
 def test_the_triton_backend_keeps_its_own_norms(monkeypatch):
     """A plan that chose the C kernels does not reroute the Triton backend's norms (BERT's post-norm, the decoders'
     pre-norm): only the torch backend's."""
-    from lab.attention import ops
-    from lab.batch import AttnMeta
+    from lab.ops.attention import ops
+    from lab.ops.batch import AttnMeta
     from lab.models import bert, decoder
 
     calls = []

@@ -27,9 +27,9 @@ from conftest import cosine_rows
 
 from lab import Engine
 from lab._repo import import_evals
-from lab.call import Stats
+from lab.engine.call import Stats
 from lab.distributed import RayEngine, embed_dataset, split_by_tokens
-from lab.shards import MANIFEST, read_embeddings
+from lab.distributed.shards import MANIFEST, read_embeddings
 
 import_evals()
 from evals.data_io import read_jsonl
@@ -356,7 +356,7 @@ def test_lab_does_not_need_ray(tmp_path):
     """``import lab`` (and the engine) never import Ray; without Ray, lab.distributed says how to install it."""
     code = (
         "import sys; sys.modules['ray'] = None\n"  # as if Ray were not installed
-        "import lab, lab.engine, lab.shards\n"
+        "import lab, lab.engine, lab.distributed.shards\n"
         "try:\n    import lab.distributed\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)

@@ -5,7 +5,7 @@ A copy of all-MiniLM-L6-v2 whose ``config_sentence_transformers.json`` carries p
 Every row of the argument table is run on both libraries with the same inputs (shuffled, odd count, a one-token text,
 an empty text, one past ``max_seq_length``) and compared: same container type, shape and dtype; float results at
 cosine >= 0.99999 and 1e-4 relative norms; quantized ones bucket for bucket (a bucket boundary may fall between two
-float32 results 1e-6 apart: at most 1 % of the entries may differ, by one bucket / one bit). ``lab.quantize`` itself
+float32 results 1e-6 apart: at most 1 % of the entries may differ, by one bucket / one bit). ``lab.outputs.quantize`` itself
 equals sentence-transformers' ``quantize_embeddings`` exactly on the same float inputs.
 """
 
@@ -227,7 +227,7 @@ def test_default_prompt_name_must_be_a_prompt(minilm_path, tmp_path):
 def test_quantize_equals_sentence_transformers_exactly(precision):
     from sentence_transformers.util.quantization import quantize_embeddings as st_quantize
 
-    from lab.quantize import quantize_embeddings
+    from lab.outputs.quantize import quantize_embeddings
 
     rng = np.random.default_rng(0)
     emb = rng.standard_normal((37, 100)).astype(np.float32)  # 100 dims: the last packed byte is partial

@@ -13,7 +13,7 @@ from conftest import cosine_rows
 from tiny_models import tiny_llama
 
 from lab import Engine
-from lab.inputs import InputProcessor
+from lab.engine.inputs import InputProcessor
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 6,
@@ -177,7 +177,7 @@ def test_chunked_prefill_on_encoder_needs_causal(minilm_path):
 def test_chunked_peak_cache_is_bounded_by_budget(folder):
     """Chunked prefill runs a group of long inputs layer by layer, holding across steps the group's hidden states +
     one layer's K/V (``stats.state_bytes``); a group's tokens stay within ``max_batch_tokens`` unless one input
-    alone is longer (``lab.kv_path``). Raising the budget so that all three inputs share a group raises it."""
+    alone is longer (``lab.engine.kv_path``). Raising the budget so that all three inputs share a group raises it."""
     texts = [TEXTS[0]] * 3
     eng = Engine(folder, pooling="mean", dtype="float32", chunked_prefill=4, max_batch_tokens=8, max_num_seqs=2)
     n = len(eng.tokenize(texts[:1])[0].ids)
@@ -205,7 +205,7 @@ def test_chunked_prefill_memory_grows_with_chunk_not_length(tmp_path):
     it holds across steps — hidden states + one layer's K/V, a few values per token — plus what one chunk needs;
     an unchunked forward allocates every layer's activations for the whole input. Doubling the input adds only
     the state to the chunked peak, while growing the chunk adds activations."""
-    from lab.bench import peak_memory
+    from lab.eval.bench import peak_memory
 
     folder = tiny_llama(tmp_path, "llama", num_hidden_layers=4, intermediate_size=512, max_position_embeddings=4096)
     eng = Engine(str(folder), pooling="mean", max_length=4096, max_batch_tokens=4096)

@@ -19,7 +19,7 @@ import lab
 from evals import run as cli
 from evals.tasks import get_task
 from lab import Engine
-from lab.sweeps import evaluate, variant_name, variants
+from lab.eval.sweeps import evaluate, variant_name, variants
 
 _UNSET = object()
 SWEEP = {"pooling": ["mean", "cls"], "bidirectional": [False, True]}
@@ -127,7 +127,7 @@ def test_unknown_sweep_knob_fails_before_running():
 
 
 def test_default_cache_folder_and_env_override(tmp_path, monkeypatch):
-    from lab.sweeps import default_cache_dir
+    from lab.eval.sweeps import default_cache_dir
 
     monkeypatch.delenv("LAB_MTEB_CACHE", raising=False)
     assert default_cache_dir() == ROOT / "evals" / "results" / "cache"
@@ -145,13 +145,13 @@ def test_names_resolve_to_local_tasks_and_missing_data_is_named(tmp_path, monkey
 
 def test_lab_evaluate_is_the_sweep_function():
     """``lab.evaluate`` is the function, never shadowed by a submodule of that name (the sweeps live in
-    ``lab.sweeps``), before and after the module is imported."""
+    ``lab.eval.sweeps``), before and after the module is imported."""
     import importlib.util
     import types
 
-    import lab.sweeps
+    import lab.eval.sweeps
 
-    assert lab.evaluate is lab.sweeps.evaluate and isinstance(lab.evaluate, types.FunctionType)
+    assert lab.evaluate is lab.eval.sweeps.evaluate and isinstance(lab.evaluate, types.FunctionType)
     assert importlib.util.find_spec("lab.evaluate") is None
 
 
@@ -244,7 +244,7 @@ def test_cli_saves_the_plot_when_lab_plots_exists(tmp_path, monkeypatch):
         ax.bar(df[df["main"]]["variant"], df[df["main"]]["score"])
         return ax  # an Axes works as well as a Figure
 
-    monkeypatch.setitem(sys.modules, "lab.plots", types.SimpleNamespace(scores=scores))
+    monkeypatch.setitem(sys.modules, "lab.eval.plots", types.SimpleNamespace(scores=scores))
     cli.main(
         ["--model", "unused", "--tasks", "STSBenchmark", "--limit", "20", "--out", str(tmp_path), "--no-cache"],
         engine=FakeEngine(),

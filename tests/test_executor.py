@@ -17,8 +17,8 @@ from conftest import cosine_rows
 from tiny_models import tiny_llama
 
 from lab import Engine
-from lab.call import Stats
-from lab.knobs import Knobs
+from lab.engine.call import Stats
+from lab.engine.knobs import Knobs
 
 LONG = "Rotary position embeddings rotate queries and keys by their positions. "
 TEXTS = [LONG * 3, "a", "Paris", LONG * 2, "What is the capital of France?", LONG * 3 + "again", "b c d", LONG]

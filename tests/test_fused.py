@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from lab.kernels import cpu_attention
 
-from lab.attention import KERNELS
-from lab.models.fused import ACTIVATIONS, BF16_GEMM_MODES, activation_inplace, fusable, linear, linear_act, row_blocks
+from lab.ops.attention import KERNELS
+from lab.ops.gemm import ACTIVATIONS, BF16_GEMM_MODES, activation_inplace, fusable, linear, linear_act, row_blocks
 
 
 @pytest.mark.parametrize("act_name,act", [("gelu", F.gelu), ("gelu_new", lambda x: F.gelu(x, approximate="tanh")),
@@ -32,7 +32,7 @@ def test_bfloat16_linear_is_bfloat16_gemm_arithmetic(monkeypatch, mode):
     bfloat16): within one bfloat16 rounding of the float64 product, with and without bias and ``out=`` (a row block
     of a larger output); dtype stays bfloat16. Native mode calls oneDNN's linear op where it takes bfloat16, and
     only where autograd does not record."""
-    from lab.models import fused
+    from lab.ops import gemm as fused
 
     monkeypatch.setitem(fused._BF16, "mode", mode)
     calls = []
@@ -63,7 +63,7 @@ def test_bfloat16_linear_is_bfloat16_gemm_arithmetic(monkeypatch, mode):
 
 
 def test_bfloat16_gemm_mode_is_validated(monkeypatch):
-    from lab.models import fused
+    from lab.ops import gemm as fused
 
     monkeypatch.setitem(fused._BF16, "mode", "native")
     fused.set_bf16_gemm("widened")
@@ -75,7 +75,7 @@ def test_bfloat16_gemm_mode_is_validated(monkeypatch):
 def test_widened_weight_is_made_once_per_dtype_switch(monkeypatch):
     """Widened bfloat16 GEMMs read one float32 copy of each weight (views share it), made again only when the
     parameter's data changes (a dtype switch or adapter merge replaces ``.data``), never once per call."""
-    from lab.models import fused
+    from lab.ops import gemm as fused
 
     monkeypatch.setitem(fused._BF16, "mode", "widened")
     layer = fused.Linear(48, 20).bfloat16()
@@ -97,7 +97,7 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
     """The engine's CPU fast paths come from probes on this machine (reported in ``resolved``), per dtype, and
     ``LAB_CPU_<NAME>`` forces one without changing a single output."""
     from lab import Engine
-    from lab.models import fused, probes
+    from lab.ops import gemm as fused, probes
 
     eng = Engine(minilm_path)
     paths = eng.resolved["cpu_paths"]
@@ -158,7 +158,7 @@ def test_weight_layout_is_probed_and_can_be_forced(minilm_path, monkeypatch):
     ``LAB_CPU_F32_WEIGHTS=plain`` / ``packed`` forces it with the same embeddings (the same products, summed in
     another order: float32 rounding), and a wrong value names the valid ones."""
     from lab import Engine
-    from lab.models import fused, probes
+    from lab.ops import gemm as fused, probes
 
     if not (_has_fused_op() and fused.onednn_packing()):
         pytest.skip("this torch build cannot reorder weights for oneDNN")
@@ -189,7 +189,7 @@ def test_dtype_switch_drops_derived_weights(minilm_path, monkeypatch):
     """A dtype switch (and an adapter merge, through the same swap) drops every copy derived from a weight (packed,
     widened): nothing stale is kept in memory, and switching back remakes them with the same embeddings."""
     from lab import Engine
-    from lab.models import fused
+    from lab.ops import gemm as fused
 
     if not (_has_fused_op() and fused.onednn_packing()):
         pytest.skip("this torch build cannot reorder weights for oneDNN")
@@ -197,7 +197,7 @@ def test_dtype_switch_drops_derived_weights(minilm_path, monkeypatch):
     monkeypatch.setitem(fused._PACK, torch.float32, fused.gemm_weights(torch.float32))
     monkeypatch.setenv("LAB_CPU_F32_GEMM", "onednn")
     monkeypatch.setenv("LAB_CPU_F32_WEIGHTS", "packed")
-    monkeypatch.setattr("lab.models.probes._DECIDED", {})
+    monkeypatch.setattr("lab.ops.probes._DECIDED", {})
     eng = Engine(minilm_path)
     texts = ["packed weights", "and a dtype switch " * 5]
     first = eng.embed(texts)
@@ -222,7 +222,7 @@ def test_float32_linear_modes_compute_f_linear(monkeypatch, mode, layout):
     """Both float32 GEMM modes, oneDNN's with each weight layout, give ``F.linear`` (to float32 rounding), with and
     without bias and ``out=`` (a row block of a larger output); oneDNN is not used where autograd records (it has
     no backward)."""
-    from lab.models import fused
+    from lab.ops import gemm as fused
 
     if mode == "onednn" and not _has_fused_op():
         pytest.skip("this torch build has no oneDNN torch.ops.mkldnn._linear_pointwise")
@@ -262,7 +262,7 @@ def test_packed_weight_is_made_once_per_view_until_its_data_changes(monkeypatch,
     tensor and row block (q/k/v slices), reused by every call and by the fused-activation path, remade when the
     data changes (``.data`` replaced, as a dtype switch or adapter merge does, or changed in place); outputs equal
     the plain layout's to float32 / bfloat16 rounding, for odd shapes, one row, and no bias."""
-    from lab.models import fused
+    from lab.ops import gemm as fused
 
     if not (_has_fused_op() and fused.onednn_packing()):
         pytest.skip("this torch build cannot reorder weights for oneDNN")
@@ -341,7 +341,7 @@ def test_fused_path_is_taken_on_cpu(monkeypatch, act_name, act, dtype, tol):
     ``torch.ops.mkldnn._linear_pointwise`` call, equal to the unfused ``act(F.linear(...))``."""
     if not _has_fused_op():
         pytest.skip("this torch build has no oneDNN torch.ops.mkldnn._linear_pointwise: there is no fused path")
-    from lab.models import fused
+    from lab.ops import gemm as fused
 
     x, w, b = torch.randn(37, 24, dtype=dtype), torch.randn(40, 24, dtype=dtype) * 0.2, torch.randn(40, dtype=dtype)
     assert fused.fusable(x, act_name)
@@ -368,7 +368,7 @@ def test_decoder_float32_gemm_modes_match_transformers(tmp_path, monkeypatch, mo
     from tiny_models import tiny_llama
 
     from lab import Engine
-    from lab.models import fused, probes
+    from lab.ops import gemm as fused, probes
 
     monkeypatch.setattr(probes, "_DECIDED", {})
     monkeypatch.setitem(fused._F32, "mode", fused.f32_gemm())
@@ -390,7 +390,7 @@ def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch
     from tiny_models import tiny_llama
 
     from lab import Engine
-    from lab.models import probes
+    from lab.ops import probes
     from lab.models.decoder import CAUSAL_BLOCK
 
     monkeypatch.setattr(probes, "_DECIDED", {})
@@ -413,7 +413,7 @@ def test_decoder_attention_kernel_is_probed_without_the_three_op_path(tmp_path, 
     from tiny_models import tiny_llama
 
     from lab import Engine
-    from lab.models import probes
+    from lab.ops import probes
 
     monkeypatch.setattr(probes, "_DECIDED", {})
     folder = str(tiny_llama(tmp_path, "llama"))
@@ -452,7 +452,7 @@ def test_decoder_rope_layouts_match_transformers(tmp_path, monkeypatch, layout, 
     from tiny_models import tiny_llama
 
     from lab import Engine
-    from lab.models import probes
+    from lab.ops import probes
 
     if kernel == "lab" and not cpu_rope.available():
         pytest.skip(f"the C kernels did not build here: {cpu_rope.unavailable_reason()}")

@@ -8,7 +8,7 @@ import pytest
 from tiny_models import tiny_tokenizer
 from transformers import AutoTokenizer
 
-from lab.inputs import InputProcessor
+from lab.engine.inputs import InputProcessor
 
 
 def _texts(tok) -> list[str]:

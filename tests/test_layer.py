@@ -278,7 +278,7 @@ def test_llm_yes_no_from_layer_k(dec_folder):
     """The yes/no reranker reads LM logits off the hidden state after layer k (a logit lens: no final norm)."""
     from transformers import AutoModelForCausalLM
 
-    from lab.rerank import YesNoPrompt
+    from lab.engine.rerank import YesNoPrompt
 
     prompt = YesNoPrompt(system="Judge: yes or no.", instruction="Find it", yes_token="ĠFrance",
                          no_token="Ġcapital")
@@ -357,7 +357,7 @@ def test_resolved_and_repr(dec_folder):
 
 def test_mteb_experiment_names_carry_the_layer(dec_folder):
     pytest.importorskip("mteb")
-    from lab.mteb_adapter import as_mteb_model
+    from lab.eval.mteb_adapter import as_mteb_model
 
     eng = Engine(dec_folder)
     model = as_mteb_model(eng)

@@ -11,7 +11,7 @@ from conftest import cosine_rows
 from tiny_encoders import tiny_encoder
 
 from lab import Engine
-from lab.batch import PackedBatch
+from lab.ops.batch import PackedBatch
 from lab.models.bert import BertModel
 from lab.models.loading import read_folder, read_state_dict
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tiny_models import KINDS, tiny_llama
 
-from lab.batch import AttnMeta, KVStep
+from lab.ops.batch import AttnMeta, KVStep
 from lab.models.decoder import DecoderModel
 from lab.models.rope import rope_from_config
 
@@ -317,8 +317,8 @@ def test_row_blocked_mlp_equals_whole(folders, monkeypatch):
 def test_output_rows_equal_the_full_forward_at_those_rows(folders, kind, causal, method):
     """The last layer run for the pooled rows only (``output_rows``) gives the full forward's rows there: with and
     without an instruction prefix (``pool_start``), length-1 sequences, GQA, q/k-norm and qkv bias variants."""
-    from lab.batch import OutputRows
-    from lab.pooling import pooling_method
+    from lab.ops.batch import OutputRows
+    from lab.outputs.pooling import pooling_method
 
     model = ours(folders[kind])
     ids, pos = packed(LENGTHS, model.args.vocab_size)
@@ -334,7 +334,7 @@ def test_output_rows_equal_the_full_forward_at_those_rows(folders, kind, causal,
 
 
 def test_pooled_rows_are_the_rows_pool_reads():
-    from lab.pooling import pooling_method
+    from lab.outputs.pooling import pooling_method
 
     def rows(method, lengths, pool_start=None):
         return pooling_method(method).rows(lengths, pool_start or [0] * len(lengths))
@@ -355,8 +355,8 @@ def test_pairs_layout_matches_transformers_and_halves(folders, kind, causal):
     """The ``pairs`` rotary layout (q/k projection rows permuted at load, the rotation a complex multiply) against
     transformers and against the ``halves`` model on the same packed batch: GQA, qkv biases (Qwen2), per-head q/k
     norms (Qwen3), length-1 sequences, and the last layer computed for the pooled rows only."""
-    from lab.batch import OutputRows
-    from lab.pooling import pooling_method
+    from lab.ops.batch import OutputRows
+    from lab.outputs.pooling import pooling_method
 
     pairs, halves = ours(folders[kind], "pairs"), ours(folders[kind])
     assert pairs.rope_layout == "pairs" and halves.rope_layout == "halves"

@@ -1,4 +1,4 @@
-"""lab.mteb_adapter: mteb's encoder / cross-encoder protocols over an Engine (a fake one, then the real one)."""
+"""lab.eval.mteb_adapter: mteb's encoder / cross-encoder protocols over an Engine (a fake one, then the real one)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from mteb.types import PromptType
 
 from evals.tasks import get_task
 from lab import Engine
-from lab.mteb_adapter import EngineCrossEncoder, EngineEncoder, as_mteb_model, drain_texts
+from lab.eval.mteb_adapter import EngineCrossEncoder, EngineEncoder, as_mteb_model, drain_texts
 
 _UNSET = object()
 

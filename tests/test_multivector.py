@@ -1,5 +1,5 @@
 """ColBERT folders of sentence-transformers (``MultiVectorEncoder``) and PyLate: ``embed(output="colbert")``
-(``lab.multivector``).
+(``lab.outputs.multivector``).
 
 Oracle: sentence-transformers' own ``MultiVectorEncoder.encode_query`` / ``encode_document`` / ``encode`` on tiny
 random folders it saved (Transformer with per-task lengths and query expansion, token-level Dense, MultiVectorMask
@@ -19,9 +19,9 @@ import torch
 from tiny_encoders import tiny_encoder
 
 from lab import Engine
-from lab.attention import visible_keys_attention
-from lab.batch import AttnMeta
-from lab.retrieval import maxsim_matrix
+from lab.ops.attention import visible_keys_attention
+from lab.ops.batch import AttnMeta
+from lab.eval.retrieval import maxsim_matrix
 
 st = pytest.importorskip("sentence_transformers")
 if not hasattr(st, "MultiVectorEncoder"):
@@ -243,10 +243,10 @@ def test_encode_query_and_document_answer_as_multi_vector_encoder(folders):
 
 
 def test_late_interaction_retrieval_runs_the_folder_tasks(folders):
-    """lab.retrieval's late-interaction mode on a ColBERT folder: queries as queries, documents as documents."""
+    """lab.eval.retrieval's late-interaction mode on a ColBERT folder: queries as queries, documents as documents."""
     from sentence_transformers import MultiVectorEncoder
 
-    from lab.retrieval import score_matrix
+    from lab.eval.retrieval import score_matrix
 
     path = folders["fixed"]
     model = MultiVectorEncoder(str(path), device="cpu")

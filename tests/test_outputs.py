@@ -1,4 +1,4 @@
-"""``Engine.embed(texts, output=...)`` and the late-interaction / sparse / m3 score modes (``lab.outputs``).
+"""``Engine.embed(texts, output=...)`` and the late-interaction / sparse / m3 score modes (``lab.outputs.kinds``).
 
 Oracles: sentence-transformers' ``SparseEncoder.encode`` on tiny random SPLADE folders; for bge-m3, a plainly written
 reference of FlagEmbedding's formulas (``M3Embedder``: CLS dense vector normalized, ``relu(sparse_linear(h))`` max
@@ -21,9 +21,9 @@ from scipy import sparse
 from tiny_encoders import tiny_encoder
 from tiny_models import tiny_llama
 
-import lab.outputs
+import lab.outputs.kinds
 from lab import Engine
-from lab.scheduler import split_for_workers
+from lab.engine.scheduler import split_for_workers
 
 TEXTS = [
     "A man is playing a guitar.",
@@ -93,7 +93,7 @@ def test_splade_sparse_matches_sparse_encoder(splade, monkeypatch):
     assert out.shape == (len(texts), eng.model.config["vocab_size"])
     csr_close(out, ref, ATOL)
     # MLM logits in blocks of 3 rows, so blocks cut across sequences (the memory bound of the module doc)
-    monkeypatch.setattr(lab.outputs, "LOGIT_BLOCK_BYTES", 3 * 4 * eng.model.config["vocab_size"])
+    monkeypatch.setattr(lab.outputs.kinds, "LOGIT_BLOCK_BYTES", 3 * 4 * eng.model.config["vocab_size"])
     csr_close(eng.embed(texts, output="sparse"), ref, ATOL)
     eng.configure(cpu_workers=2, max_batch_tokens=16384)
     csr_close(eng.embed(texts, output="sparse"), ref, ATOL)

@@ -15,7 +15,7 @@ ipywidgets = pytest.importorskip("ipywidgets")
 from tiny_models import tiny_llama
 
 from lab import Engine
-from lab.panel import build_panel
+from lab.eval.panel import build_panel
 
 SENTENCES = "A man is playing a guitar.\nSomeone plays guitar.\n\nThe cat sits on the mat.\n"
 

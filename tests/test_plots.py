@@ -1,4 +1,4 @@
-"""lab.plots: every function returns a matplotlib Figure from a small tidy table, without pyplot state."""
+"""lab.eval.plots: every function returns a matplotlib Figure from a small tidy table, without pyplot state."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import pytest
 from matplotlib import pyplot as plt
 from matplotlib.figure import Figure
 
-from lab import plots
+from lab.eval import plots
 
 
 def _throughput_table(with_length: bool = False) -> pd.DataFrame:
-    """The shape of lab.bench.throughput's table: an engine swept over budgets and dtypes, plus a baseline."""
+    """The shape of lab.eval.bench.throughput's table: an engine swept over budgets and dtypes, plus a baseline."""
     rows = []
     for length in ([16, 128] if with_length else [None]):
         for dtype in ("float32", "bfloat16"):

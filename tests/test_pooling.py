@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lab import Engine
-from lab.batch import AttnMeta
-from lab.heads import EmbeddingHead
-from lab.pooling import pooling_method
+from lab.ops.batch import AttnMeta
+from lab.outputs.heads import EmbeddingHead
+from lab.outputs.pooling import pooling_method
 
 
 def pool(hidden, meta, method, pool_start=None):

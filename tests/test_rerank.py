@@ -15,7 +15,7 @@ from tiny_encoders import tiny_encoder
 from tiny_models import tiny_llama
 
 from lab import Engine
-from lab.rerank import YesNoLayout, YesNoPrompt
+from lab.engine.rerank import YesNoLayout, YesNoPrompt
 
 ATOL = 1e-5  # float32
 MAX_LEN = 48

@@ -1,4 +1,4 @@
-"""``lab.retrieval``: nDCG against hand-computed values, MaxSim against a plain loop, and each mode's scores against
+"""``lab.eval.retrieval``: nDCG against hand-computed values, MaxSim against a plain loop, and each mode's scores against
 the engine calls it is made of (all-MiniLM-L6-v2)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from lab.retrieval import evaluate_retrieval, maxsim_matrix, ndcg, score_matrix
+from lab.eval.retrieval import evaluate_retrieval, maxsim_matrix, ndcg, score_matrix
 
 DOCS = {
     "d1": "The central bank raised interest rates by half a point and stocks fell.",

@@ -1,4 +1,4 @@
-"""lab.runtime: with the malloc settings, large buffers come from the heap and stay there once freed, in the CPU
+"""lab.runtime.allocator: with the malloc settings, large buffers come from the heap and stay there once freed, in the CPU
 workers' threads too. Checked in fresh subprocesses (the settings are process-wide) through glibc's ``mallinfo2``
 counters, not by time."""
 
@@ -15,7 +15,7 @@ SCRIPT = r"""
 import ctypes, json
 from concurrent.futures import ThreadPoolExecutor
 import torch
-from lab.runtime import tune_cpu_allocator
+from lab.runtime.allocator import tune_cpu_allocator
 
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
@@ -70,7 +70,7 @@ def test_malloc_settings_fit_a_c_int():
     threshold of 0 returns memory on every free), silently."""
     import ctypes
 
-    from lab.runtime import SETTINGS
+    from lab.runtime.allocator import SETTINGS
 
     for param, value in SETTINGS:
         assert ctypes.c_int(param).value == param and ctypes.c_int(value).value == value, (param, value)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lab.scheduler import MAX_IMBALANCE, plan_batches, prefetch_waves, split_for_workers
+from lab.engine.scheduler import MAX_IMBALANCE, plan_batches, prefetch_waves, split_for_workers
 
 
 @dataclass

@@ -1,26 +1,43 @@
 """The structure rules of ``lab/`` and ``kernels/``, checked by reading the source (an AST scan, nothing imported):
 
-- no import cycles among ``lab`` modules, function-level imports included;
+- the layers are subpackages, and each may import only the layers below it (``LAYERS``; function-level imports
+  included), so the folder names tell where a thing goes and what it may know;
+- no import cycles among ``lab`` modules;
 - no module imports another's private (``_name``) names;
-- nothing outside ``engine.py`` touches an engine's private attributes (``engine._x``), here or in ``evals/``;
-- model code (``lab/models``) imports only the model layer (``lab.models``, ``lab.batch``, ``lab.attention``,
-  ``lab.kernels``): never the engine, scheduler, executor or studies;
+- nothing outside ``lab/engine/`` touches an engine's private attributes (``engine._x``), here or in ``evals/``, and
+  the Engine hands no private method out as a callback (its collaborators get public seams);
 - models are not probed with ``hasattr`` / ``getattr`` outside ``lab/models`` (the ``PackedModel`` contract says
   what a model has);
 - ``kernels/`` imports nothing from ``lab`` but itself (installed as ``lab.kernels``);
-- every module stays under 600 lines.
+- a module past 600 lines is a warning (split it by concern), past 800 a failure.
 """
 
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB, KERNELS = ROOT / "lab", ROOT / "kernels"
-MODEL_LAYER = ("lab.models", "lab.batch", "lab.attention", "lab.kernels")
+# layer -> the layers it may import (besides itself, ``lab.kernels`` and the package helpers ``lab._lazy`` /
+# ``lab._repo``), bottom to top. ``lab`` itself (``__init__``, ``demo``) sits above them all.
+LAYERS = {
+    "lab.ops": set(),  # batch layout, attention / GEMM dispatch, CPU probes and plan
+    "lab.models": {"lab.ops"},  # families on flat tokens + AttnMeta, loading
+    "lab.runtime": {"lab.ops", "lab.models"},  # weights, CPU planning, worker pool, runner
+    "lab.outputs": {"lab.ops"},  # pooling, heads, output kinds, scoring, quantize
+    "lab.adapt": {"lab.ops", "lab.models"},  # LoRA adapters (merged live), MNTP / SimCSE training
+    "lab.engine": {"lab.ops", "lab.models", "lab.runtime", "lab.outputs", "lab.adapt"},
+    "lab.eval": {"lab.ops", "lab.models", "lab.runtime", "lab.outputs", "lab.adapt", "lab.engine"},
+    "lab.distributed": {"lab.ops", "lab.models", "lab.runtime", "lab.outputs", "lab.adapt", "lab.engine", "lab.eval"},
+}
+HELPERS = {"lab._lazy", "lab._repo"}
+# the one upward edge: the Engine facade opens its front-ends (``Engine.panel()``, ``Engine.as_mteb_model()``),
+# imported inside those methods; nothing they import reaches back into the facade
+FRONT_ENDS = {"lab.engine.engine": {"lab.eval.panel", "lab.eval.mteb_adapter"}}
 ENGINE_NAMES = {"engine", "eng", "self.engine", "self.eng", "reng"}
 
 
@@ -106,10 +123,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def layer(module: str) -> str:
+    """The layer (``LAYERS`` key) a ``lab`` module belongs to; ``lab`` for the package's own top-level modules."""
+    return next((name for name in LAYERS if module == name or module.startswith(name + ".")), "lab")
+
+
 def test_scan_sees_the_package():
     graph = import_graph()
-    assert {"lab.engine", "lab.executor", "lab.kv_path", "lab.pooling", "lab.heads", "lab.models.base"} <= set(graph)
-    assert {"lab.executor", "lab.call", "lab.heads"} <= graph["lab.engine"]  # the scan reads real edges
+    assert {"lab.engine.engine", "lab.engine.executor", "lab.engine.kv_path", "lab.outputs.pooling",
+            "lab.outputs.heads", "lab.models.base", "lab.ops.gemm"} <= set(graph)
+    assert {"lab.engine.executor", "lab.engine.call", "lab.outputs.heads"} <= graph["lab.engine.engine"]  # real edges
+    assert {layer(m) for m in graph} <= set(LAYERS) | {"lab"}  # every module sits in a layer
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # and finds a cycle
 
 
@@ -127,10 +151,41 @@ def test_no_private_names_imported_across_modules():
     assert bad == []
 
 
+def test_each_layer_imports_only_the_layers_below_it():
+    bad = []
+    for mod, deps in import_graph().items():
+        if layer(mod) == "lab":
+            continue
+        allowed = LAYERS[layer(mod)] | {layer(mod)}
+        for dep in sorted(deps - HELPERS - FRONT_ENDS.get(mod, set())):
+            if layer(dep) not in allowed:
+                bad.append(f"{mod} ({layer(mod)}) imports {dep} ({layer(dep)})")
+    assert bad == []
+
+
+def test_the_layers_form_no_cycle():
+    graph = {name: set(below) for name, below in LAYERS.items()}
+    assert cycles(graph) == [] and all(name not in below for name, below in graph.items())
+    for mod, targets in FRONT_ENDS.items():  # the front-ends never import the facade back
+        graph = import_graph()
+        for target in targets:
+            assert mod not in reachable(graph, target), f"{target} reaches back into {mod}"
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
 def test_nothing_outside_engine_touches_engine_internals():
     bad = []
     for path in [*LAB_MODULES.values(), *sorted((ROOT / "evals").rglob("*.py"))]:
-        if path == LAB / "engine.py":
+        if LAB / "engine" in path.parents:
             continue
         for node in ast.walk(parse(path)):
             if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
@@ -139,14 +194,19 @@ def test_nothing_outside_engine_touches_engine_internals():
     assert bad == []
 
 
-def test_model_code_imports_only_the_model_layer():
+def test_the_engine_hands_out_no_private_callbacks():
+    """``Engine`` passes no ``self._method`` as an argument: rerank, ``encode`` and the rest call its public seams."""
+    tree = parse(LAB / "engine" / "engine.py")
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    methods = {n.name for n in engine.body if isinstance(n, ast.FunctionDef)
+               and not any(ast.unparse(d) in ("property", "cached_property") for d in n.decorator_list)}
     bad = []
-    for mod, path in LAB_MODULES.items():
-        if not mod.startswith("lab.models"):
-            continue
-        for name, _, line in imports(path, "lab.models"):
-            if name.startswith("lab") and not name.startswith(MODEL_LAYER):
-                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    for node in ast.walk(engine):
+        if isinstance(node, ast.Call):
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                if (isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "self"
+                        and arg.attr.startswith("_") and arg.attr in methods):
+                    bad.append(f"line {node.lineno}: {ast.unparse(arg)} handed to {ast.unparse(node.func)}")
     assert bad == []
 
 
@@ -177,4 +237,6 @@ def test_kernels_import_nothing_from_lab():
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_modules_stay_small(path):
     n = len(path.read_text(encoding="utf-8").splitlines())
-    assert n < 600, f"{path.relative_to(ROOT)} has {n} lines; split it by concern"
+    assert n <= 800, f"{path.relative_to(ROOT)} has {n} lines; split it by concern"
+    if n > 600:
+        warnings.warn(f"{path.relative_to(ROOT)} has {n} lines; past 600 a module usually holds two concerns")

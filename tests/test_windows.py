@@ -1,7 +1,7 @@
 """``long_inputs="chunk"`` and late chunking (``Engine.embed_chunks``) against plain references on transformers.
 
 The references never use ``lab``: they tokenize with the model's tokenizer, build the windows as the docstrings of
-``lab.windows`` describe them, run transformers' ``AutoModel`` on each window (one at a time, unpadded) and pool
+``lab.engine.windows`` describe them, run transformers' ``AutoModel`` on each window (one at a time, unpadded) and pool
 with torch. all-MiniLM-L6-v2 (mean pooling, Normalize) at a small ``max_length`` so that the windows are many.
 """
 

@@ -2,7 +2,7 @@
 
 One module per family: ``bert.py`` (BERT / RoBERTa / XLM-R encoders), ``decoder.py`` (Llama / Mistral / Qwen2 /
 Qwen3, differences as config fields); each subclasses ``base.PackedModel`` (the contract the engine relies on). Model
-code never imports the engine, scheduler or executor: it sees flat tokens and an ``AttnMeta`` (``lab.batch``).
+code never imports the engine, scheduler or executor: it sees flat tokens and an ``AttnMeta`` (``lab.ops.batch``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Every packed model family (``bert.py``, ``decoder.py``) and the transformers fal
 ``hasattr`` / ``getattr``. A model sees flat tokens, their positions and an ``AttnMeta``; never the batch layout.
 
 **One forward, in stages.** ``forward`` is defined once, here, as ``embed`` -> ``run_layers`` -> ``finish``. The
-KV path (``lab.kv_path``: chunked prefill layer by layer, the shared-prefix cache) calls the same three stages on
+KV path (``lab.engine.kv_path``: chunked prefill layer by layer, the shared-prefix cache) calls the same three stages on
 slices of the rows, so there is no second implementation to keep in sync. A family implements the stages:
 
 - ``embed(input_ids, positions, token_type_ids, meta)`` -> the input of layer 0, ``(T, hidden)``;
@@ -29,8 +29,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from lab.batch import AttnMeta, OutputRows
-from lab.models.probes import Decision, Probe, decide
+from lab.ops.batch import AttnMeta, OutputRows
+from lab.ops.probes import Decision, Probe, decide
 
 
 class PackedModel(nn.Module):
@@ -52,7 +52,7 @@ class PackedModel(nn.Module):
         # an instance attribute, not a class one: a class attribute would shadow the submodule once one is set
         self.classifier = None
         # CPU fast-path choices (name -> candidate) decided by ``cpu_probes`` on this machine for the current dtype
-        # (``lab.models.probes``; set by the runner). Empty: each family's defaults (and always off the CPU).
+        # (``lab.ops.probes``; set by the runner). Empty: each family's defaults (and always off the CPU).
         self.plan: dict[str, str] = {}
         # weight-layout choices (name -> candidate) made by ``layout_probes`` before the weights load, fixed for the
         # model's life (the engine makes them on CPU; empty: the checkpoint's own layout)
@@ -147,13 +147,13 @@ class PackedModel(nn.Module):
     def token_head(self, name: str, hidden: torch.Tensor) -> torch.Tensor:
         """Head ``name`` of ``token_heads`` on hidden states ``(N, hidden)``: ``mlm`` -> ``(N, vocab)`` logits,
         ``sparse_linear`` -> ``(N, 1)``, ``colbert_linear`` -> ``(N, d)``; raw outputs in the weights' dtype (the
-        activations and reductions around them are the outputs layer's, ``lab.outputs``)."""
+        activations and reductions around them are the outputs layer's, ``lab.outputs.kinds``)."""
         raise ValueError(f"{type(self).__name__} has no per-token head {name!r}")
 
     # -------------------------------------------------------------------------------------------- adapters
     def hf_linear_map(self) -> dict[str, tuple[str, slice | torch.Tensor] | None]:
         """Each transformers Linear -> our parameter and its rows, a slice or an index tensor (LoRA merges through
-        it; ``lab.adapters``)."""
+        it; ``lab.adapt.adapters``)."""
         raise ValueError(f"{type(self).__name__} cannot merge adapters (no map from transformers' Linear names)")
 
     @staticmethod

@@ -17,11 +17,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from lab.attention import attention, ops
-from lab.batch import AttnMeta, OutputRows
+from lab.ops.attention import attention, ops
+from lab.ops.batch import AttnMeta, OutputRows
 from lab.kernels import cpu_norms
 from lab.models.base import PackedModel
-from lab.models.fused import (
+from lab.ops.gemm import (
     ACTIVATIONS,
     Linear,
     activation_inplace,
@@ -31,7 +31,7 @@ from lab.models.fused import (
     row_blocks,
 )
 from lab.models.loading import KeyTracker, warn_unexpected
-from lab.models.probes import Probe, attention_probe, gemm_probes
+from lab.ops.probes import Probe, attention_probe, gemm_probes
 
 # Tokens per FFN block on the CPU row-blocked path (``BertLayer._ffn``): 512-2048 measured alike, 256 3 % slower.
 FFN_ROWS = 1024
@@ -192,7 +192,7 @@ class BertModel(PackedModel):
         """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the FFN's
         up-projection), then q/k/v split vs stacked and the FFN in row blocks vs with a fused epilogue
         (``BertLayer.forward``), on layer 0's weights, then the attention kernel: torch's fused one, three ops, or
-        prefill-lab's own (``attention_kernel``, ``lab.models.probes.attention_probe``), then the post-norms: torch's
+        prefill-lab's own (``attention_kernel``, ``lab.ops.probes.attention_probe``), then the post-norms: torch's
         add and LayerNorm or prefill-lab's in-place kernel (``add_layer_norm``; ``lab.kernels.cpu_norms``, offered
         where the C library built)."""
         layer, t = self.layers[0], PROBE_ROWS
@@ -288,7 +288,7 @@ class BertModel(PackedModel):
     def hf_linear_map(self) -> dict[str, tuple[str, slice] | None]:
         """Each transformers Linear (named as ``load_hf_state_dict`` reads it, prefixes stripped) -> our parameter
         and its rows: query/key/value are row blocks of the fused ``qkv``. LoRA adapters merge through this map
-        (``lab.adapters``). ``None``: a module our forward never runs (the pooler, unless a BERT classification
+        (``lab.adapt.adapters``). ``None``: a module our forward never runs (the pooler, unless a BERT classification
         head uses it)."""
         h = self.hidden_size
         out: dict[str, tuple[str, slice] | None] = {}

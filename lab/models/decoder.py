@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lab.attention import attention, ops
-from lab.batch import AttnMeta, OutputRows
+from lab.ops.attention import attention, ops
+from lab.ops.batch import AttnMeta, OutputRows
 from lab.kernels import cpu_norms, cpu_rope
 from lab.models.base import PackedModel
-from lab.models.fused import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
+from lab.ops.gemm import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.loading import KeyTracker, warn_unexpected
-from lab.models.probes import Probe, attention_probe, gemm_probes
+from lab.ops.probes import Probe, attention_probe, gemm_probes
 from lab.models.rope import (
     RopeSpec,
     RopeTables,
@@ -319,7 +319,7 @@ class DecoderModel(PackedModel):
         float32 and bfloat16. Two sequences of half that length, the earlier probe, gave 1.06-1.13x, and on one
         noisy run of three per dtype picked ``whole``: SmolLM2's 96-text bfloat16 benchmark then spent 1.6x the
         thread time on attention it spent in float32, with blocks), then that torch path vs prefill-lab's own kernel
-        (``attention_kernel``: ``sdpa`` or ``lab``, ``lab.models.probes.attention_probe``; never the three-op
+        (``attention_kernel``: ``sdpa`` or ``lab``, ``lab.ops.probes.attention_probe``; never the three-op
         ``matmul``, which rounds scores to bfloat16), on a causal step of mixed lengths; then the pre-norms: torch's
         add and RMSNorm or prefill-lab's one-pass kernel (``add_rms_norm``; ``lab.kernels.cpu_norms``, offered where
         the C library built); then, in the ``pairs`` rotary layout, the rotation: torch's or the same library's one
@@ -468,7 +468,7 @@ class DecoderModel(PackedModel):
     def hf_linear_map(self) -> dict[str, tuple[str, slice | torch.Tensor]]:
         """Each transformers Linear (named as ``load_hf_state_dict`` reads it, prefixes stripped) -> our parameter
         and its rows: q/k/v are row blocks of the fused ``qkv`` (Hq*D, Hkv*D, Hkv*D), gate/up of ``gate_up``. LoRA
-        adapters merge through this map (``lab.adapters``); the embedding and ``lm_head`` are not in it. In the
+        adapters merge through this map (``lab.adapt.adapters``); the embedding and ``lm_head`` are not in it. In the
         ``pairs`` rotary layout the q / k rows are index tensors: row ``j`` of transformers' weight is our row
         ``rows[j]``."""
         a = self.args

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lab.batch import AttnMeta, OutputRows
+from lab.ops.batch import AttnMeta, OutputRows
 from lab.models.base import PackedModel
 
 

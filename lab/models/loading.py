@@ -33,7 +33,7 @@ _ST_POOLING_KEYS = (
 class MultiVectorSpec:
     """A sentence-transformers ``MultiVectorEncoder`` (ColBERT) folder: Transformer, optional token-level Dense,
     MultiVectorMask, optional Normalize, and the Transformer's per-task lengths and query expansion
-    (``lab.multivector`` applies them)."""
+    (``lab.outputs.multivector`` applies them)."""
 
     dense: Path | None  # the Dense module's folder (a projection of every token), None without one
     activation: str  # the Dense's activation: "identity" or "tanh"

@@ -1,0 +1,186 @@
+"""Input processing: validation, tokenization, instructions and truncation records -> ``Request`` objects.
+
+Truncation follows sentence-transformers (the tokenizer's own ``truncation=True`` at ``max_length``, so special
+tokens survive). Whether an input was cut is found by tokenizing at ``max_length + 1`` first: only the inputs that
+really overflow are tokenized again, so nothing is tokenized twice in the common case and every cut is counted.
+
+An instruction is prepended to the text; its tokens are attended to but excluded from pooling (``pool_start``),
+as llm2vec's embed mask and sentence-transformers' ``include_prompt=False`` do.
+
+    >>> proc = InputProcessor(tokenizer, max_length=256)
+    >>> reqs = proc.process(["a text", "another"], first_index=0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Request:
+    """One input after tokenization. ``index`` is its position in the caller's list."""
+
+    index: int
+    ids: np.ndarray  # (L,) int64
+    token_type_ids: np.ndarray | None = None
+    pool_start: int = 0  # tokens before this are an instruction: attended, not pooled
+    truncated: bool = False
+    key_len: int | None = None  # only the first key_len tokens are attended to (None: all; lab.outputs.multivector)
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+
+def check_texts(texts, what: str = "texts") -> list[str]:
+    """Validate the user's list of strings, all of it, before any model work; errors name the bad item and the fix.
+
+    Refused: a bare ``str`` / ``bytes``, containers whose iteration is not the texts in order (a ``dict`` iterates
+    its keys, a pandas ``DataFrame`` its column names, a ``set`` in hash order), non-string items (``bytes`` named
+    as such) and text that cannot be encoded (a lone surrogate)."""
+    kind = type(texts).__name__
+    if isinstance(texts, str):
+        raise TypeError(f"{what} must be a list of strings, got a single str; wrap it: [{texts[:30]!r}]")
+    if isinstance(texts, (bytes, bytearray)):
+        raise TypeError(f"{what} must be a list of strings, got {kind}; decode it first: [data.decode('utf-8')]")
+    if isinstance(texts, Mapping) or hasattr(texts, "columns"):
+        hint = "df[column].tolist()" if hasattr(texts, "columns") else "list(d.values())"
+        raise TypeError(f"{what} must be a list of strings, got a {kind} (iterating it gives its keys / column "
+                        f"names, not the texts); pass {hint}")
+    if isinstance(texts, (set, frozenset)):
+        raise TypeError(f"{what} must be a list of strings, got a {kind}, which has no order to keep; pass "
+                        "sorted(texts) or a list")
+    if not isinstance(texts, Sequence):
+        try:
+            texts = list(texts)
+        except TypeError:
+            raise TypeError(f"{what} must be a list of strings, got {kind}") from None
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            hint = "; decode it first (.decode('utf-8'))" if isinstance(t, (bytes, bytearray)) else ""
+            raise TypeError(f"{what}[{i}] is {type(t).__name__}, not str; every item must be a string{hint}")
+        check_encodable(t, f"{what}[{i}]")
+    return list(texts)
+
+
+def check_encodable(text: str, where: str) -> None:
+    """``text`` is valid Unicode (encodable as UTF-8); a ``ValueError`` naming ``where`` and the character if not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} cannot be encoded as UTF-8 ({e.reason} at character {e.start}: "
+                         f"{text[max(0, e.start - 10) : e.start + 1]!r}); a lone surrogate usually means a "
+                         "wrongly decoded file: re-read it with errors='replace'") from None
+
+
+class InputProcessor:
+    """Tokenizes texts (optionally text pairs) into ``Request`` objects, recording truncation."""
+
+    def __init__(self, tokenizer, max_length: int, *, append_eos: bool = False):
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.append_eos = append_eos and tokenizer.eos_token_id is not None
+        self._layout: tuple[int, int] | None | bool = False  # special_layout, probed on first need
+        self._n_prefix: int | None = None  # prefix_specials, probed on first need
+
+    def _encode(self, texts: list[str], pairs: list[str] | None, max_length: int) -> dict:
+        kw = {"truncation": True, "max_length": max_length, "return_attention_mask": False, "verbose": False}
+        if pairs is not None:
+            return self.tokenizer(texts, pairs, return_token_type_ids=True, **kw)
+        return self.tokenizer(texts, return_token_type_ids=False, **kw)
+
+    def tokenize(self, texts: list[str], pairs: list[str] | None = None) -> tuple[list[list[int]], list | None, list]:
+        """Token ids (and type ids for pairs) truncated at ``max_length``; third item: which were cut."""
+        limit = self.max_length - 1 if self.append_eos else self.max_length
+        enc = self._encode(texts, pairs, limit + 1)
+        ids, types = enc["input_ids"], enc.get("token_type_ids")
+        cut = [i for i, x in enumerate(ids) if len(x) > limit]
+        specials = self.special_layout() if cut and pairs is None else None
+        if specials is not None and limit > sum(specials):  # drop the last text token, keep the specials
+            n_suffix = specials[1]
+            for i in cut:
+                x = ids[i]
+                ids[i] = x[: len(x) - n_suffix - 1] + x[len(x) - n_suffix :]
+        elif cut:  # text pairs (or an unusual tokenizer): tokenize the overflowing inputs again, at the real limit
+            again = self._encode([texts[i] for i in cut], [pairs[i] for i in cut] if pairs else None, limit)
+            for j, i in enumerate(cut):
+                ids[i] = again["input_ids"][j]
+                if types is not None:
+                    types[i] = again["token_type_ids"][j]
+        if self.append_eos:
+            eos = self.tokenizer.eos_token_id
+            ids = [x if x and x[-1] == eos else x + [eos] for x in ids]
+        if any(not x for x in ids):  # "" with a tokenizer that adds no specials: one EOS token stands in for it
+            filler = next(t for t in (self.tokenizer.eos_token_id, self.tokenizer.bos_token_id,
+                                      self.tokenizer.pad_token_id, self.tokenizer.unk_token_id, 0) if t is not None)
+            ids = [x if x else [filler] for x in ids]
+        truncated = [False] * len(ids)
+        for i in cut:
+            truncated[i] = True
+        return ids, types, truncated
+
+    def special_layout(self) -> tuple[int, int] | None:
+        """``(n_prefix, n_suffix)``: special tokens the tokenizer puts before and after a single text, when cutting
+        the ``limit + 1`` encoding by its last text token equals encoding at ``limit`` (right-side truncation);
+        else ``None``. Saves tokenizing every over-long input twice."""
+        if self._layout is not False:
+            return self._layout
+        tok, layout = self.tokenizer, None
+        probe = "hello world"
+        body = tok(probe, add_special_tokens=False)["input_ids"]
+        full = tok(probe, add_special_tokens=True)["input_ids"]
+        if getattr(tok, "truncation_side", "right") == "right" and body:
+            starts = [p for p in range(len(full) - len(body) + 1) if full[p : p + len(body)] == body]
+            if len(starts) == 1:
+                layout = (starts[0], len(full) - starts[0] - len(body))
+        self._layout = layout
+        return layout
+
+    def instruction_length(self, instruction: str) -> int:
+        """Tokens the instruction contributes at the front of ``instruction + text`` (no trailing specials)."""
+        with_special = self.tokenizer(instruction, add_special_tokens=True)["input_ids"]
+        bare_text = self.tokenizer("", add_special_tokens=True)["input_ids"]
+        # specials the tokenizer appends after any text (e.g. [SEP], </s>) are not part of the instruction; the ones
+        # it puts before (e.g. [CLS], <s>) are, even when the instruction tokenizes to nothing (whitespace), as
+        # sentence-transformers' prompt_length counts them
+        n_suffix = 0
+        while n_suffix < min(len(bare_text) - self.prefix_specials(), len(with_special)) and (
+            bare_text[len(bare_text) - 1 - n_suffix] == with_special[len(with_special) - 1 - n_suffix]
+        ):
+            n_suffix += 1
+        return len(with_special) - n_suffix
+
+    def prefix_specials(self) -> int:
+        """Special tokens the tokenizer puts before a single text (probed once; 0 if the probe is inconclusive)."""
+        if self._n_prefix is None:
+            tok, probe = self.tokenizer, "hello world"
+            body = tok(probe, add_special_tokens=False)["input_ids"]
+            full = tok(probe, add_special_tokens=True)["input_ids"]
+            starts = [p for p in range(len(full) - len(body) + 1) if body and full[p : p + len(body)] == body]
+            self._n_prefix = starts[0] if len(starts) == 1 else 0
+        return self._n_prefix
+
+    def process(
+        self, texts: list[str], *, first_index: int = 0, instruction: str | None = None,
+        include_instruction: bool = False, pairs: list[str] | None = None,
+    ) -> list[Request]:
+        """Requests for ``texts`` numbered from ``first_index``; the instruction (if any) is prepended."""
+        pool_start = 0
+        if instruction:
+            texts = [instruction + t for t in texts]
+            if not include_instruction:
+                pool_start = self.instruction_length(instruction)
+        ids, types, truncated = self.tokenize(texts, pairs)
+        return [
+            Request(
+                index=first_index + i,
+                ids=np.asarray(x, dtype=np.int64),
+                token_type_ids=None if types is None else np.asarray(types[i], dtype=np.int64),
+                pool_start=min(pool_start, max(len(x) - 1, 0)),
+                truncated=truncated[i],
+            )
+            for i, x in enumerate(ids)
+        ]

@@ -1,0 +1,284 @@
+"""The knob table, in one place: names, types, defaults, validation, and which combinations conflict.
+
+``None`` always means "the model's own default" (resolved by the engine from the model folder). Every knob but
+``device`` can change live through ``Engine.configure`` without reloading weights (``dtype`` re-casts them).
+
+    >>> k = Knobs(pooling="mean"); k = k.replace(bidirectional=True); k.validate()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+import warnings
+from dataclasses import dataclass, fields
+
+import torch
+
+from lab.kernels.reference import POOLING_METHODS
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LONG_INPUTS = ("truncate", "chunk")
+
+KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, the README table, the panel
+    "pooling": (
+        "``cls``, ``mean``, ``max``, ``lasttoken`` or ``weightedmean``; ``None`` = the model's own "
+        "(sentence-transformers Pooling config; ``lasttoken`` for decoders; else ``mean``)."
+    ),
+    "normalize": (
+        "L2-normalize embeddings; ``None`` = whether the model folder has a Normalize module."
+    ),
+    "truncate_dim": (
+        "matryoshka dimension (applied before normalize)."
+    ),
+    "max_length": (
+        "longest input in tokens (longer ones are truncated and counted in ``stats.truncated``, or split as "
+        "``long_inputs`` says); ``None`` = sentence_bert_config's ``max_seq_length``, else the tokenizer's / "
+        "model's limit."
+    ),
+    "max_batch_tokens": (
+        "the scheduler's token budget per packed step."
+    ),
+    "max_num_seqs": (
+        "the most sequences in one packed step."
+    ),
+    "dtype": (
+        "``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16``, ``float16``."
+    ),
+    "device": (
+        "``auto``, ``cpu``, ``cuda``, ``cuda:N`` (fixed at load)."
+    ),
+    "bidirectional": (
+        "``None`` = the model's own attention; ``True``/``False`` override (LLM2Vec-style)."
+    ),
+    "chunked_prefill": (
+        "tokens per chunk for long inputs under causal attention (``None`` = off); runs layer by layer, holding hidden "
+        "states + one layer's K/V per long input (``lab.engine.kv_path``)."
+    ),
+    "instruction": (
+        "text prepended to every input, attended to; pooled or not as ``include_instruction`` says."
+    ),
+    "include_instruction": (
+        "pool the instruction's tokens too; ``None`` = the model's Pooling config (sentence-transformers' "
+        "``include_prompt``, which pools them unless it says false), else ``False``."
+    ),
+    "append_eos": (
+        "append EOS when the tokenizer does not (``None`` = on for decoders with lasttoken pooling)."
+    ),
+    "prefix_cache": (
+        "reuse the shared instruction prefix's K/V under causal attention."
+    ),
+    "attention_backend": (
+        "``auto`` (triton on CUDA, torch on CPU), ``torch`` or ``triton``."
+    ),
+    "cpu_workers": (
+        "on CPU, split each packed step across this many worker threads, each running its share of the sequences with "
+        "``torch.get_num_threads() // cpu_workers`` intra-op threads (``None`` = one worker per intra-op thread; ``1`` "
+        "= the whole step on all threads). See ``lab.runtime.runner``."
+    ),
+    "layer": (
+        "pool the hidden states after this layer, running only the layers up to it (a shorter forward, not a slice of "
+        "the full one): 1-based, ``0`` = the embedding output, negative counts from the end (``-1`` = the last), "
+        "``None`` = the last. Equals transformers' ``output_hidden_states=True`` -> ``hidden_states[layer]``. Decoders "
+        "(pre-norm): the final RMSNorm is applied only at the last layer, as in transformers (below it, the un-normed "
+        "residual stream); encoders (post-norm): each layer's output."
+    ),
+    "adapters": (
+        "PEFT LoRA folders (``adapter_config.json`` + ``adapter_model.safetensors``) merged into the weights in this "
+        "order, each on top of the last (``lab.adapt.adapters``); live: ``configure(adapters=[...])`` re-merges from the "
+        "float32 master copy and ``[]`` restores the base weights exactly. Packed models only; DoRA, trained biases "
+        "and LoRA on embeddings / ``lm_head`` are refused."
+    ),
+    "long_inputs": (
+        "what happens to an input past ``max_length``: ``truncate`` (cut, counted in ``stats.truncated``) or ``chunk`` "
+        "(split into ``max_length`` windows, each pooled, averaged weighted by pooled tokens, then the head: "
+        "matryoshka, normalize; counted in ``stats.split``; ``lab.engine.windows``)."
+    ),
+}
+
+
+def knobs_doc(indent: str = "        ") -> str:
+    """``KNOB_DOCS`` as a docstring section (what ``Engine.__doc__`` ends with), wrapped at 119 columns."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(f"{name}: {text}", 119, initial_indent=indent, subsequent_indent=indent + "    ",
+                                   break_on_hyphens=False) for name, text in KNOB_DOCS.items())
+
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Engine settings researchers flip live. See the README's knob table for each one's meaning."""
+
+    pooling: str | None = None
+    normalize: bool | None = None
+    truncate_dim: int | None = None
+    max_length: int | None = None
+    max_batch_tokens: int = 16384
+    max_num_seqs: int = 256
+    dtype: str = "auto"
+    device: str = "auto"
+    bidirectional: bool | None = None
+    chunked_prefill: int | None = None
+    instruction: str | None = None
+    include_instruction: bool | None = None  # None: the model's Pooling config (include_prompt), else False
+    append_eos: bool | None = None
+    prefix_cache: bool = True
+    attention_backend: str = "auto"
+    cpu_workers: int | None = None
+    adapters: tuple[str, ...] = ()  # PEFT LoRA folders merged in this order (lab.adapt.adapters)
+    layer: int | None = None  # pool the hidden states after this layer (None = last; 0 = embeddings; -1 = last)
+    long_inputs: str = "truncate"  # inputs past max_length: "truncate" or "chunk" (lab.engine.windows)
+
+    def replace(self, **changes) -> Knobs:
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise TypeError(
+                f"unknown knob(s) {', '.join(unknown)}; valid knobs: {', '.join(f.name for f in fields(self))}"
+            )
+        if "dtype" in changes:
+            changes["dtype"] = normalize_dtype(changes["dtype"])
+        if "adapters" in changes:
+            changes["adapters"] = normalize_adapters(changes["adapters"])
+        if isinstance(changes.get("layer"), numbers.Integral) and not isinstance(changes["layer"], bool):
+            changes["layer"] = int(changes["layer"])  # numpy ints from a sweep
+        new = dataclasses.replace(self, **changes)
+        new.validate()
+        return new
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` / ``TypeError`` naming the bad knob, the valid values and the fix."""
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            raise ValueError(f"unknown pooling {self.pooling!r}; valid: {', '.join(POOLING_METHODS)} (or None)")
+        for name in ("normalize", "bidirectional", "append_eos", "include_instruction"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise TypeError(f"{name} must be True, False or None (model default), got {v!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise TypeError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        for name, lo in (("truncate_dim", 1), ("max_length", 1), ("chunked_prefill", 1)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        for name in ("max_batch_tokens", "max_num_seqs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        v = self.cpu_workers
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"cpu_workers must be a positive int or None (one per intra-op thread), got {v!r}")
+        v = self.layer  # the range depends on the model: checked by the Engine
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise TypeError(
+                f"layer must be an int (1-based; 0 = the embedding output; negative counts from the end, -1 = last) "
+                f"or None (the last layer), got {v!r}"
+            )
+        normalize_dtype(self.dtype)
+        normalize_device(self.device)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention_backend {self.attention_backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.long_inputs not in LONG_INPUTS:
+            raise ValueError(f"unknown long_inputs {self.long_inputs!r}; valid: {', '.join(map(repr, LONG_INPUTS))}")
+        if self.instruction is not None and not isinstance(self.instruction, str):
+            raise TypeError(f"instruction must be a string or None, got {type(self.instruction).__name__}")
+        if self.chunked_prefill is not None and self.bidirectional:
+            raise ValueError(
+                "chunked_prefill conflicts with bidirectional=True: bidirectional attention needs the whole "
+                "sequence at once (every token attends to later tokens). Use chunked_prefill=None, or "
+                "bidirectional=False for causal chunked prefill"
+            )
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a loaded model allows, for the knob checks that depend on it (``check_for_model``)."""
+
+    hidden: int  # embedding size
+    positions: int | None  # position embeddings (None: not stated)
+    is_decoder: bool
+    num_layers: int | None
+    specials: int  # special tokens the tokenizer adds to every input
+    causal: bool  # the attention the knobs ask for on this model
+
+
+def check_for_model(k: Knobs, m: ModelLimits) -> None:
+    """``truncate_dim`` within the embedding size; ``max_length`` within the positions the model has (encoders;
+    decoders past them get a warning) and longer than the special tokens; ``layer`` within the layers;
+    ``chunked_prefill`` only under causal attention. Errors name the valid values."""
+    if k.truncate_dim is not None and k.truncate_dim > m.hidden:
+        raise ValueError(f"truncate_dim={k.truncate_dim} exceeds the embedding size {m.hidden}; valid: 1..{m.hidden}")
+    if k.max_length is not None:
+        if m.positions and k.max_length > m.positions:
+            if not m.is_decoder:
+                raise ValueError(f"max_length={k.max_length} but this model has {m.positions} positions; valid: "
+                                 f"1..{m.positions} (or None for the model's own limit)")
+            warnings.warn(f"max_length={k.max_length} is past this decoder's max_position_embeddings={m.positions}: "
+                          "RoPE beyond the trained length usually degrades embeddings", stacklevel=5)
+        if k.max_length <= m.specials:
+            raise ValueError(f"max_length={k.max_length} leaves no room for text: the tokenizer adds {m.specials} "
+                             f"special token(s) to every input; use max_length >= {m.specials + 1}")
+    if k.layer is not None:
+        n = m.num_layers
+        if n is None:
+            raise ValueError(f"layer={k.layer} but this model does not report its number of layers; use layer=None")
+        if not -n <= k.layer <= n:
+            raise ValueError(f"layer={k.layer} but this model has {n} layers; valid: 0..{n}, -{n}..-1, or None")
+    if k.chunked_prefill is not None and not m.causal:
+        raise ValueError("chunked_prefill needs causal attention, but this model runs bidirectionally: bidirectional "
+                         "attention needs the whole sequence at once. Set bidirectional=False or chunked_prefill=None")
+
+
+def normalize_adapters(adapters) -> tuple[str, ...]:
+    """A tuple of adapter folder paths (``None`` = none); a bare string is one folder."""
+    if adapters is None:
+        return ()
+    if isinstance(adapters, (str, os.PathLike)):
+        adapters = [adapters]
+    if not isinstance(adapters, (list, tuple)):
+        raise TypeError(f"adapters must be a list of PEFT LoRA folders, got {type(adapters).__name__}")
+    for a in adapters:
+        if not isinstance(a, (str, os.PathLike)):
+            raise TypeError(f"adapters must be folder paths (str or os.PathLike), got {type(a).__name__} ({a!r})")
+    return tuple(os.fspath(a) for a in adapters)
+
+
+def normalize_dtype(dtype) -> str:
+    """Canonical dtype name; accepts ``torch.dtype`` objects and short aliases (bf16, fp32, ...)."""
+    if isinstance(dtype, torch.dtype):
+        for name, d in DTYPES.items():
+            if d == dtype:
+                return name
+    if isinstance(dtype, str):
+        dtype = DTYPE_ALIASES.get(dtype, dtype)
+        if dtype == "auto" or dtype in DTYPES:
+            return dtype
+    raise ValueError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(DTYPES)}")
+
+
+def normalize_device(device) -> str:
+    if isinstance(device, torch.device):
+        device = str(device)
+    if isinstance(device, str) and (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
+        return device
+    raise ValueError(f"unknown device {device!r}; valid: auto, cpu, cuda, cuda:N")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu' or 'auto'")
+    return d
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> float32 on CPU, bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]

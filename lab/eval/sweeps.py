@@ -1,0 +1,235 @@
+"""Knob sweeps over mteb tasks -> one tidy DataFrame (``lab.evaluate`` is this module's ``evaluate``).
+
+``evaluate(engine, tasks, sweep=...)`` runs every combination of the swept knob values through
+``engine.configure`` (live, no reload), evaluates each task with mteb through :func:`lab.eval.mteb_adapter.as_mteb_model`,
+restores the original knobs, and returns one row per (variant, task, split, subset, metric). Results go through
+mteb's ResultCache (``evals/results/cache`` or ``$LAB_MTEB_CACHE``), each variant in its own experiment folder, so a
+rerun only evaluates what is missing.
+
+    >>> df = evaluate(engine, ["STSBenchmark"], sweep={"pooling": ["mean", "cls"], "bidirectional": [False, True]})
+    >>> df[df.main].pivot_table(index="variant", columns="task", values="score")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lab.eval.mteb_adapter import as_mteb_model, model_name, resolve_tasks
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+DEFAULT_CACHE = "default"  # the cache argument meaning default_cache_dir()
+_NOT_METRICS = frozenset({"hf_subset", "languages", "main_score", "mteb_version"})
+FIXED_COLUMNS = ("model", "variant")
+RESULT_COLUMNS = ("task", "split", "subset", "metric", "score", "main")
+
+
+def default_cache_dir() -> Path:
+    """``$LAB_MTEB_CACHE``, else ``evals/results/cache`` in the repository (or the working directory)."""
+    env = os.environ.get("LAB_MTEB_CACHE")
+    if env:
+        return Path(env)
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "evals").is_dir():
+        root = Path.cwd()
+    return root / "evals" / "results" / "cache"
+
+
+def resolve_cache(cache: Any = DEFAULT_CACHE):
+    """``ResultCache`` from a path, an existing ResultCache, the default (sentinel) or ``None`` (no caching)."""
+    import mteb
+
+    if cache is None or isinstance(cache, mteb.ResultCache):
+        return cache
+    return mteb.ResultCache(default_cache_dir() if cache is DEFAULT_CACHE else Path(cache))
+
+
+def variants(sweep: Mapping[str, Iterable] | None) -> list[dict[str, Any]]:
+    """Every combination of the swept values, first knob varying slowest; ``[{}]`` without a sweep."""
+    if not sweep:
+        return [{}]
+    keys = list(sweep)
+    values = [list(sweep[k]) if not isinstance(sweep[k], (str, bytes)) else [sweep[k]] for k in keys]
+    for k, v in zip(keys, values):
+        if not v:
+            raise ValueError(f"sweep[{k!r}] is empty")
+    return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+
+
+def variant_name(variant: Mapping[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
+
+
+def evaluate(
+    engine,
+    tasks,
+    *,
+    sweep: Mapping[str, Iterable] | None = None,
+    cache: Any = DEFAULT_CACHE,
+    instructions: Mapping[str, str] | None = None,
+    use_task_instructions: bool = False,
+    overwrite: bool = False,
+    encode_kwargs: Mapping[str, Any] | None = None,
+    show_progress: bool = True,
+    retrieval_modes: Iterable[str] = (),
+) -> pd.DataFrame:
+    """Evaluate ``engine`` on ``tasks`` for every variant of ``sweep``; see the module docstring.
+
+    Args:
+        tasks: task names (local data first, see ``evals.tasks.get_tasks``) or mteb task objects, or one of them.
+        sweep: ``{knob: [values]}``; each combination is applied with ``engine.configure`` and the knobs are
+            restored afterwards, even on error.
+        cache: a folder, an ``mteb.ResultCache``, or ``None`` for no cache. Default ``evals/results/cache``
+            (``$LAB_MTEB_CACHE`` overrides).
+        instructions / use_task_instructions: prompts per task / prompt type, see ``as_mteb_model``.
+        overwrite: re-run even when the cache holds results.
+        retrieval_modes: on every retrieval task, also score these ``lab.eval.retrieval`` modes (``sparse``,
+            ``late-interaction``, ``tokens-maxsim``, ``m3``, ``late-chunking``, ``chunks``; ``dense`` recomputes
+            mteb's with our nDCG) with nDCG@10 on the task's own qrels: rows whose variant ends in ``,mode=<mode>``,
+            metric ``ndcg_at_10`` (mteb does not score these representations; they are named apart). Checked
+            against the model's heads before anything runs.
+
+    Returns:
+        DataFrame with columns model, variant, one column per knob, task, split, subset, metric, score (mteb's
+        scale, e.g. 0.82 for Spearman 82), main (True on each task's main-score row).
+    """
+    import mteb
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    task_list = resolve_tasks(tasks)
+    combos = variants(sweep)
+    original = dict(engine.knobs)
+    unknown = sorted({k for combo in combos for k in combo} - set(original))
+    if unknown:
+        raise ValueError(f"cannot sweep unknown knob(s) {', '.join(unknown)}; knobs: {', '.join(original)}")
+    validate = getattr(engine, "validate", None)
+    if validate is not None:  # every variant checked before any runs: a bad value fails now, not after hours
+        for combo in combos:
+            try:
+                validate(**combo)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"sweep variant {variant_name(combo)}: {e}") from None
+    modes = _check_modes(engine, retrieval_modes)
+    result_cache = resolve_cache(cache)
+    rows: list[dict[str, Any]] = []
+    bar = tqdm(total=len(combos) * len(task_list), desc="evaluate", disable=not show_progress)
+    try:
+        with _quiet_superseded():
+            for combo in combos:
+                if combo:
+                    engine.configure(**combo)
+                model = as_mteb_model(engine, instructions=instructions, use_task_instructions=use_task_instructions)
+                base = {"model": model_name(engine), "variant": variant_name(combo), **engine.knobs}
+                for task in task_list:
+                    bar.set_description(f"{variant_name(combo)} | {task.metadata.name}")
+                    result = mteb.evaluate(
+                        model,
+                        task,
+                        cache=result_cache,
+                        overwrite_strategy="always" if overwrite else "only-missing",
+                        encode_kwargs={"batch_size": 32, "show_progress_bar": False, **(encode_kwargs or {})},
+                        show_progress_bar=False,
+                    )
+                    for task_result in result.task_results:
+                        rows.extend({**base, **r} for r in score_rows(task_result, task.metadata.main_score))
+                    if modes and task.metadata.type == "Retrieval":
+                        rows.extend({**base, **r} for r in _mode_rows(engine, task, modes, variant_name(combo)))
+                    bar.update()
+    finally:
+        bar.close()
+        restore = {k: original[k] for k in {k for combo in combos for k in combo}}
+        if restore:
+            engine.configure(**restore)
+    columns = [*FIXED_COLUMNS, *original, *RESULT_COLUMNS]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _check_modes(engine, modes: Iterable[str]) -> tuple[str, ...]:
+    """``retrieval_modes`` known and servable by the engine's model (its outputs), before any work."""
+    from lab.outputs.kinds import check_outputs
+    from lab.eval.retrieval import MODE_OUTPUTS, MODES
+
+    modes = tuple(modes)
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown retrieval mode {mode!r}; valid: {', '.join(MODES)}")
+        check_outputs(MODE_OUTPUTS.get(mode, ()), engine.model, engine.spec, purpose=f"retrieval mode {mode!r}")
+    return modes
+
+
+def _mode_rows(engine, task, modes: tuple[str, ...], variant: str) -> list[dict[str, Any]]:
+    from lab.eval.retrieval import evaluate_retrieval, load_retrieval
+
+    corpus, queries, qrels = load_retrieval(task)
+    df = evaluate_retrieval(engine, corpus, queries, qrels, modes=modes, task=task.metadata.name)
+    return [{"variant": f"{variant},mode={r.mode}", "task": r.task, "split": "test", "subset": "default",
+             "metric": r.metric, "score": r.score, "main": True} for r in df.itertuples()]
+
+
+class _DropSuperseded(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is superseded by" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_superseded():
+    """mteb warns on every run of a superseded task (STSBenchmark -> .v2 ...); a sweep asked for it by name.
+    Also hides the datasets progress bars for the duration, so only the sweep's own bar shows."""
+    import datasets
+
+    logger, flt = logging.getLogger("mteb.abstasks.abstask"), _DropSuperseded()
+    logger.addFilter(flt)
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # mteb's per-task dataset.map bars would break up our variants x tasks bar
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is superseded by")
+            yield
+    finally:
+        logger.removeFilter(flt)
+        if bars_were_on:
+            datasets.enable_progress_bars()
+
+
+def score_rows(task_result, main_metric: str) -> list[dict[str, Any]]:
+    """One dict per (split, subset, metric) of an mteb TaskResult; nested dicts flatten to ``a.b`` names, lists
+    (per-experiment scores) are left out."""
+    rows = []
+    for split, entries in task_result.scores.items():
+        for entry in entries:
+            subset = entry.get("hf_subset", "default")
+            for metric, value in _flatten(entry):
+                rows.append(
+                    {
+                        "task": task_result.task_name,
+                        "split": split,
+                        "subset": subset,
+                        "metric": metric,
+                        "score": value,
+                        "main": metric == main_metric,
+                    }
+                )
+    return rows
+
+
+def _flatten(entry: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, float]]:
+    for key, value in entry.items():
+        if not prefix and key in _NOT_METRICS:
+            continue
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from _flatten(value, prefix=f"{name}.")
+        elif isinstance(value, bool) or value is None:
+            continue
+        elif isinstance(value, (int, float)):
+            yield name, float(value)
+

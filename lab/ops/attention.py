@@ -1,0 +1,149 @@
+"""Kernel dispatch: Triton on CUDA, the torch references elsewhere, with an override (``attention_backend``).
+
+Model code calls ``attention(q, k, v, meta, layer)`` and ``ops(meta)`` for fused norms / rotary; which
+implementation runs is decided here from ``meta.backend`` (resolved once by the engine from its knob).
+
+    >>> out = attention(q, k, v, meta, layer=0)     # q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D)
+    >>> h = ops(meta).add_layer_norm(x, residual, w, b, eps)
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+from lab.ops.batch import AttnMeta
+from lab.kernels import cpu_attention, reference
+
+BACKENDS = ("auto", "torch", "triton")
+# Scores per group of sequences on the torch kernels' matmul path (``attention(..., kernel="matmul")``); a sequence with
+# more (``Hq * L * L``: past 295 tokens for 12 heads) takes the fused kernel. 2 MiB in bfloat16. On one AMD EPYC, one
+# thread, MiniLM's 12 heads of 32 in bfloat16, 8,192 tokens of 8-256-token sequences: 2^20 was the fastest of 2^18-2^21
+# or within 4 % of it at every length; 2^21 ran up to 1.5x slower (64 tokens).
+MATMUL_SCORES = 1 << 20
+# the torch backend's CPU attention kernels (``attention(..., kernel=)``, a probe's choice): torch's fused kernel,
+# scores / softmax / weighted sum as three ops, prefill-lab's own compiled kernel (``lab.kernels.cpu_attention``)
+KERNELS = ("sdpa", "matmul", "lab")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` -> ``triton`` on CUDA (when triton imports), else ``torch``; validates the name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention_backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("attention_backend='triton' needs the `triton` package; pip install triton")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' on CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before importing torch/triton (slow, for debugging), or use attention_backend='torch'"
+            )
+    return backend
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_TORCH_OPS = SimpleNamespace(
+    varlen_attention=reference.varlen_attention,
+    add_layer_norm=reference.add_layer_norm,
+    add_rms_norm=reference.add_rms_norm,
+    apply_rotary=reference.apply_rotary,
+    segment_pool=reference.segment_pool,
+)
+_TRITON_OPS: SimpleNamespace | None = None
+
+
+def ops(meta_or_backend: AttnMeta | str) -> SimpleNamespace:
+    """The kernel set for a backend name (or the backend an ``AttnMeta`` carries)."""
+    global _TRITON_OPS
+    backend = meta_or_backend if isinstance(meta_or_backend, str) else meta_or_backend.backend
+    if backend != "triton":
+        return _TORCH_OPS
+    if _TRITON_OPS is None:
+        from lab.kernels import attention as ka
+        from lab.kernels import norms as kn
+        from lab.kernels import pooling as kp
+        from lab.kernels import rotary as kr
+
+        _TRITON_OPS = SimpleNamespace(
+            varlen_attention=ka.varlen_attention,
+            add_layer_norm=kn.add_layer_norm,
+            add_rms_norm=kn.add_rms_norm,
+            apply_rotary=kr.apply_rotary,
+            segment_pool=kp.segment_pool,
+        )
+    return _TRITON_OPS
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, layer: int, *,
+              causal_block: int | None = None, kernel: str = "sdpa") -> torch.Tensor:
+    """Varlen attention for one layer of one packed step, reading and capturing cached K/V through ``meta.kv``.
+
+    q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` -> ``(T, Hq, D)``. The torch kernels' options, both a CPU probe's choice
+    and ignored by Triton: ``causal_block``, query blocks for long causal sequences; ``kernel`` (``KERNELS``) for
+    steps without a cached prefix: ``sdpa``, torch's fused kernel; ``matmul``, scores, softmax and weighted sum in
+    groups of ``MATMUL_SCORES`` scores (``lab.kernels.reference.varlen_attention``); ``lab``, prefill-lab's own CPU
+    kernel (``lab.kernels.cpu_attention``; inputs it does not take, or a machine where it did not build, run
+    ``sdpa``).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+    if meta.key_lens is not None:
+        return visible_keys_attention(q, k, v, meta)
+    kw = {}
+    kv = meta.kv
+    if kv is not None:
+        if kv.capture is not None:
+            kv.capture(layer, k, v)
+        if kv.has_prefix:
+            kw = {
+                "k_prefix": kv.prefix_k[layer], "v_prefix": kv.prefix_v[layer], "cu_prefix": kv.cu_prefix,
+                "prefix_lens": kv.prefix_lens,
+            }
+    k_ops = ops(meta)
+    if k_ops is _TORCH_OPS:
+        if kernel == "lab" and not kw and cpu_attention.supports(q, k) and cpu_attention.available():
+            return cpu_attention.varlen_attention(q, k, v, meta.cu_seqlens, meta.causal)
+        if causal_block:
+            kw["causal_block"] = causal_block
+        if kernel == "matmul":
+            kw["matmul_scores"] = MATMUL_SCORES
+    return k_ops.varlen_attention(
+        q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=meta.causal, seqlens=meta.seqlens, **kw
+    )
+
+
+def visible_keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """Bidirectional attention where every token of sequence ``i`` attends to its first ``meta.key_lens[i]`` tokens
+    only (ColBERT's query expansion: ``[MASK]`` tokens read the query, nobody reads them). Torch on every backend:
+    sequences of one (length, visible keys) shape are stacked into one ``scaled_dot_product_attention`` call.
+
+    q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` -> ``(T, Hq, D)``; no cached prefix, no causal mask."""
+    if meta.causal or (meta.kv is not None and meta.kv.has_prefix):
+        raise ValueError("attention over a leading part of each sequence is bidirectional and prefix-free only")
+    hq, hkv = q.shape[1], k.shape[1]
+    out = torch.empty_like(q)
+    starts = meta.cu_seqlens[:-1].tolist()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (n, kl) in enumerate(zip(meta.seqlens, meta.key_lens)):
+        if n:
+            groups.setdefault((n, max(1, min(kl, n))), []).append(starts[i])
+    for (n, kl), firsts in groups.items():
+        rows = (torch.tensor(firsts, device=q.device)[:, None] + torch.arange(n, device=q.device)).reshape(-1)
+        qg = q[rows].view(len(firsts), n, hq, -1).transpose(1, 2)  # (G, Hq, n, D)
+        kg, vg = (x[rows].view(len(firsts), n, hkv, -1)[:, :kl].transpose(1, 2) for x in (k, v))
+        if hq != hkv:
+            kg, vg = kg.repeat_interleave(hq // hkv, dim=1), vg.repeat_interleave(hq // hkv, dim=1)
+        og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg)
+        out[rows] = og.transpose(1, 2).reshape(len(firsts) * n, hq, -1)
+    return out

@@ -1,0 +1,242 @@
+"""CPU fast paths chosen by measurement on the running machine, not by CPU flags.
+
+Machines of one kind differ: oneDNN's native bfloat16 GEMMs run at ~0.25x the float32 rate on one AVX-512 CPU (an
+Intel Xeon without AVX512-BF16), ~0.65x on another and ~3x on a third (AVX512-BF16; no AMX on any). So every CPU
+fast-path choice a model family makes (its ``cpu_probes``, read back from ``model.plan``) is decided by a short
+probe: the candidate implementations of that step run on random tensors of the model's shapes, interleaved, in the
+thread layout the engine runs them in (one intra-op thread per CPU worker), each best of ``REPEATS`` after
+``WARMUP`` untimed calls, and the fastest wins (the first candidate, the default, unless another is at least
+``MARGIN`` faster). A decision is made once per process and shape class and cached; ``LAB_CPU_<NAME>=<candidate>``
+overrides it (for example ``LAB_CPU_BF16_GEMM=widened``). ``decisions()`` lists what was decided, how, and the
+timings; ``Engine.resolved`` (``cpu_paths``) and the benchmark CSVs report the choices with the CPU model and flags
+(``cpu_info()``).
+
+    >>> d = decide(Probe("bf16_gemm", key, {"native": f, "widened": g}))      # Decision(choice="native", ...)
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+MARGIN = 1.03  # another candidate must be this much faster than the default to replace it
+REPEATS = 5  # interleaved timings per candidate; the best one counts
+# (the best, not the median: on a 2-vCPU VM the first ~30 ms after a multi-threaded region ran ~1.2x slow, likely the
+# OpenMP pool spinning on the sibling vCPU, and a median over 5 calls still carried it into one candidate's figure)
+# untimed calls per candidate first: oneDNN's first calls at a new shape create and JIT its kernels (on one AMD EPYC
+# its float32 GEMM took 8.2, 6.6, 6.7 ms on calls 1-3 and 5.4 ms from then on, which one warm-up call hid badly)
+WARMUP = 3
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "avx_vnni", "fma")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One choice: ``candidates`` (name -> a zero-argument callable running that implementation once on prepared
+    inputs; the first is the default) for the step ``name`` at shape class ``key`` (a tuple of ints / strings)."""
+
+    name: str
+    key: tuple
+    candidates: dict[str, Callable[[], object]]
+    threads: int = 1  # intra-op threads the step runs with (one CPU worker's share)
+
+
+@dataclass
+class Decision:
+    name: str
+    key: tuple
+    choice: str
+    source: str  # "probe" | "env" (LAB_CPU_<NAME>)
+    seconds: dict[str, float] = field(default_factory=dict)  # best timing per candidate (probe only)
+    threads: int = 1  # the intra-op threads it was decided for (one CPU worker's share)
+
+    def __str__(self) -> str:
+        timing = ", ".join(f"{c} {s * 1e3:.2f} ms" for c, s in self.seconds.items())
+        return (f"{self.name}{list(self.key)} x{self.threads} thread(s): {self.choice} "
+                f"({self.source}{'; ' + timing if timing else ''})")
+
+
+_DECIDED: dict[tuple[str, tuple, int], Decision] = {}
+# Reentrant: a KeyboardInterrupt can land on the ``with`` line's exit (Python runs the lock's ``__exit__`` from that
+# line's bytecode, after a line event where a Ctrl-C or a tracer may raise), leaving the lock held by the interrupted
+# thread; with a plain Lock that thread's next ``decide`` (the next load or ``configure``) then waited forever.
+_LOCK = threading.RLock()
+
+
+def env_name(name: str) -> str:
+    return f"LAB_CPU_{name.upper()}"
+
+
+def decide(probe: Probe) -> Decision:
+    """The cached decision for ``probe.name`` at ``probe.key``, probing now if there is none (``LAB_CPU_<NAME>``
+    forces a candidate; ``auto`` or unset probes)."""
+    k = (probe.name, probe.key, probe.threads)  # one decision per thread layout: a worker's GEMMs differ from all
+    with _LOCK:
+        if k in _DECIDED:
+            return _DECIDED[k]
+        forced = os.environ.get(env_name(probe.name), "auto")
+        if forced != "auto":
+            if forced not in probe.candidates:
+                raise ValueError(f"{env_name(probe.name)}={forced!r} is not a {probe.name} choice; valid: "
+                                 f"{', '.join(probe.candidates)} or auto")
+            d = Decision(probe.name, probe.key, forced, "env", threads=probe.threads)
+        else:
+            d = _measure(probe)
+        _DECIDED[k] = d
+        return d
+
+
+def decisions() -> list[Decision]:
+    """Every decision this process made, in order."""
+    return list(_DECIDED.values())
+
+
+def _measure(probe: Probe) -> Decision:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, probe.threads))
+    try:
+        with torch.inference_mode():
+            for fn in probe.candidates.values():  # warm-up: first calls allocate and pick (or JIT) kernels
+                for _ in range(WARMUP):
+                    fn()
+            times: dict[str, list[float]] = {c: [] for c in probe.candidates}
+            for _ in range(REPEATS):  # interleaved, so drift hits every candidate alike
+                for c, fn in probe.candidates.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[c].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    fastest = {c: min(t) for c, t in times.items()}
+    default = next(iter(probe.candidates))
+    best = min(fastest, key=fastest.get)
+    choice = best if fastest[best] * MARGIN < fastest[default] else default
+    return Decision(probe.name, probe.key, choice, "probe", fastest, probe.threads)
+
+
+def cpu_info() -> dict[str, str]:
+    """The CPU model, its flags that matter for the fast paths, and torch's build / thread count."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_flags": " ".join(f for f in FLAGS if f in flags),
+            "torch": torch.__version__, "threads": str(torch.get_num_threads())}
+
+
+def gemm_probes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Iterator[Probe]:
+    """The GEMM choices for ``x``'s dtype at one of a model's shapes: the implementation (``bf16_gemm_probe`` for
+    bfloat16, ``f32_gemm_probe`` for float32 where torch has oneDNN), then, where the decision just applied sends
+    that dtype's GEMMs to oneDNN, the weight layout (``weights_probe``). A generator: the runner applies each decision
+    before asking for the next probe."""
+    from lab.ops.gemm import onednn_cpu
+
+    if x.dtype == torch.bfloat16:
+        yield bf16_gemm_probe(x, weight, bias, threads)
+    elif x.dtype == torch.float32 and onednn_cpu():
+        yield f32_gemm_probe(x, weight, bias, threads)
+    else:
+        return
+    probe = weights_probe(x, weight, bias, threads)
+    if probe is not None:
+        yield probe
+
+
+def weights_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe | None:
+    """oneDNN's GEMM on the weight reordered once into its blocked layout (``packed``, the default: the same
+    products; on one AMD EPYC 1.03-1.07x at 128-1,024 rows in float32 and bfloat16, and up to 1.8x at 7 rows) against
+    the weight as stored (``plain``, reordered in blocks on every call), at one of a model's shapes, where ``x``'s
+    dtype runs through oneDNN (``lab.ops.gemm.linear``: float32 in ``onednn`` mode, bfloat16 in ``native`` mode
+    where oneDNN takes it) and torch can reorder; else ``None``. The packed copy costs one more copy of every
+    projection weight (``LAB_CPU_F32_WEIGHTS=plain`` / ``LAB_CPU_BF16_WEIGHTS=plain`` keep the memory)."""
+    from lab.ops.gemm import onednn_gemms, onednn_linear, onednn_packing, packed_weight
+
+    if not (onednn_packing() and onednn_gemms(x.dtype) and weight.dtype == x.dtype and weight.is_contiguous()):
+        return None
+    packed = packed_weight(weight)  # made before the timing, as the engine keeps it
+    name = "f32_weights" if x.dtype == torch.float32 else "bf16_weights"
+    return Probe(
+        name, (str(x.dtype).removeprefix("torch."), x.shape[1], weight.shape[0]),
+        {"packed": lambda: onednn_linear(x, packed, bias), "plain": lambda: onednn_linear(x, weight, bias)},
+        threads,
+    )
+
+
+def f32_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe:
+    """torch's BLAS float32 GEMM (``F.linear``, the default) against oneDNN's (``lab.ops.gemm.onednn_linear``)
+    at one of a model's shapes."""
+    from lab.ops.gemm import onednn_linear
+
+    return Probe(
+        "f32_gemm", ("float32", x.shape[1], weight.shape[0]),
+        {"blas": lambda: F.linear(x, weight, bias), "onednn": lambda: onednn_linear(x, weight, bias)},
+        threads,
+    )
+
+
+def bf16_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe:
+    """Native bfloat16 GEMM (the default; oneDNN's linear op where it takes bfloat16, as
+    ``lab.ops.gemm.linear`` calls it, else ``F.linear``) against the widened one (float32 GEMM over the bfloat16
+    values, with the float32 weight made beforehand, as ``lab.ops.gemm.wide_weight`` keeps it) at one of a
+    model's shapes."""
+    from lab.ops.gemm import onednn_bf16, onednn_linear
+
+    native = onednn_linear if onednn_bf16() else F.linear
+    w32, b32 = weight.float(), None if bias is None else bias.float()
+    return Probe(
+        "bf16_gemm", ("bfloat16", x.shape[1], weight.shape[0]),
+        {"native": lambda: native(x, weight, bias), "widened": lambda: F.linear(x.float(), w32, b32).bfloat16()},
+        threads,
+    )
+
+
+# sequence lengths of the ``attention_kernel`` probe's step (512 tokens): the kernels' speeds order differently at
+# different lengths, so the probe times a mix like the steps the scheduler forms, short sentences to long passages
+ATTENTION_PROBE_LENGTHS = (224, 64, 64, 24, 24, 24, 24) + (8,) * 8
+
+
+def attention_probe(dtype: torch.dtype, heads: int, d: int, threads: int, *, kv_heads: int | None = None,
+                    causal: bool = False, causal_block: int | None = None,
+                    kernels: tuple[str, ...] = ("sdpa", "matmul", "lab")) -> Probe:
+    """The attention kernel (``lab.ops.attention.KERNELS``) on one step of ``ATTENTION_PROBE_LENGTHS``, through
+    ``lab.ops.attention.attention`` as a layer calls it: torch's fused kernel (``sdpa``, the default), scores, softmax
+    and weighted sum as three ops (``matmul``: ``lab.kernels.reference._matmul_attention``), prefill-lab's own CPU
+    kernel (``lab``: ``lab.kernels.cpu_attention``, offered where it built on this machine and takes the shapes).
+
+    ``matmul`` is for encoders only: it rounds the scores to the inputs' dtype, and decoder LLMs' attention logits
+    are large and sharp (SmolLM2 bidirectional in bfloat16, 48 mixed texts: the worst embedding's cosine to the
+    float32 engine fell from 0.981 with the fused kernel to 0.939, while MiniLM's stayed within ~1e-5). A probe
+    times speed only, so decoders pass ``kernels=("sdpa", "lab")``. ``lab`` keeps the scores, the softmax and the
+    weighted sum in float32 (bfloat16 scores are exact sums of exact products): SmolLM2 bidirectional in bfloat16,
+    240 mixed texts against the float32 engine, median cosine 0.99994 with either kernel, 5th percentile 0.991 /
+    0.990 (``lab`` / fused); that mode's worst texts are fragile under any rounding change (0.877 / 0.915).
+    ``causal_block``: the torch path's query blocks for long causal sequences (a decoder's ``causal_attention``
+    choice), used by ``sdpa`` and ``matmul`` here as in the layer."""
+    from lab.ops.attention import attention
+    from lab.ops.batch import AttnMeta
+    from lab.kernels import cpu_attention
+
+    kv_heads = kv_heads or heads
+    meta = AttnMeta.from_lengths(list(ATTENTION_PROBE_LENGTHS), causal=causal)
+    q = torch.randn(meta.num_tokens, heads, d, dtype=dtype)
+    k, v = (torch.randn(meta.num_tokens, kv_heads, d, dtype=dtype) for _ in range(2))
+    if "lab" in kernels and not (cpu_attention.supports(q, k) and cpu_attention.available()):
+        kernels = tuple(c for c in kernels if c != "lab")
+    return Probe(
+        "attention_kernel", (str(dtype), heads, kv_heads, d, "causal" if causal else "bidirectional", causal_block or 0),
+        {m: (lambda m=m: attention(q, k, v, meta, 0, causal_block=causal_block, kernel=m)) for m in kernels},
+        threads,
+    )

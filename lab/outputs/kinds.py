@@ -1,0 +1,336 @@
+"""Outputs beyond one vector per text, all from one packed forward: ``Engine.embed(texts, output=...)``.
+
+Each output is a pooling method x head pair (``lab.outputs.pooling`` / ``lab.outputs.heads``) over the same packed hidden states:
+
+- ``dense``: the engine's own pooler (its pooling method, then matryoshka + normalize);
+- ``tokens``: every pooled token's final hidden state, a list of ``(L_i, hidden)`` float32 arrays: exactly the
+  rows ``mean`` pooling averages (an unpooled instruction excluded), so ``tokens[i].mean(0)`` is the mean-pooled
+  vector before normalize;
+- ``sparse``: a ``scipy.sparse.csr_matrix`` ``(N, vocab_size)`` float32 of lexical weights.
+  SPLADE (a ``*ForMaskedLM`` folder with sentence-transformers' ``SpladePooling``): per pooled token
+  ``log(1 + relu(MLM logits))`` (``log1p`` twice for ``activation_function="log1p_relu"``), reduced over the
+  tokens by max (or sum, ``pooling_strategy``), as ``SparseEncoder.encode``. bge-m3 (``sparse_linear.pt``): per
+  token ``relu(sparse_linear(h))``, the largest weight of each token id, the tokenizer's cls / eos / pad / unk
+  tokens dropped, as FlagEmbedding's ``M3Embedder`` lexical weights;
+- ``colbert``: bge-m3's ColBERT vectors, ``colbert_linear(h)`` L2-normalized per token, a list of ``(L_i, d)``
+  float32 arrays; the first token (CLS) is dropped, as FlagEmbedding does. From a sentence-transformers
+  ``MultiVectorEncoder`` folder: its Dense, skiplist and Normalize, with the task's lengths and query expansion
+  (``lab.outputs.multivector``).
+
+Several outputs (``output=("dense", "sparse", "colbert")``) make an ``OutputPooler``: its method (``Several``)
+applies each output's method to the step's hidden states in turn, inside the CPU worker that ran the step, and the
+heads run after; the call returns a dict. The last-layer ``rows()`` shortcut is taken only when every output reads
+the same one row per sequence.
+
+Memory: the SPLADE method computes MLM logits ``LOGIT_BLOCK_BYTES`` (64 MiB of float32) at a time, never the whole
+step's ``(tokens, vocab)`` logits (2 GB at the default 16,384-token budget and BERT's 30,522-token vocabulary); it
+holds ``(sequences, vocab)`` float32 maxima per step (31 MB at 256 sequences).
+
+    >>> out = eng.embed(texts, output=("dense", "sparse", "colbert"))     # one forward
+    >>> out["sparse"]                                                      # csr_matrix (N, vocab_size)
+    >>> maxsim(out["colbert"][0], out["colbert"][1])                        # ColBERT late interaction
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lab.outputs import multivector
+from lab.ops.batch import AttnMeta
+from lab.outputs.heads import Pooler, SparseShape
+from lab.outputs.pooling import PoolingMethod, pooling_method
+from lab.outputs.quantize import quantize_embeddings
+
+OUTPUTS = ("dense", "tokens", "sparse", "colbert")
+LOGIT_BLOCK_BYTES = 64 << 20  # MLM logits computed this many bytes of float32 at a time (module doc)
+M3_WEIGHTS = (1.0, 1.0, 1.0)  # dense, sparse, colbert: FlagEmbedding's M3Embedder.compute_score default
+
+
+def quantize_output(out, precision: str):
+    """``embed``'s result at ``precision`` (``lab.outputs.quantize``): dense arrays and lists of token / ColBERT matrices
+    (one set of int8 ranges per list), each output of a dict on its own; float32 returns ``out`` as it is."""
+    if precision == "float32":
+        return out
+    if isinstance(out, dict):
+        return {name: quantize_output(value, precision) for name, value in out.items()}
+    return quantize_embeddings(out, precision)
+
+
+# ------------------------------------------------------------------------------------------- what a model has
+def parse_output(output) -> tuple[tuple[str, ...], bool]:
+    """``output=`` -> (output names, whether several were asked for: a dict comes back)."""
+    if isinstance(output, str):
+        names, several = (output,), False
+    elif isinstance(output, (tuple, list)) and output and all(isinstance(o, str) for o in output):
+        names, several = tuple(output), True
+    else:
+        raise TypeError(f"output must be one of {', '.join(map(repr, OUTPUTS))} or a tuple of them, got {output!r}")
+    for name in names:
+        if name not in OUTPUTS:
+            raise ValueError(f"unknown output {name!r}; valid: {', '.join(map(repr, OUTPUTS))} (or a tuple of them)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"output={output!r} names an output twice")
+    return names, several
+
+
+def available_outputs(model, spec) -> tuple[str, ...]:
+    """The outputs this model can give: ``dense`` and ``tokens`` always; ``sparse`` with a SPLADE MLM head (and a
+    SpladePooling module) or bge-m3's ``sparse_linear``; ``colbert`` with bge-m3's ``colbert_linear``."""
+    heads = model.token_heads
+    out = ["dense", "tokens"]
+    if (spec.splade is not None and "mlm" in heads) or "sparse_linear" in heads:
+        out.append("sparse")
+    mv = spec.multi_vector
+    if "colbert_linear" in heads or (mv is not None and mv.dense is None):  # a ColBERT folder's Dense loads as one
+        out.append("colbert")
+    return tuple(out)
+
+
+def describe_heads(model, spec) -> str:
+    """What the model has beyond its hidden states, in words (error messages)."""
+    heads = model.token_heads
+    has = []
+    if "mlm" in heads:
+        has.append("a masked-LM head" + ("" if spec.splade is not None else
+                                         " (no SpladePooling module in modules.json, so not a SPLADE model)"))
+    elif spec.splade is not None:
+        has.append("a SpladePooling module but no masked-LM head weights")
+    if spec.multi_vector is not None:
+        has.append("a sentence-transformers MultiVectorEncoder (ColBERT) pipeline")
+    else:
+        has += [f"bge-m3's {h} ({h}.pt)" for h in ("sparse_linear", "colbert_linear") if h in heads]
+    outputs = ", ".join(available_outputs(model, spec))
+    return (f"{spec.name} ({spec.architecture or 'unknown architecture'}) has "
+            + (", ".join(has) if has else "no per-token heads") + f"; its outputs: {outputs}")
+
+
+_NEEDS = {
+    "sparse": "a sparse head: SPLADE (a *ForMaskedLM folder whose sentence-transformers modules include "
+              "SpladePooling) or bge-m3 (sparse_linear.pt beside the weights)",
+    "colbert": "a ColBERT head: bge-m3's colbert_linear.pt beside the weights, or a sentence-transformers "
+               "MultiVectorEncoder folder (a MultiVectorMask module in modules.json)",
+}
+
+
+def check_outputs(names: tuple[str, ...], model, spec, purpose: str | None = None) -> None:
+    """Raise ``ValueError`` for an output the model cannot give, naming what it needs and what the model has."""
+    have = available_outputs(model, spec)
+    for name in names:
+        if name not in have:
+            what = purpose or f"output={name!r}"
+            raise ValueError(f"{what} needs {_NEEDS[name]}; {describe_heads(model, spec)}")
+
+
+# --------------------------------------------------------------------------------------------------- methods
+class Several(PoolingMethod):
+    """Several methods over one step's hidden states: a tuple of their outputs, in order."""
+
+    name = "several"
+
+    def __init__(self, methods: list[PoolingMethod]):
+        self.methods = list(methods)
+
+    def __call__(self, hidden: torch.Tensor, meta: AttnMeta, pool_start: torch.Tensor | None) -> tuple:
+        return tuple(m(hidden, meta, pool_start) for m in self.methods)
+
+    def rows(self, lengths: list[int], pool_start: list[int]) -> np.ndarray | None:
+        """The one row per sequence every method reads, or ``None`` when any reads more (or they differ)."""
+        rows = [m.rows(lengths, pool_start) for m in self.methods]
+        if any(r is None for r in rows) or any(not np.array_equal(rows[0], r) for r in rows[1:]):
+            return None
+        return rows[0]
+
+    def from_rows(self, selected: torch.Tensor) -> tuple:
+        return tuple(m.from_rows(selected) for m in self.methods)
+
+
+class PerToken(PoolingMethod):
+    """``fn`` on every row, then each sequence's pooled rows: a list of ``(L_i - pool_start_i, k)`` float32."""
+
+    name = "per-token"
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]):
+        self.fn = fn
+
+    def __call__(self, hidden: torch.Tensor, meta: AttnMeta, pool_start: torch.Tensor | None) -> list[torch.Tensor]:
+        return pooling_method("tokens")(self.fn(hidden), meta, pool_start)
+
+
+class SpladePool(PoolingMethod):
+    """SPLADE over each sequence's pooled rows: ``(B, vocab)`` float32 of ``max`` (or ``sum``) over tokens of
+    ``log(1 + relu(logits))`` (``log1p`` once more for ``log1p_relu``), the logits computed in row blocks of
+    ``LOGIT_BLOCK_BYTES`` (module doc)."""
+
+    name = "splade"
+
+    def __init__(self, logits: Callable[[torch.Tensor], torch.Tensor], vocab: int, strategy: str, activation: str):
+        self.logits, self.vocab, self.strategy, self.activation = logits, vocab, strategy, activation
+        self.block = max(1, LOGIT_BLOCK_BYTES // (4 * vocab))
+
+    def __call__(self, hidden: torch.Tensor, meta: AttnMeta, pool_start: torch.Tensor | None) -> torch.Tensor:
+        ps = [0] * meta.num_seqs if pool_start is None else pool_start.tolist()
+        ends = np.cumsum(meta.seqlens).tolist()
+        spans = [(e - n + min(p, n), e) for n, p, e in zip(meta.seqlens, ps, ends)]  # pooled rows of each sequence
+        out = torch.zeros(meta.num_seqs, self.vocab, dtype=torch.float32, device=hidden.device)
+        first = 0  # the first sequence that may still overlap the block
+        for s in range(0, hidden.shape[0], self.block):
+            e = min(s + self.block, hidden.shape[0])
+            x = self.logits(hidden[s:e]).float().relu_().log1p_()  # (rows, vocab)
+            if self.activation == "log1p_relu":
+                x.log1p_()
+            while first < len(spans) and spans[first][1] <= s:
+                first += 1
+            for i in range(first, len(spans)):
+                if spans[i][0] >= e:
+                    break
+                a, b = max(spans[i][0], s), min(spans[i][1], e)
+                if a < b:  # every value is >= 0, so the zero start is exact for max too
+                    part = x[a - s : b - s]
+                    out[i] = torch.maximum(out[i], part.amax(0)) if self.strategy == "max" else out[i] + part.sum(0)
+        return out
+
+
+# ------------------------------------------------------------------------------------------------------ heads
+def sparse_rows(pooled: torch.Tensor):
+    """``(B, vocab)`` weights -> ``csr_matrix`` float32 of their nonzeros."""
+    from scipy import sparse
+
+    return sparse.csr_matrix(pooled.cpu().numpy().astype(np.float32, copy=False))
+
+
+class LexicalHead:
+    """bge-m3's lexical weights: per sequence, the largest positive weight of each token id among its pooled tokens,
+    the ``drop`` ids (special tokens) left out -> ``csr_matrix`` ``(B, vocab)`` float32. Reads the requests' ids."""
+
+    def __init__(self, vocab: int, drop: set[int]):
+        self.shape = SparseShape(vocab)
+        self.drop = np.asarray(sorted(drop), dtype=np.int64)
+
+    def __call__(self, weights: list[torch.Tensor], requests: list) -> object:
+        from scipy import sparse
+
+        indptr, indices, data = [0], [], []
+        for w, r in zip(weights, requests):
+            ids = r.ids[r.pool_start :]
+            w = w.reshape(-1).cpu().numpy()
+            keep = (w > 0) & ~np.isin(ids, self.drop)
+            uniq, inv = np.unique(ids[keep], return_inverse=True)
+            best = np.zeros(len(uniq), dtype=np.float32)
+            np.maximum.at(best, inv, w[keep])
+            indices.append(uniq)
+            data.append(best)
+            indptr.append(indptr[-1] + len(uniq))
+        return sparse.csr_matrix((np.concatenate(data) if data else np.zeros(0, np.float32),
+                                  np.concatenate(indices) if indices else np.zeros(0, np.int64), indptr),
+                                 shape=(len(requests), self.shape.cols), dtype=np.float32)
+
+
+def colbert_rows(vectors: list[torch.Tensor], requests: list) -> list[torch.Tensor]:
+    """Each sequence's ColBERT vectors without its first token (CLS) when its pooled rows start there."""
+    return [v[1:] if r.pool_start == 0 else v for v, r in zip(vectors, requests)]
+
+
+@dataclass(frozen=True)
+class Output:
+    """One named output: a pooling method, a head ``(pooled, requests) -> outputs`` and its shape."""
+
+    method: PoolingMethod
+    head: Callable[[object, list], object]
+    shape: object
+
+
+class OutputHeads:
+    """The heads of several outputs over a ``Several`` method's tuple: a dict by name (one output: its value)."""
+
+    def __init__(self, names: tuple[str, ...], outputs: list[Output], several: bool):
+        self.names, self.outputs, self.several = names, outputs, several
+
+    @property
+    def shape(self):
+        shapes = {n: o.shape for n, o in zip(self.names, self.outputs)}
+        return shapes if self.several else shapes[self.names[0]]
+
+    def __call__(self, pooled: tuple, requests: list):
+        out = {n: o.head(p, requests) for n, o, p in zip(self.names, self.outputs, pooled)}
+        return out if self.several else out[self.names[0]]
+
+
+@dataclass(frozen=True)
+class OutputPooler(Pooler):
+    """A ``Several`` method with ``OutputHeads``: every requested output from one forward per step."""
+
+    def outputs(self, pooled, requests: list) -> object:
+        return self.head(pooled, requests)
+
+
+def output_pooler(output, dense: Pooler, *, model, spec, tokenizer, task: str | None = None) -> Pooler:
+    """The pooler ``embed(texts, output=...)`` runs: ``dense`` itself for ``"dense"``, else an ``OutputPooler``
+    (``task``: a multi-vector folder's, ``lab.outputs.multivector``). Every check runs here, before any model work."""
+    names, several = parse_output(output)
+    check_outputs(names, model, spec)
+    if names == ("dense",) and not several:
+        return dense
+    outputs = [_output(name, dense, model, spec, tokenizer, task) for name in names]
+    return OutputPooler(Several([o.method for o in outputs]), OutputHeads(names, outputs, several))
+
+
+def _output(name: str, dense: Pooler, model, spec, tokenizer, task: str | None) -> Output:
+    if name == "dense":
+        return Output(dense.method, lambda pooled, requests: dense.head(pooled), dense.head.shape)
+    if name == "tokens":
+        return Output(pooling_method("tokens"), lambda pooled, requests: pooled, None)
+    if name == "colbert" and spec.multi_vector is not None:
+        mv = spec.multi_vector
+        return Output(PerToken(multivector.token_fn(model, mv)),
+                      multivector.ColbertRows(multivector.skip_ids(mv, tokenizer, task), mv.normalize), None)
+    if name == "colbert":
+        return Output(PerToken(lambda h: F.normalize(model.token_head("colbert_linear", h).float(), dim=-1)),
+                      colbert_rows, None)
+    vocab = model.config["vocab_size"]  # the width of the MLM logits and of bge-m3's lexical vectors
+    if spec.splade is not None and "mlm" in model.token_heads:
+        method = SpladePool(lambda h: model.token_head("mlm", h), vocab, spec.splade["pooling_strategy"],
+                            spec.splade["activation_function"])
+        return Output(method, lambda pooled, requests: sparse_rows(pooled), SparseShape(vocab))
+    drop = {tokenizer.convert_tokens_to_ids(t) for t in (tokenizer.cls_token, tokenizer.eos_token, tokenizer.pad_token,
+                                                           tokenizer.unk_token) if t is not None}
+    head = LexicalHead(vocab, drop)
+    return Output(PerToken(lambda h: torch.relu(model.token_head("sparse_linear", h).float())), head, head.shape)
+
+
+# ---------------------------------------------------------------------------------------------------- scoring
+def maxsim(q: np.ndarray, d: np.ndarray) -> float:
+    """ColBERT late interaction, as FlagEmbedding's ``colbert_score``: each query vector's largest dot product with
+    a document vector, summed and divided by the number of query vectors (0 when either side has none)."""
+    if not len(q) or not len(d):
+        return 0.0
+    return float((q @ d.T).max(axis=1).sum() / len(q))
+
+
+def sparse_dot(a, b) -> np.ndarray:
+    """Row-wise dot products of two csr matrices of equal shape (lexical matching on shared token ids)."""
+    return np.asarray(a.multiply(b).sum(axis=1), dtype=np.float32).reshape(-1)
+
+
+SCORE_OUTPUTS = {"late-interaction": ("colbert",), "sparse": ("sparse",), "m3": ("dense", "sparse", "colbert")}
+
+
+def pair_scores(mode: str, q: dict, d: dict, qi: list[int], di: list[int]) -> np.ndarray:
+    """Scores of pairs ``(q[qi[k]], d[di[k]])`` in ``mode``: ``late-interaction`` (``maxsim``), ``sparse``
+    (``sparse_dot``) or ``m3`` (dense dot product, sparse and ColBERT scores weighted by ``M3_WEIGHTS`` and divided
+    by their sum, as ``M3Embedder.compute_score``'s ``colbert+sparse+dense``). ``q`` / ``d``: dicts of outputs."""
+    parts = {}
+    if "colbert" in SCORE_OUTPUTS[mode]:
+        parts["colbert"] = np.asarray([maxsim(q["colbert"][i], d["colbert"][j]) for i, j in zip(qi, di)],
+                                      dtype=np.float32)
+    if "sparse" in SCORE_OUTPUTS[mode]:
+        parts["sparse"] = sparse_dot(q["sparse"][qi], d["sparse"][di]) if qi else np.zeros(0, np.float32)
+    if mode != "m3":
+        return next(iter(parts.values()))
+    parts["dense"] = (q["dense"][qi] * d["dense"][di]).sum(axis=1)
+    w = dict(zip(("dense", "sparse", "colbert"), M3_WEIGHTS))
+    return (sum(w[k] * parts[k] for k in w) / sum(M3_WEIGHTS)).astype(np.float32)
