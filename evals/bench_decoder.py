@@ -316,7 +316,7 @@ def decoder_roofline(eng, dtype: str) -> dict:
     h, i = a.hidden_size, a.intermediate_size
     shapes = [(h, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim), (a.num_heads * a.head_dim, h), (h, i), (h, i),
               (i, h)]
-    return gemm_roofline(h, i, a.num_layers, dtype=getattr(torch, dtype), shapes=shapes)
+    return gemm_roofline(h, i, a.num_layers, dtype=getattr(torch, dtype), shapes=shapes, plan=eng.runner.plan)
 
 
 def bench_throughput(args, path: str, table: Table) -> None:

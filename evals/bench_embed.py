@@ -70,7 +70,7 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
         paths = ";".join(f"{k}={v}" for k, v in eng.cpu_paths.items())
         cfg = eng.spec.config
         roof = gemm_roofline(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
-                             dtype=getattr(torch, dtype))
+                             dtype=getattr(torch, dtype), plan=eng.runner.plan)
         for corpus in corpora:
             texts = load_corpus(corpus, scifact_docs)
             b = base(texts)  # warm-up; then the baseline alone, before the engine runs on these texts

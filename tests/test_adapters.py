@@ -24,6 +24,7 @@ from tiny_encoders import tiny_encoder
 from tiny_models import tiny_llama
 
 from lab import Engine as _Engine
+from lab.engine.inputs import pack
 
 
 def Engine(*args, **kw) -> _Engine:  # on CPU: float32 parity even where CUDA is present
@@ -90,7 +91,7 @@ def shuffled(texts=TEXTS, seed: int = 0) -> list[str]:
 def ours_per_token(eng: Engine, texts: list[str]) -> tuple[list[list[int]], list[torch.Tensor]]:
     """The Engine's live packed forward over all ``texts`` in one step: (token ids, hidden states) per text."""
     reqs = eng.tokenize(texts)
-    batch = eng.runner.pack(reqs, causal=eng.causal, backend="torch")
+    batch = pack(reqs, causal=eng.causal, device=eng.device, backend="torch")
     hidden = eng.runner.forward(batch)
     return [list(r.ids) for r in reqs], list(hidden.split([r.length for r in reqs]))
 
@@ -161,13 +162,9 @@ def test_decoder_lora_matches_peft_merge(root, kind, causal):
 def test_decoder_lora_in_each_rope_layout(root, monkeypatch, layout):
     """LoRA on q/k merges through ``hf_linear_map`` into rows the ``pairs`` rotary layout permuted at load (index
     rows, not slices): both layouts match peft's merge (Qwen3: per-head q/k norms; grouped-query attention)."""
-    from lab.ops import probes
-
-    monkeypatch.setattr(probes, "_DECIDED", {})
-    monkeypatch.setenv("LAB_CPU_ROPE_LAYOUT", layout)
     base = str(tiny_llama(root / "layouts", "qwen3"))
     ad = make_adapter(base, root / "layouts" / "qwen3-lora", seed=4, targets=["q_proj", "k_proj"])
-    eng = Engine(base, adapters=[ad], pooling="mean")
+    eng = Engine(base, adapters=[ad], pooling="mean", cpu_paths={"rope_layout": layout})
     assert eng.cpu_paths["rope_layout"] == layout
     assert_parity(eng, peft_merged(base, [(ad, False)], inner="model"), f"qwen3 {layout}")
 

@@ -19,6 +19,7 @@ from tiny_models import tiny_llama
 from lab import Engine
 from lab.engine.call import Stats
 from lab.engine.knobs import Knobs
+from lab.runtime.pool import WorkerPool
 
 LONG = "Rotary position embeddings rotate queries and keys by their positions. "
 TEXTS = [LONG * 3, "a", "Paris", LONG * 2, "What is the capital of France?", LONG * 3 + "again", "b c d", LONG]
@@ -120,12 +121,16 @@ def test_truncation_warning_is_per_engine(minilm_path):
         assert len(said) == 1 and eng.stats.truncated == 1
 
 
+LOAD_TIME = ("cpu_paths", "tune_allocator")  # Engine arguments fixed for the engine's life, not knobs
+
+
 def test_engine_arguments_are_the_knobs_by_name(minilm_path):
-    """Every keyword of ``Engine`` but ``model`` is a knob of the same name, and lands in that knob."""
-    params = [p for p in inspect.signature(Engine.__init__).parameters if p not in ("self", "model")]
+    """Every keyword of ``Engine`` but ``model`` and the settings fixed at load (``LOAD_TIME``) is a knob of the same
+    name, and lands in that knob."""
+    skip = ("self", "model", *LOAD_TIME)
+    params = [p for p in inspect.signature(Engine.__init__).parameters if p not in skip]
     assert params == [f.name for f in fields(Knobs)]
-    defaults = {p.name: p.default for p in inspect.signature(Engine.__init__).parameters.values()
-                if p.name not in ("self", "model")}
+    defaults = {p.name: p.default for p in inspect.signature(Engine.__init__).parameters.values() if p.name not in skip}
     knob_defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(Knobs)}
     assert {k: tuple(v) if isinstance(v, list) else v for k, v in defaults.items()} == knob_defaults
     chosen = {"pooling": "max", "normalize": False, "truncate_dim": 17, "max_length": 33, "max_batch_tokens": 999,
@@ -183,8 +188,8 @@ def _stream_steps():
             for k in range(5)]
 
 
-def test_run_stream_yields_every_share_in_step_order(minilm_path):
-    runner = Engine(minilm_path).runner
+def test_run_stream_yields_every_share_in_step_order():
+    pool = WorkerPool()
     seen = []
 
     def fn(items):
@@ -192,7 +197,7 @@ def test_run_stream_yields_every_share_in_step_order(minilm_path):
         return [it.tag for it in items], Stats(tokens_computed=sum(it.length for it in items))
 
     steps = _stream_steps()
-    got = list(runner.run_stream(fn, steps, 2))
+    got = list(pool.run_stream(fn, steps, 2))
     tags = [t for _, out, _, _ in got for t in out]
     assert [it.tag for items, *_ in got for it in items] == tags  # outputs aligned with items
     for step in steps:  # every item once, each step's shares before the next step's
@@ -206,10 +211,10 @@ def test_run_stream_yields_every_share_in_step_order(minilm_path):
 
 
 @pytest.mark.parametrize("how", ["error", "close"])
-def test_run_stream_leaves_no_worker_running(minilm_path, how):
+def test_run_stream_leaves_no_worker_running(how):
     """An error in a share, or the caller stopping early: queued shares are cancelled, running ones have finished
     when ``run_stream`` returns or raises."""
-    runner = Engine(minilm_path).runner
+    pool = WorkerPool()
     running, ran = [0], []
     lock = threading.Lock()
 
@@ -227,7 +232,7 @@ def test_run_stream_leaves_no_worker_running(minilm_path, how):
                 running[0] -= 1
 
     steps = _stream_steps() * 3
-    stream = runner.run_stream(fn, steps, 2)
+    stream = pool.run_stream(fn, steps, 2)
     if how == "error":
         with pytest.raises(RuntimeError, match="share failed"):
             for _ in stream:

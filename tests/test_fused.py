@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from lab.kernels import cpu_attention
 
 from lab.ops.attention import KERNELS
-from lab.ops.gemm import ACTIVATIONS, BF16_GEMM_MODES, activation_inplace, fusable, linear, linear_act, row_blocks
+from lab.ops.gemm import ACTIVATIONS, activation_inplace, fusable, linear, linear_act, row_blocks
+from lab.ops.plan import CpuPlan
+from lab.ops.probes import CANDIDATES
 
 
 @pytest.mark.parametrize("act_name,act", [("gelu", F.gelu), ("gelu_new", lambda x: F.gelu(x, approximate="tanh")),
@@ -34,7 +36,7 @@ def test_bfloat16_linear_is_bfloat16_gemm_arithmetic(monkeypatch, mode):
     only where autograd does not record."""
     from lab.ops import gemm as fused
 
-    monkeypatch.setitem(fused._BF16, "mode", mode)
+    plan = CpuPlan({"bf16_gemm": mode})
     calls = []
     real = fused.onednn_linear
     monkeypatch.setattr(fused, "onednn_linear", lambda *a: calls.append(1) or real(*a))
@@ -42,34 +44,24 @@ def test_bfloat16_linear_is_bfloat16_gemm_arithmetic(monkeypatch, mode):
     with torch.inference_mode():
         for bias in (b, None):
             want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-            got = fused.linear(x, w, bias)
+            got = fused.linear(x, w, bias, plan=plan)
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3)
             out = torch.zeros(40, 20, dtype=torch.bfloat16)
-            fused.linear(x, w, bias, out=out[3:36])
+            fused.linear(x, w, bias, plan=plan, out=out[3:36])
             torch.testing.assert_close(out[3:36].double(), want, rtol=2**-8, atol=1e-3)
             assert not out[:3].any() and not out[36:].any()
-        act = fused.linear_act(x, w, b, "gelu", F.gelu)
+        act = fused.linear_act(x, w, b, "gelu", F.gelu, plan=plan)
         assert act.dtype == torch.bfloat16
         torch.testing.assert_close(act.double(), F.gelu(F.linear(x.double(), w.double(), b.double())),
                                    rtol=2**-7, atol=1e-2)
     onednn = mode == "native" and fused.onednn_bf16()
     assert len(calls) == (4 if onednn else 0)  # the chosen implementation ran
-    layer = fused.Linear(48, 20)
+    layer = fused.Linear(48, 20, plan=plan)
     assert isinstance(layer, torch.nn.Linear)
     layer = layer.bfloat16()
-    torch.testing.assert_close(layer(x), fused.linear(x, layer.weight, layer.bias))
+    torch.testing.assert_close(layer(x), fused.linear(x, layer.weight, layer.bias, plan=plan))
     assert len(calls) == (4 if onednn else 0)  # grad mode: never oneDNN's op (it has no backward)
-
-
-def test_bfloat16_gemm_mode_is_validated(monkeypatch):
-    from lab.ops import gemm as fused
-
-    monkeypatch.setitem(fused._BF16, "mode", "native")
-    fused.set_bf16_gemm("widened")
-    assert fused.bf16_gemm() == "widened"
-    with pytest.raises(ValueError, match="valid: native, widened"):
-        fused.set_bf16_gemm("fp32")
 
 
 def test_widened_weight_is_made_once_per_dtype_switch(monkeypatch):
@@ -77,115 +69,102 @@ def test_widened_weight_is_made_once_per_dtype_switch(monkeypatch):
     parameter's data changes (a dtype switch or adapter merge replaces ``.data``), never once per call."""
     from lab.ops import gemm as fused
 
-    monkeypatch.setitem(fused._BF16, "mode", "widened")
-    layer = fused.Linear(48, 20).bfloat16()
+    plan = CpuPlan({"bf16_gemm": "widened"})
+    layer = fused.Linear(48, 20, plan=plan).bfloat16()
     x = torch.randn(5, 48).bfloat16()
-    first = fused.wide_weight(layer.weight)
+    first = fused.wide_weight(layer.weight, plan)
     assert first.dtype == torch.float32 and torch.equal(first, layer.weight.float())
     with torch.inference_mode():
         layer(x)
-        assert fused.wide_weight(layer.weight).data_ptr() == first.data_ptr()  # the same copy, not a new one
+        assert fused.wide_weight(layer.weight, plan).data_ptr() == first.data_ptr()  # the same copy, not a new one
         rows = layer.weight[4:9]  # a row block (as q/k/v slices are) reads the same copy
-        assert fused.wide_weight(rows).data_ptr() == first[4:9].data_ptr()
-        torch.testing.assert_close(fused.wide_weight(rows), rows.float(), rtol=0, atol=0)
-    layer.weight.data = (layer.weight.float() * 2).bfloat16()  # what Runner.set_dtype / set_merged do
-    again = fused.wide_weight(layer.weight)
+        assert fused.wide_weight(rows, plan).data_ptr() == first[4:9].data_ptr()
+        torch.testing.assert_close(fused.wide_weight(rows, plan), rows.float(), rtol=0, atol=0)
+    layer.weight.data = (layer.weight.float() * 2).bfloat16()  # what Weights.set_dtype / set_merged do
+    again = fused.wide_weight(layer.weight, plan)
     assert again.data_ptr() != first.data_ptr() and torch.equal(again, layer.weight.float())
 
 
 def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
-    """The engine's CPU fast paths come from probes on this machine (reported in ``resolved``), per dtype, and
-    ``LAB_CPU_<NAME>`` forces one without changing a single output."""
+    """The engine's CPU fast paths come from probes on this machine (reported in ``cpu_paths``), per dtype; each
+    choice is one of its probe's candidates, and forcing the other candidates (``cpu_paths=``, for that engine
+    alone) changes no output. Nothing here assumes which candidate this CPU prefers or how many probes run."""
     from lab import Engine
     from lab.ops import gemm as fused, probes
 
+    texts = ["a probe", "another text, longer than the first one"]
     eng = Engine(minilm_path)
     paths = eng.resolved["cpu_paths"]
-    built = cpu_attention.available()  # the C library: the own attention kernel and the in-place post-norm
-    norm = {"add_layer_norm"} if built else set()
+    made = {d.name: d for d in eng.runner.decisions}
+    assert {"f32_gemm", "bert_qkv", "bert_ffn", "attention_kernel"} <= set(paths) and set(made) <= set(paths)
+    for name, d in made.items():  # every decision: a registered candidate, by probe here (nothing forced)
+        assert d.choice == paths[name] and d.choice in CANDIDATES[name] and d.source == "probe"
+        assert set(d.seconds) <= set(CANDIDATES[name]) and (len(d.seconds) != 1)  # timed, or nothing to time
     # the weight layout is probed where float32 GEMMs went to oneDNN (and torch can reorder weights)
-    layout = {"f32_weights"} if paths["f32_gemm"] == "onednn" and fused.onednn_packing() else set()
-    assert set(paths) == {"f32_gemm", "bert_qkv", "bert_ffn", "attention_kernel"} | norm | layout
-    assert paths["bert_qkv"] in ("split", "stacked") and paths["attention_kernel"] in KERNELS
-    assert paths["f32_gemm"] in ("blas", "onednn") and paths.get("add_layer_norm", "torch") in ("torch", "lab")
-    assert paths.get("f32_weights", "plain") in fused.WEIGHT_LAYOUTS
-    made = {(d.name, d.key): d for d in probes.decisions()}
-    assert all(made[(d.name, d.key)].source == "probe" for d in eng.runner.decisions)
-    assert ([len(d.seconds) for d in eng.runner.decisions]
-            == [2] + [2] * len(layout) + [2, 2, 3] + [2] * len(norm))
-    base = eng.embed(["a probe", "another text, longer than the first one"])
+    assert ("f32_weights" in made) == (paths["f32_gemm"] == "onednn" and fused.onednn_packing())
+    assert ("add_layer_norm" in made) == cpu_attention.available()  # offered where the C library built
+    assert paths["attention_kernel"] in KERNELS
+    measured = {(d.name, d.key) for d in probes.decisions()}
+    assert all((d.name, d.key) in measured for d in made.values())
+    base = eng.embed(texts)
     eng.configure(dtype="bfloat16")
-    native = eng.cpu_paths["bf16_gemm"] == "native" and fused.onednn_bf16() and fused.onednn_packing()
-    assert set(eng.cpu_paths) == ({"bf16_gemm", "bert_qkv", "bert_ffn", "attention_kernel"} | norm
-                                  | ({"bf16_weights"} if native else set()))
-    assert eng.cpu_paths["bf16_gemm"] in BF16_GEMM_MODES
+    assert eng.cpu_paths["bf16_gemm"] in CANDIDATES["bf16_gemm"] and "f32_gemm" not in eng.cpu_paths
     eng.configure(dtype="float32")
-    other = "stacked" if paths["bert_qkv"] == "split" else "split"
-    monkeypatch.setenv("LAB_CPU_BERT_QKV", other)
-    monkeypatch.setattr(probes, "_DECIDED", {})
-    monkeypatch.setenv("LAB_CPU_F32_GEMM", "onednn" if paths["f32_gemm"] == "blas" else "blas")
-    monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", "matmul" if paths["attention_kernel"] != "matmul" else "sdpa")
-    if built:
-        monkeypatch.setenv("LAB_CPU_ADD_LAYER_NORM", "torch" if paths["add_layer_norm"] == "lab" else "lab")
-    forced = Engine(minilm_path)
-    assert forced.cpu_paths["bert_qkv"] == other and all(d.source == "env" for d in forced.runner.decisions[:2])
-    assert forced.cpu_paths["f32_gemm"] != paths["f32_gemm"]
-    assert forced.cpu_paths["attention_kernel"] != paths["attention_kernel"]
-    assert forced.cpu_paths.get("add_layer_norm") == ({"lab": "torch", "torch": "lab"}[paths["add_layer_norm"]]
-                                                      if built else None)
+    assert eng.cpu_paths == paths  # the measurements are reused: the same plan again
+    # force the other offered candidate of every probe that had a choice (the timings say what was offered)
+    other = {name: next(c for c in d.seconds if c != d.choice) for name, d in made.items() if len(d.seconds) > 1}
+    forced = Engine(minilm_path, cpu_paths=other)
+    applied = {name: choice for name, choice in other.items() if name in forced.cpu_paths}
+    assert all(forced.cpu_paths[name] == choice for name, choice in applied.items())
+    assert set(other) - set(applied) <= {"f32_weights"}  # the layout applies only to GEMMs run in oneDNN
+    assert all(d.source == "engine" for d in forced.runner.decisions if d.name in other)
     calls = _count_matmul_attention(monkeypatch)
-    np.testing.assert_allclose(forced.embed(["a probe", "another text, longer than the first one"]), base,
-                               atol=2e-6)
+    np.testing.assert_allclose(forced.embed(texts), base, atol=2e-6)
     assert (calls["n"] > 0) == (forced.cpu_paths["attention_kernel"] == "matmul")
+    assert eng.cpu_paths == paths  # the first engine kept its own plan
+    np.testing.assert_array_equal(eng.embed(texts), base)
     if cpu_attention.available():  # prefill-lab's own kernel, forced: it runs, once per layer and step
-        monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", "lab")
-        monkeypatch.setattr(probes, "_DECIDED", {})
         own, real = [], cpu_attention.varlen_attention
         monkeypatch.setattr(cpu_attention, "varlen_attention", lambda *a, **kw: own.append(1) or real(*a, **kw))
-        lab_kernel = Engine(minilm_path)
+        lab_kernel = Engine(minilm_path, cpu_paths={"attention_kernel": "lab"})
         assert lab_kernel.cpu_paths["attention_kernel"] == "lab"
-        np.testing.assert_allclose(lab_kernel.embed(["a probe", "another text, longer than the first one"]), base,
-                                   atol=2e-6)
+        np.testing.assert_allclose(lab_kernel.embed(texts), base, atol=2e-6)
         assert own and len(own) % 6 == 0  # six layers, once per step of each worker
     monkeypatch.setenv("LAB_CPU_BERT_QKV", "sideways")
-    monkeypatch.setattr(probes, "_DECIDED", {})
-    with pytest.raises(ValueError, match="LAB_CPU_BERT_QKV='sideways'.*valid: split, stacked or auto|valid"):
+    with pytest.raises(ValueError, match="LAB_CPU_BERT_QKV='sideways'.*valid: .*or auto"):
         Engine(minilm_path)
+    with pytest.raises(ValueError, match=r"cpu_paths\['bert_qkv'\]='sideways' is not a choice; valid: split, stacked"):
+        Engine(minilm_path, cpu_paths={"bert_qkv": "sideways"})
+    with pytest.raises(ValueError, match="unknown fast path 'bert_kqv'; valid: .*bert_qkv"):
+        Engine(minilm_path, cpu_paths={"bert_kqv": "split"})
 
 
 def test_weight_layout_is_probed_and_can_be_forced(minilm_path, monkeypatch):
     """Where float32 GEMMs run in oneDNN, the weight layout is probed (``f32_weights``, reported in ``cpu_paths``);
-    ``LAB_CPU_F32_WEIGHTS=plain`` / ``packed`` forces it with the same embeddings (the same products, summed in
-    another order: float32 rounding), and a wrong value names the valid ones."""
+    ``cpu_paths={"f32_weights": ...}`` (or ``LAB_CPU_F32_WEIGHTS``) forces it with the same embeddings (the same
+    products, summed in another order: float32 rounding), and a wrong value names the valid ones."""
     from lab import Engine
-    from lab.ops import gemm as fused, probes
+    from lab.ops import gemm as fused
 
     if not (_has_fused_op() and fused.onednn_packing()):
         pytest.skip("this torch build cannot reorder weights for oneDNN")
-    monkeypatch.setitem(fused._F32, "mode", fused.f32_gemm())
-    monkeypatch.setitem(fused._PACK, torch.float32, fused.gemm_weights(torch.float32))
-    monkeypatch.setenv("LAB_CPU_F32_GEMM", "onednn")
     texts = ["a", "weights reordered once into oneDNN's blocked layout " * 9, "Paris", "x y z " * 40]
     got = {}
     for layout in ("plain", "packed"):
-        monkeypatch.setattr(probes, "_DECIDED", {})
-        monkeypatch.setenv("LAB_CPU_F32_WEIGHTS", layout)
-        eng = Engine(minilm_path)
+        eng = Engine(minilm_path, cpu_paths={"f32_gemm": "onednn", "f32_weights": layout})
         d = {d.name: d for d in eng.runner.decisions}["f32_weights"]
-        assert eng.cpu_paths["f32_weights"] == layout == fused.gemm_weights(torch.float32) and d.source == "env"
+        assert eng.cpu_paths["f32_weights"] == layout == eng.runner.plan.weights(torch.float32)
+        assert d.source == "engine"
         got[layout] = eng.embed(texts)
     np.testing.assert_allclose(got["plain"], got["packed"], atol=2e-6)
-    monkeypatch.setattr(probes, "_DECIDED", {})
-    monkeypatch.delenv("LAB_CPU_F32_WEIGHTS")
-    probed = {d.name: d for d in Engine(minilm_path).runner.decisions}["f32_weights"]
-    assert probed.source == "probe" and set(probed.seconds) == {"packed", "plain"}
-    monkeypatch.setattr(probes, "_DECIDED", {})
+    probed = {d.name: d for d in Engine(minilm_path, cpu_paths={"f32_gemm": "onednn"}).runner.decisions}
+    assert probed["f32_weights"].source == "probe" and set(probed["f32_weights"].seconds) == {"packed", "plain"}
     monkeypatch.setenv("LAB_CPU_F32_WEIGHTS", "blocked")
     with pytest.raises(ValueError, match="LAB_CPU_F32_WEIGHTS='blocked'.*valid: packed, plain or auto"):
-        Engine(minilm_path)
+        Engine(minilm_path, cpu_paths={"f32_gemm": "onednn"})
 
 
-def test_dtype_switch_drops_derived_weights(minilm_path, monkeypatch):
+def test_dtype_switch_drops_derived_weights(minilm_path):
     """A dtype switch (and an adapter merge, through the same swap) drops every copy derived from a weight (packed,
     widened): nothing stale is kept in memory, and switching back remakes them with the same embeddings."""
     from lab import Engine
@@ -193,28 +172,22 @@ def test_dtype_switch_drops_derived_weights(minilm_path, monkeypatch):
 
     if not (_has_fused_op() and fused.onednn_packing()):
         pytest.skip("this torch build cannot reorder weights for oneDNN")
-    monkeypatch.setitem(fused._F32, "mode", fused.f32_gemm())
-    monkeypatch.setitem(fused._PACK, torch.float32, fused.gemm_weights(torch.float32))
-    monkeypatch.setenv("LAB_CPU_F32_GEMM", "onednn")
-    monkeypatch.setenv("LAB_CPU_F32_WEIGHTS", "packed")
-    monkeypatch.setattr("lab.ops.probes._DECIDED", {})
-    eng = Engine(minilm_path)
+    eng = Engine(minilm_path, cpu_paths={"f32_gemm": "onednn", "f32_weights": "packed"})
     texts = ["packed weights", "and a dtype switch " * 5]
     first = eng.embed(texts)
 
-    def derived(stale: bool):
-        """(parameter, attribute) of the copies kept: made from the live data, or (``stale``) from older data."""
-        return [(n, a) for n, p in eng.model.named_parameters() for a in fused.DERIVED
-                if a in p.__dict__ and (p.__dict__[a][0].data_ptr() != p.data_ptr()) == stale]
+    def copies(stale: bool):
+        """The kinds of the copies kept: made from the live data, or (``stale``) from older data."""
+        return [kind for kind, _, current in eng.runner.plan.copies() if current != stale]
 
-    assert any(a == "_lab_packed" for _, a in derived(False)) and derived(True) == []
+    assert "packed" in copies(False) and copies(True) == []
     eng.configure(dtype="bfloat16")  # the bfloat16 probes may make copies of layer 0's weights, from the new data
-    assert derived(True) == []
+    assert copies(True) == []
     eng.embed(texts)
     eng.configure(dtype="float32")
-    assert derived(True) == []
+    assert copies(True) == []
     np.testing.assert_allclose(eng.embed(texts), first, rtol=0, atol=1e-7)
-    assert any(a == "_lab_packed" for _, a in derived(False)) and derived(True) == []
+    assert "packed" in copies(False) and copies(True) == []
 
 
 @pytest.mark.parametrize("mode,layout", [("blas", "plain"), ("onednn", "plain"), ("onednn", "packed")])
@@ -228,32 +201,25 @@ def test_float32_linear_modes_compute_f_linear(monkeypatch, mode, layout):
         pytest.skip("this torch build has no oneDNN torch.ops.mkldnn._linear_pointwise")
     if layout == "packed" and not fused.onednn_packing():
         pytest.skip("this torch build cannot reorder weights for oneDNN")
-    monkeypatch.setitem(fused._F32, "mode", "blas")
-    monkeypatch.setitem(fused._PACK, torch.float32, "plain")
-    fused.set_f32_gemm(mode)
-    fused.set_f32_weights(layout)
+    plan = CpuPlan({"f32_gemm": mode, "f32_weights": layout})
     calls = []
     real = fused.onednn_linear
     monkeypatch.setattr(fused, "onednn_linear", lambda *a: calls.append(1) or real(*a))
-    assert fused.f32_gemm() == mode
+    assert plan.f32_gemm == mode and plan.weights(torch.float32) == layout
     x, w, b = torch.randn(37, 24), torch.randn(40, 24) * 0.2, torch.randn(40)
     with torch.inference_mode():
         for bias in (b, None):
             want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-            torch.testing.assert_close(fused.linear(x, w, bias).double(), want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fused.linear(x, w, bias, plan=plan).double(), want, atol=1e-5, rtol=1e-5)
             out = torch.zeros(50, 40)
-            fused.linear(x, w, bias, out=out[5:42])
+            fused.linear(x, w, bias, plan=plan, out=out[5:42])
             torch.testing.assert_close(out[5:42].double(), want, atol=1e-5, rtol=1e-5)
             assert not out[:5].any() and not out[42:].any()
     assert len(calls) == (4 if mode == "onednn" else 0)  # the chosen implementation ran
     wg = w.clone().requires_grad_()
-    fused.linear(x, wg, b).sum().backward()  # grad mode: the BLAS path, which has a backward
+    fused.linear(x, wg, b, plan=plan).sum().backward()  # grad mode: the BLAS path, which has a backward
     torch.testing.assert_close(wg.grad, x.sum(0).expand(40, 24))
     assert len(calls) == (4 if mode == "onednn" else 0)
-    with pytest.raises(ValueError, match="valid: blas, onednn"):
-        fused.set_f32_gemm("tf32")
-    with pytest.raises(ValueError, match="valid: packed, plain"):
-        fused.set_f32_weights("blocked")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -268,34 +234,33 @@ def test_packed_weight_is_made_once_per_view_until_its_data_changes(monkeypatch,
         pytest.skip("this torch build cannot reorder weights for oneDNN")
     if dtype == torch.bfloat16 and not fused.onednn_bf16():
         pytest.skip("oneDNN does not take bfloat16 on this CPU")
-    monkeypatch.setitem(fused._F32, "mode", "onednn")
-    monkeypatch.setitem(fused._BF16, "mode", "native")
-    monkeypatch.setitem(fused._PACK, dtype, "packed")
+    plan = CpuPlan({"f32_gemm": "onednn", "bf16_gemm": "native", "f32_weights": "packed", "bf16_weights": "packed"})
     monkeypatch.setattr(fused, "PACK_ROWS", 256)
-    layer = fused.Linear(29, 3 * 37).to(dtype)
+    layer = fused.Linear(29, 3 * 37, plan=plan).to(dtype)
     rows = [layer.weight[j * 37 : (j + 1) * 37] for j in range(3)]
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2**-7}
     with torch.inference_mode():
-        first = fused.packed_weight(layer.weight)
-        assert first is fused.packed_weight(layer.weight) and first.layout == torch._mkldnn
-        blocks = [fused.packed_weight(r) for r in rows]
-        assert len({id(b) for b in blocks + [first]}) == 4 and all(fused.packed_weight(r) is b
+        first = fused.packed_weight(layer.weight, plan)
+        assert first is fused.packed_weight(layer.weight, plan) and first.layout == torch._mkldnn
+        blocks = [fused.packed_weight(r, plan) for r in rows]
+        assert len({id(b) for b in blocks + [first]}) == 4 and all(fused.packed_weight(r, plan) is b
                                                                   for r, b in zip(rows, blocks))
+        assert fused.packed_weight(layer.weight, CpuPlan()) is not first  # another engine's plan: its own copy
         asked, real = [], fused.packed_weight
-        monkeypatch.setattr(fused, "packed_weight", lambda w: asked.append(w.shape) or real(w))
+        monkeypatch.setattr(fused, "packed_weight", lambda w, p: asked.append(w.shape) or real(w, p))
         for n in (1, 2, 33):
             x = torch.randn(n, 29, dtype=dtype)
             want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
             torch.testing.assert_close(layer(x).double(), want, **tol)
-            torch.testing.assert_close(fused.linear(x, rows[1], None).double(),
+            torch.testing.assert_close(fused.linear(x, rows[1], None, plan=plan).double(),
                                        F.linear(x.double(), rows[1].double()), **tol)
-            torch.testing.assert_close(fused.linear_act(x, layer.weight, layer.bias, "gelu", F.gelu).double(),
-                                       F.gelu(want), **tol)
+            torch.testing.assert_close(
+                fused.linear_act(x, layer.weight, layer.bias, "gelu", F.gelu, plan=plan).double(), F.gelu(want), **tol)
         assert asked == [(111, 29), (37, 29), (111, 29)] * 3  # every GEMM read the packed layout
-        assert fused.packed_weight(layer.weight) is first  # and reused it
-    layer.weight.data = (layer.weight.float() * 2).to(dtype)  # what Runner.set_dtype / set_merged do
+        assert real(layer.weight, plan) is first  # and reused it
+    layer.weight.data = (layer.weight.float() * 2).to(dtype)  # what Weights.set_dtype / set_merged do
     with torch.inference_mode():
-        again = fused.packed_weight(layer.weight)
+        again = real(layer.weight, plan)
         assert again is not first
         x = torch.randn(5, 29, dtype=dtype)
         torch.testing.assert_close(layer(x).double(), F.linear(x.double(), layer.weight.double(),
@@ -303,13 +268,13 @@ def test_packed_weight_is_made_once_per_view_until_its_data_changes(monkeypatch,
     with torch.no_grad():
         layer.weight.mul_(-1)  # in place: the version changes
     with torch.inference_mode():
-        assert fused.packed_weight(layer.weight) is not again
+        assert real(layer.weight, plan) is not again
         torch.testing.assert_close(layer(x).double(), F.linear(x.double(), layer.weight.double(),
                                                                layer.bias.double()), **tol)
         made_here = torch.randn(11, 29, dtype=dtype)  # an inference tensor: no version counter
-        torch.testing.assert_close(fused.linear(x, made_here).double(), F.linear(x.double(), made_here.double()),
-                                   **tol)
-        assert fused.packed_weight(made_here) is fused.packed_weight(made_here)
+        torch.testing.assert_close(fused.linear(x, made_here, plan=plan).double(),
+                                   F.linear(x.double(), made_here.double()), **tol)
+        assert real(made_here, plan) is real(made_here, plan)
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
@@ -368,14 +333,11 @@ def test_decoder_float32_gemm_modes_match_transformers(tmp_path, monkeypatch, mo
     from tiny_models import tiny_llama
 
     from lab import Engine
-    from lab.ops import gemm as fused, probes
 
-    monkeypatch.setattr(probes, "_DECIDED", {})
-    monkeypatch.setitem(fused._F32, "mode", fused.f32_gemm())
-    monkeypatch.setenv("LAB_CPU_F32_GEMM", mode)
+    monkeypatch.setenv("LAB_CPU_F32_GEMM", mode)  # the process default, read when the engine decides
     folder = str(tiny_llama(tmp_path, "llama"))
     eng = Engine(folder, pooling="mean", max_batch_tokens=48)
-    assert eng.cpu_paths["f32_gemm"] == mode and fused.f32_gemm() == mode
+    assert eng.cpu_paths["f32_gemm"] == mode == eng.runner.plan.f32_gemm
     texts = ["a", "Rotary position embeddings rotate queries and keys. " * 3, "Paris is the capital of France",
              "x y z " * 11, "What?"]
     got = eng.embed(texts)
@@ -384,20 +346,18 @@ def test_decoder_float32_gemm_modes_match_transformers(tmp_path, monkeypatch, mo
 
 @pytest.mark.parametrize("mode", ["whole", "blocks"])
 def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch, mode):
-    """Causal attention in query blocks (``causal_attention`` = ``blocks``, forced by ``LAB_CPU_CAUSAL_ATTENTION``)
+    """Causal attention in query blocks (``causal_attention`` = ``blocks``, forced by ``cpu_paths``)
     or whole: the mode is the one reported, and the embeddings of texts longer than three blocks (with short ones
     beside them, shuffled) equal transformers' forward, one sequence at a time, within float32 rounding."""
     from tiny_models import tiny_llama
 
     from lab import Engine
-    from lab.ops import probes
     from lab.models.decoder import CAUSAL_BLOCK
 
-    monkeypatch.setattr(probes, "_DECIDED", {})
-    monkeypatch.setenv("LAB_CPU_CAUSAL_ATTENTION", mode)
-    monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", "sdpa")  # the torch path, where the blocks live
     folder = str(tiny_llama(tmp_path, "llama"))
-    eng = Engine(folder, pooling="mean", max_length=256)
+    # the torch path (sdpa), where the blocks live
+    eng = Engine(folder, pooling="mean", max_length=256, cpu_paths={"causal_attention": mode,
+                                                                     "attention_kernel": "sdpa"})
     assert eng.cpu_paths["causal_attention"] == mode and eng.cpu_paths["attention_kernel"] == "sdpa"
     texts = ["Rotary position embeddings rotate queries and keys. " * 9, "a", "What?", "x y z " * 40,
              "Paris is the capital of France. " * 20]
@@ -413,15 +373,14 @@ def test_decoder_attention_kernel_is_probed_without_the_three_op_path(tmp_path, 
     from tiny_models import tiny_llama
 
     from lab import Engine
-    from lab.ops import probes
 
-    monkeypatch.setattr(probes, "_DECIDED", {})
     folder = str(tiny_llama(tmp_path, "llama"))
     eng = Engine(folder, pooling="mean")
     made = [d for d in eng.runner.decisions if d.name == "attention_kernel"]
     assert len(made) == 1 and set(made[0].seconds) == ({"sdpa", "lab"} if cpu_attention.available() else {"sdpa"})
     assert eng.cpu_paths["attention_kernel"] == made[0].choice
-    monkeypatch.setattr(probes, "_DECIDED", {})
+    with pytest.raises(ValueError, match=r"cpu_paths\['attention_kernel'\]='matmul' is not a attention_kernel choice"):
+        Engine(folder, pooling="mean", cpu_paths={"attention_kernel": "matmul"})
     monkeypatch.setenv("LAB_CPU_ATTENTION_KERNEL", "matmul")
     with pytest.raises(ValueError, match="LAB_CPU_ATTENTION_KERNEL='matmul' is not a attention_kernel choice"):
         Engine(folder, pooling="mean")
@@ -443,8 +402,8 @@ def _count_matmul_attention(monkeypatch) -> dict:
 
 @pytest.mark.parametrize("layout,kernel", [("halves", None), ("pairs", "torch"), ("pairs", "lab")])
 def test_decoder_rope_layouts_match_transformers(tmp_path, monkeypatch, layout, kernel):
-    """Each rotary layout forced (``LAB_CPU_ROPE_LAYOUT``; ``pairs`` permutes the q/k projection rows at load), the
-    ``pairs`` rotation in torch or prefill-lab's C kernel (``LAB_CPU_ROPE_KERNEL``): the choices are the ones
+    """Each rotary layout forced (``cpu_paths``; ``pairs`` permutes the q/k projection rows at load), the
+    ``pairs`` rotation in torch or prefill-lab's C kernel (``rope_kernel``): the choices are the ones
     reported, the embeddings equal transformers' forward within float32 rounding, plainly, in chunks of 7 tokens
     (keys cached in the model's own layout) and behind a cached instruction prefix, and a dtype round trip keeps the
     layout and the outputs."""
@@ -452,16 +411,12 @@ def test_decoder_rope_layouts_match_transformers(tmp_path, monkeypatch, layout, 
     from tiny_models import tiny_llama
 
     from lab import Engine
-    from lab.ops import probes
 
     if kernel == "lab" and not cpu_rope.available():
         pytest.skip(f"the C kernels did not build here: {cpu_rope.unavailable_reason()}")
-    monkeypatch.setattr(probes, "_DECIDED", {})
-    monkeypatch.setenv("LAB_CPU_ROPE_LAYOUT", layout)
-    if kernel:
-        monkeypatch.setenv("LAB_CPU_ROPE_KERNEL", kernel)
+    forced = {"rope_layout": layout, **({"rope_kernel": kernel} if kernel else {})}
     folder = str(tiny_llama(tmp_path, "qwen2"))  # q/k/v biases and grouped-query attention
-    eng = Engine(folder, pooling="mean")
+    eng = Engine(folder, pooling="mean", cpu_paths=forced)
     assert eng.cpu_paths["rope_layout"] == layout == eng.model.rope_layout
     assert eng.cpu_paths.get("rope_kernel") == (kernel if cpu_rope.available() else None)
     texts = ["Rotary position embeddings rotate queries and keys. " * 3, "a", "Paris is the capital of France",

@@ -23,7 +23,7 @@ from tiny_models import tiny_llama
 
 import lab.outputs.kinds
 from lab import Engine
-from lab.engine.scheduler import split_for_workers
+from lab.runtime.pool import split_for_workers
 
 TEXTS = [
     "A man is playing a guitar.",

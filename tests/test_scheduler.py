@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from lab.engine.scheduler import MAX_IMBALANCE, plan_batches, prefetch_waves, split_for_workers
+from lab.engine.scheduler import plan_batches, prefetch_waves
+from lab.runtime.pool import MAX_IMBALANCE, split_for_workers
 
 
 @dataclass

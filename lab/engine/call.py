@@ -60,6 +60,14 @@ class Stats:
         self.state_bytes = self.state_bytes + other.state_bytes if concurrent else max(self.state_bytes,
                                                                                        other.state_bytes)
 
+    @classmethod
+    def concurrent(cls, deltas: list[Stats]) -> Stats:
+        """The work of ``deltas`` done at once (CPU workers' shares of one step), counted in one ``Stats``."""
+        total = cls()
+        for delta in deltas:
+            total.add(delta, concurrent=True)
+        return total
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -78,7 +86,7 @@ class ExecSettings:
 
     causal: bool
     backend: str
-    workers: int | None  # the ``cpu_workers`` knob (``None`` = one per intra-op thread)
+    workers: int  # the CPU workers a step is shared among (the ``cpu_workers`` knob, resolved: ``Runner.cpu_workers``)
     num_layers: int | None  # layers that run (the ``layer`` knob, resolved; ``None`` = all)
     max_batch_tokens: int
     max_num_seqs: int

@@ -40,6 +40,7 @@ from lab.models.loading import ModelSpec, load_tokenizer, read_folder, read_stat
 from lab.outputs.kinds import output_pooler
 from lab.outputs.pooling import pooling_method
 from lab.outputs.quantize import check_precision
+from lab.ops.probes import check_forced
 from lab.runtime.runner import Runner
 from lab.runtime.allocator import tune_cpu_allocator
 from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
@@ -56,6 +57,10 @@ class Engine:
         model: a local model folder (transformers / sentence-transformers layout) or a ``.gguf`` file; or a PEFT
             adapter folder whose ``base_model_name_or_path`` is a local folder (that base loads, the adapter first
             in ``adapters``).
+
+        cpu_paths: CPU fast-path choices forced for this engine alone, name -> choice (e.g. ``{"f32_gemm":
+            "onednn"}``; ``lab.ops.probes.CANDIDATES`` lists them); the others are probed on this machine. Fixed
+            for the engine's life.
 
     Every other argument is a knob (``lab.engine.knobs.KNOB_DOCS``, listed below and in the README's knob table).
     """
@@ -83,6 +88,7 @@ class Engine:
         adapters: list[str] | tuple[str, ...] = (),
         layer: int | None = None,
         long_inputs: str = "truncate",
+        cpu_paths: dict[str, str] | None = None,
     ):
         args = locals()  # every knob is a keyword argument of the same name (a KeyError here says which is not)
         knobs = {f.name: args[f.name] for f in fields(Knobs)}
@@ -94,26 +100,27 @@ class Engine:
         self.model_path = str(model)
         self.spec: ModelSpec = read_folder(model)
         self.device = resolve_device(self._knobs.device)
+        forced = check_forced(cpu_paths)  # before anything loads: a bad name or choice changes nothing
         if self.device.type == "cpu":
             tune_cpu_allocator()
         self.tokenizer = load_tokenizer(self.spec)
         dtype = resolve_dtype(self._knobs.dtype, self.device)
-        self.model = self._build_model(dtype)
-        self.runner = Runner(self.model, device=self.device, dtype=dtype)
+        self.model = self._build_model(dtype, forced)
+        self.runner = Runner(self.model, device=self.device, dtype=dtype, cpu_paths=forced)
         self.executor = Executor(self.runner)
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
         self._dirty = False  # a configure was interrupted while swapping weights (``_repair``)
         self._adapters: list[LoraAdapter] = []  # merged into the live weights, in order
         if self._knobs.adapters:
             self._adapters, merged = self._merge_adapters(self._knobs.adapters)
-            self.runner.set_merged(merged)
+            self.runner.weights.set_merged(merged)
         self._check_for_model(self._knobs)
         self.stats = Stats()
         self._backend = resolve_backend(self._knobs.attention_backend, self.device)
         self.runner.plan_cpu_paths(self._workers)
 
     # ----------------------------------------------------------------------------------------------- loading
-    def _build_model(self, dtype: torch.dtype):
+    def _build_model(self, dtype: torch.dtype, forced: dict[str, str]):
         cls = model_class(self.spec.architecture)
         if cls is None and self.spec.config.get("auto_map"):
             raise ValueError(
@@ -136,7 +143,7 @@ class Engine:
             raise ValueError(f"{self.spec.path / 'config.json'} lacks {e.args[0]!r}, which a {self.spec.architecture} "
                              "needs; the config is incomplete") from None
         if self.device.type == "cpu":  # weight layouts, fixed at load (a later dtype change keeps them)
-            model.choose_layouts(dtype)
+            model.choose_layouts(dtype, forced)
         model.load_hf_state_dict(read_state_dict(self.spec))
         return model
 
@@ -170,7 +177,9 @@ class Engine:
     def cpu_paths(self) -> dict[str, str]:
         """The CPU fast paths in force, decided by short probes on this machine (``lab.ops.probes``): name ->
         choice, e.g. ``{"rope_layout": "pairs", "bf16_gemm": "native"}``; ``{}`` off the CPU.
-        ``lab.ops.probes.decisions()`` has the timings behind them; ``LAB_CPU_<NAME>`` forces one."""
+        They belong to this engine: ``Engine(..., cpu_paths={"f32_gemm": "onednn"})`` forces choices for it alone
+        (``lab.ops.probes.CANDIDATES`` lists the names and choices), ``LAB_CPU_<NAME>`` for every engine made while
+        it is set; ``runner.decisions`` says how each was made and ``lab.ops.probes.decisions()`` has the timings."""
         return {**self.model.layout, **{d.name: d.choice for d in self.runner.decisions}}
 
     @property
@@ -194,7 +203,7 @@ class Engine:
                 "(PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(out)) and load that folder"
             )
         adapters = [read_adapter(p) for p in paths]
-        return adapters, merged_weights(self.model, self.runner.base_weights, adapters)
+        return adapters, merged_weights(self.model, self.runner.weights.base, adapters)
 
     def configure(self, **knobs) -> Engine:
         """Change knobs live (no weight reload; ``dtype`` re-casts from the master copy, ``adapters`` re-merge
@@ -213,9 +222,9 @@ class Engine:
         replan = dtype != self.runner.dtype or workers != self._workers
         self._dirty = True  # from here to the end, an interrupt is repaired by the next call (``_repair``)
         if adapters is not None:
-            self.runner.set_merged(merged)
+            self.runner.weights.set_merged(merged)
             self._adapters = adapters
-        self.runner.set_dtype(dtype)
+        self.runner.weights.set_dtype(dtype)
         self._knobs, self._backend = new, backend
         if replan:
             self.runner.plan_cpu_paths(workers)
@@ -229,10 +238,9 @@ class Engine:
             return
         k = self._knobs
         adapters, merged = self._merge_adapters(k.adapters) if k.adapters else ([], {})
-        self.runner.set_merged(merged)
+        self.runner.weights.set_merged(merged)
         self._adapters = adapters
-        self.runner.dtype = None  # recast every weight from its source
-        self.runner.set_dtype(resolve_dtype(k.dtype, self.device))
+        self.runner.weights.set_dtype(resolve_dtype(k.dtype, self.device), force=True)  # every weight from its source
         self.runner.plan_cpu_paths(self._workers)
         self._dirty = False
 
@@ -520,7 +528,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------- the pipeline
     def _settings(self) -> ExecSettings:
         k = self._knobs
-        return ExecSettings(causal=self.causal, backend=self._backend, workers=k.cpu_workers, num_layers=self.layer,
+        return ExecSettings(causal=self.causal, backend=self._backend, workers=self._workers, num_layers=self.layer,
                             max_batch_tokens=k.max_batch_tokens, max_num_seqs=k.max_num_seqs,
                             chunked_prefill=k.chunked_prefill, prefix_cache=k.prefix_cache)
 

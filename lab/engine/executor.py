@@ -9,9 +9,10 @@ Given one wave of ``Request`` objects and a ``Pooler`` (method x head), the exec
   prefix cache computes once.
 
 Both paths share their steps among the CPU workers: the packed path streams every step's shares through them with
-no barrier between steps, the head applied in the workers (``Runner.run_stream``; on one 2-vCPU AMD EPYC it took
+no barrier between steps, the head applied in the workers (``WorkerPool.run_stream``; on a 2-vCPU AMD EPYC it took
 all-MiniLM-L6-v2's STSBenchmark sentences from 1.96 to 1.87 s a call, median of 5 interleaved rounds), the KV path
-shares one step at a time (``Runner.run_shared``). Both
+shares one step at a time (``WorkerPool.run_shared``). Both build their flat inputs with
+``lab.engine.inputs.pack``. Both
 drive the model through its one forward (``lab.models.base.PackedModel``), and both yield ``(requests, outputs)``
 with outputs aligned to those requests, after the head. A method may return a tuple (several outputs of one
 forward, ``lab.outputs.kinds``): the workers' shares are merged per item. The ``rows()`` shortcut applies only when the
@@ -30,7 +31,7 @@ from collections.abc import Iterator
 from lab.ops.batch import OutputRows
 from lab.engine.call import ExecSettings, Stats
 from lab.outputs.heads import Pooler
-from lab.engine.inputs import Request
+from lab.engine.inputs import Request, pack
 from lab.engine.kv_path import KVPath
 from lab.outputs.pooling import PoolingMethod
 from lab.runtime.runner import Runner
@@ -55,19 +56,18 @@ class Executor:
         every request of ``requests`` exactly once. Counts batches, chunks, computed and padded tokens in
         ``stats`` (the caller counts what was served)."""
         if self.uses_kv_path(s, shared_prefix=shared_prefix):
-            kv = KVPath(self.runner, s, pooler.method, self.workers(s))
+            kv = KVPath(self.runner, s, pooler.method)
             for reqs, pooled, delta in kv.run(requests, shared_prefix=shared_prefix):
                 stats.add(delta)
                 yield reqs, pooler.outputs(pooled, reqs)
             return
         batches = plan_batches(requests, s.max_batch_tokens, s.max_num_seqs)
-        workers = self.workers(s)
-        if workers > 1:  # the steps' shares streamed through the CPU workers, outputs by the head in the workers
+        if s.workers > 1:  # the steps' shares streamed through the CPU workers, outputs by the head in the workers
             def share(reqs):
                 pooled, delta = self._forward_pool(reqs, pooler.method, s)
                 return pooler.outputs(pooled, reqs), delta
 
-            for reqs, out, delta, first in self.runner.run_stream(share, batches, workers):
+            for reqs, out, delta, first in self.runner.pool.run_stream(share, batches, s.workers):
                 delta.batches = int(first)
                 stats.add(delta)
                 yield reqs, out
@@ -78,15 +78,14 @@ class Executor:
             stats.add(delta)
             yield batch, pooler.outputs(pooled, batch)
 
-    def workers(self, s: ExecSettings) -> int:
-        return self.runner.cpu_workers(s.workers, s.backend)
-
     def packed_step(self, batch: list[Request], method: PoolingMethod, s: ExecSettings):
         """One packed step, shared among the CPU workers: ``(pooled aligned with batch, Stats delta)``."""
-        return self.runner.run_shared(lambda reqs: self._forward_pool(reqs, method, s), batch, self.workers(s))
+        pooled, deltas = self.runner.pool.run_shared(lambda reqs: self._forward_pool(reqs, method, s), batch,
+                                                     s.workers)
+        return pooled, Stats.concurrent(deltas)
 
     def _forward_pool(self, requests: list[Request], method: PoolingMethod, s: ExecSettings):
-        batch = self.runner.pack(requests, causal=s.causal, backend=s.backend)
+        batch = pack(requests, causal=s.causal, device=self.runner.device, backend=s.backend)
         delta = Stats(tokens_computed=batch.meta.num_tokens, padded_tokens=self.model.padding(batch.meta))
         rows = None
         if self.model.computes_output_rows:

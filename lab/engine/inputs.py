@@ -9,6 +9,7 @@ as llm2vec's embed mask and sentence-transformers' ``include_prompt=False`` do.
 
     >>> proc = InputProcessor(tokenizer, max_length=256)
     >>> reqs = proc.process(["a text", "another"], first_index=0)
+    >>> batch = pack(reqs, causal=False, device=torch.device("cpu"), backend="torch")    # one flat step
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from lab.ops.batch import KVStep, PackedBatch
 
 
 @dataclass
@@ -33,6 +36,21 @@ class Request:
     @property
     def length(self) -> int:
         return len(self.ids)
+
+
+def pack(requests: list[Request], *, causal: bool, device, backend: str, skip: int = 0,
+         kv: KVStep | None = None) -> PackedBatch:
+    """The flat model inputs of ``requests`` on ``device``, the one packing rule of both execution paths: each
+    request's tokens after its first ``skip`` (a shared prefix computed elsewhere, whose positions they continue;
+    its keys / values in ``kv``), pooling windows shifted to match (the prefix is never pooled: ``skip <=
+    pool_start``), and the attended key length of a request that limits it (``Request.key_len``)."""
+    key_lens = [r.key_len for r in requests] if any(r.key_len is not None for r in requests) else None
+    return PackedBatch.build(
+        [r.ids[skip:] for r in requests], causal=causal, device=device, backend=backend,
+        token_type_ids=[None if r.token_type_ids is None else r.token_type_ids[skip:] for r in requests],
+        pool_start=[r.pool_start - skip for r in requests],
+        position_offsets=[skip] * len(requests) if skip else None, kv=kv, key_lens=key_lens,
+    )
 
 
 def check_texts(texts, what: str = "texts") -> list[str]:

@@ -17,7 +17,7 @@ Several long inputs share the rounds of one layer (one packed step per round) wh
 excluded from pooling (the instruction), once. Its K/V is kept for every layer (the only all-layer cache; it is
 short), and every request runs from the token after it, attending to it as a prefix.
 
-    >>> for reqs, pooled, stats in KVPath(runner, settings, pooling_method("mean"), workers=2).run(requests): ...
+    >>> for reqs, pooled, stats in KVPath(runner, settings, pooling_method("mean")).run(requests): ...
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from lab.ops.batch import AttnMeta, KVStep, PackedBatch
 from lab.engine.call import ExecSettings, Stats
-from lab.engine.inputs import Request
+from lab.engine.inputs import Request, pack
 from lab.outputs.pooling import PoolingMethod
 from lab.runtime.runner import Runner
 from lab.engine.scheduler import plan_batches
@@ -69,8 +69,8 @@ class KVPath:
     hidden-state memory held across steps at once (the shared prefix's K/V plus one group's state, summed over
     the CPU workers' shares)."""
 
-    def __init__(self, runner: Runner, s: ExecSettings, method: PoolingMethod, workers: int):
-        self.runner, self.s, self.method, self.workers = runner, s, method, workers
+    def __init__(self, runner: Runner, s: ExecSettings, method: PoolingMethod):
+        self.runner, self.s, self.method, self.workers = runner, s, method, s.workers
         self.model = runner.model
         self.chunk = s.chunked_prefill
         self.num_layers = self.model.num_layers
@@ -92,13 +92,15 @@ class KVPath:
         fits = [r for r in requests if self.chunk is None or r.length - p <= self.chunk]
         long = [r for r in requests if self.chunk is not None and r.length - p > self.chunk]
         for batch in plan_batches(_Own.wrap(fits, p), s.max_batch_tokens, s.max_num_seqs):
-            pooled, delta = self.runner.run_shared(lambda part: self._whole(part, prefix), batch, self.workers)
+            pooled, deltas = self.runner.pool.run_shared(lambda part: self._whole(part, prefix), batch, self.workers)
+            delta = Stats.concurrent(deltas)
             delta.batches = 1
             delta.add(pending)
             pending = Stats()
             yield [o.req for o in batch], pooled, delta
         for group in plan_batches(_Own.wrap(long, p), s.max_batch_tokens, s.max_num_seqs):
-            pooled, delta = self.runner.run_shared(lambda part: self._group(part, prefix), group, self.workers)
+            pooled, deltas = self.runner.pool.run_shared(lambda part: self._group(part, prefix), group, self.workers)
+            delta = Stats.concurrent(deltas)
             delta.batches = math.ceil(max(o.length for o in group) / self.chunk)  # its rounds, however shared
             delta.add(pending)
             pending = Stats()
@@ -208,13 +210,8 @@ class KVPath:
         return rows, seq_lens, prefix_lens
 
     def _pack(self, requests: list[Request], p: int, kv: KVStep | None) -> PackedBatch:
-        """The tokens of ``requests`` after the shared prefix (positions continue from ``p``); pooling windows
-        shifted to match (the prefix is never pooled: ``p <= pool_start``)."""
-        return PackedBatch.build(
-            [r.ids[p:] for r in requests], causal=True, device=self.runner.device, backend=self.s.backend,
-            token_type_ids=[None if r.token_type_ids is None else r.token_type_ids[p:] for r in requests],
-            pool_start=[r.pool_start - p for r in requests], position_offsets=[p] * len(requests), kv=kv,
-        )
+        """The tokens of ``requests`` after the shared prefix of ``p`` tokens (``lab.engine.inputs.pack``)."""
+        return pack(requests, causal=True, device=self.runner.device, backend=self.s.backend, skip=p, kv=kv)
 
 
 @dataclass(eq=False)

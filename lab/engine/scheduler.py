@@ -5,14 +5,12 @@ Batches are packed longest-first under two limits — the sum of lengths ``<= ma
 runs each run of equal lengths as one masked-free call). An input longer than the budget runs alone. Input order
 is restored by the output processor from ``Request.index``.
 
-On CPU a batch is then shared among worker threads (``lab.runtime.runner``): ``split_for_workers`` gives each worker
-an even share of the work, or says the batch cannot be shared evenly.
+On CPU a batch is then shared among worker threads (``lab.runtime.pool``), each an even share of the work.
 
 Tokenization of the next wave of texts runs in a background thread while the model works on the current one
 (the Workflow Defined Engine's split of input processing from execution).
 
     >>> for batch in plan_batches(requests, max_batch_tokens=16384, max_num_seqs=256): ...
-    >>> parts = split_for_workers([r.length for r in batch], workers=2)     # [[0, 3, ...], [1, 2, ...]] or None
     >>> for requests in prefetch_waves(texts, tokenize_fn, wave_size=2048): ...
 """
 
@@ -47,30 +45,6 @@ def plan_batches(requests: list[R], max_batch_tokens: int, max_num_seqs: int) ->
     if current:
         batches.append(current)
     return batches
-
-
-MAX_IMBALANCE = 1.15  # the busiest worker's load over an even share, past which a batch is not split
-ATTENTION_COST_TOKENS = 1024  # a sequence of L tokens costs ~ L * (1 + L / this): its GEMMs plus its attention
-
-
-def split_for_workers(lengths: list[int], workers: int) -> list[list[int]] | None:
-    """Indices of a batch's sequences per worker, each list longest first (so equal lengths stay adjacent).
-
-    Longest first, each sequence goes to the least-loaded worker (cost ~ tokens plus attention's quadratic term).
-    ``None`` when fewer than two workers would get work, or when the busiest would carry more than
-    ``MAX_IMBALANCE`` times an even share (one long input among short ones): the batch then runs undivided."""
-    n = min(workers, len(lengths))
-    if n < 2:
-        return None
-    parts: list[list[int]] = [[] for _ in range(n)]
-    loads = [0.0] * n
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        w = loads.index(min(loads))
-        parts[w].append(i)
-        loads[w] += lengths[i] * (1 + lengths[i] / ATTENTION_COST_TOKENS)
-    if max(loads) > MAX_IMBALANCE * sum(loads) / n:
-        return None
-    return parts
 
 
 T = TypeVar("T")

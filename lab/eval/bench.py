@@ -151,15 +151,16 @@ def throughput(
 
 
 def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.dtype = torch.float32,
-                  tokens: int = 4096, repeats: int = 20, shapes: list[tuple[int, int]] | None = None) -> dict:
+                  tokens: int = 4096, repeats: int = 20, shapes: list[tuple[int, int]] | None = None,
+                  plan=None) -> dict:
     """Measured matmul FLOP/s at the model's GEMM shapes and the tokens/s they imply for its FLOPs per token.
 
     ``shapes``: one layer's projections as ``(in, out)`` pairs; the default is a BERT layer's (q/k/v ``h -> 3h``,
     output ``h -> h``, FFN ``h -> i -> h``). FLOPs per token count those projections at 2 FLOPs per multiply-add;
     the attention scores (a few % for short inputs) are left out, so the roofline is a ceiling for the GEMM work.
-    The GEMM timed is the engine's (``lab.ops.gemm.linear``, in the mode the engine's probes chose: native or
-    widened bfloat16, BLAS or oneDNN float32, oneDNN's on packed or plain weights), i.e. the fastest GEMM this
-    machine offers for the dtype. The rate is the best of ``repeats`` timings, not their median: a ceiling, which a
+    The GEMM timed is the engine's (``lab.ops.gemm.linear`` under ``plan``, an engine's ``runner.plan``: the mode
+    its probes chose, native or widened bfloat16, BLAS or oneDNN float32, oneDNN's on packed or plain weights), i.e.
+    the fastest GEMM this machine offers for the dtype. The rate is the best of ``repeats`` timings, not their median: a ceiling, which a
     slow moment on a shared machine cannot lower much.
     """
     from lab.ops.gemm import linear
@@ -171,7 +172,7 @@ def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.d
 
     def run():
         for (i, _), w in zip(shapes, ws):
-            linear(ins[i], w)
+            linear(ins[i], w, plan=plan)
 
     with torch.inference_mode():
         run()

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lab.ops.batch import AttnMeta, OutputRows
+from lab.ops.plan import CpuPlan
 from lab.ops.probes import Decision, Probe, decide
 
 
@@ -51,9 +52,10 @@ class PackedModel(nn.Module):
         super().__init__()
         # an instance attribute, not a class one: a class attribute would shadow the submodule once one is set
         self.classifier = None
-        # CPU fast-path choices (name -> candidate) decided by ``cpu_probes`` on this machine for the current dtype
-        # (``lab.ops.probes``; set by the runner). Empty: each family's defaults (and always off the CPU).
-        self.plan: dict[str, str] = {}
+        # this model's CPU plan (``lab.ops.plan``): the fast-path choices decided by ``cpu_probes`` on this machine
+        # for the current dtype (by the runner's planner) and the weight copies made for them; the layers and their
+        # GEMMs read it. Empty: each family's defaults (and always off the CPU). One model per engine, so one plan.
+        self.plan = CpuPlan()
         # weight-layout choices (name -> candidate) made by ``layout_probes`` before the weights load, fixed for the
         # model's life (the engine makes them on CPU; empty: the checkpoint's own layout)
         self.layout: dict[str, str] = {}
@@ -63,17 +65,25 @@ class PackedModel(nn.Module):
         ``choose_layouts`` decides them before ``load_hf_state_dict``, which reads ``layout``."""
         return iter(())
 
-    def choose_layouts(self, dtype: torch.dtype) -> list[Decision]:
-        """Decide ``layout_probes`` (cached per process and shape class, ``LAB_CPU_<NAME>`` forces one) into
-        ``layout``; call before loading weights. Unlike ``plan``, a later dtype or worker change keeps them."""
-        decided = [decide(probe) for probe in self.layout_probes(dtype)]
+    def choose_layouts(self, dtype: torch.dtype, forced: dict[str, str] | None = None) -> list[Decision]:
+        """Decide ``layout_probes`` (measured once per process and shape class; ``forced``, an engine's
+        ``cpu_paths``, or ``LAB_CPU_<NAME>`` forces one) into ``layout``; call before loading weights. Unlike
+        ``plan``, a later dtype or worker change keeps them."""
+        decided = [decide(probe, forced=forced) for probe in self.layout_probes(dtype)]
         self.layout.update({d.name: d.choice for d in decided})
         return decided
 
+    def attach_plan(self, module: nn.Module) -> None:
+        """Give the GEMM modules of ``module`` (a head loaded after construction) this model's plan."""
+        for m in module.modules():
+            if "plan" in vars(m):
+                m.plan = self.plan
+
     def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
         """The CPU fast-path choices of this family at ``dtype``, as probes over its own shapes and weights, each
-        timed with ``threads`` intra-op threads (one CPU worker's share). A generator: the runner puts each
-        decision into ``plan`` before asking for the next probe, so later probes run with earlier choices."""
+        timed with ``threads`` intra-op threads (one CPU worker's share). A generator: the planner puts each
+        decision into ``plan`` (a trial of it: ``CpuPlan.trial``) before asking for the next probe, so later probes
+        run with earlier choices; a candidate may set its own choice in ``plan`` before it runs a layer."""
         return iter(())
 
     # ------------------------------------------------------------------------------------------------ forward

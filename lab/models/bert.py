@@ -31,6 +31,7 @@ from lab.ops.gemm import (
     row_blocks,
 )
 from lab.models.loading import KeyTracker, warn_unexpected
+from lab.ops.plan import CpuPlan
 from lab.ops.probes import Probe, attention_probe, gemm_probes
 
 # Tokens per FFN block on the CPU row-blocked path (``BertLayer._ffn``): 512-2048 measured alike, 256 3 % slower.
@@ -38,7 +39,7 @@ FFN_ROWS = 1024
 PROBE_ROWS = 512  # tokens per probe step (``BertModel.cpu_probes``): one worker's GEMMs, a few ms each
 
 
-def _cpu_default(x: torch.Tensor, name: str, plan: dict[str, str]) -> str:
+def _cpu_default(x: torch.Tensor, name: str, plan: CpuPlan) -> str:
     """The plan's choice for ``name`` on CPU; without a probe, CPU float32 takes the narrow paths (``split``,
     ``blocks``) and everything else the stacked / fused ones."""
     if x.device.type != "cpu":
@@ -48,7 +49,7 @@ def _cpu_default(x: torch.Tensor, name: str, plan: dict[str, str]) -> str:
     return plan.get(name) or (narrow if x.dtype == torch.float32 else wide)
 
 
-def _lab_norm(x: torch.Tensor, norm: nn.LayerNorm, meta: AttnMeta, plan: dict[str, str]) -> bool:
+def _lab_norm(x: torch.Tensor, norm: nn.LayerNorm, meta: AttnMeta, plan: CpuPlan) -> bool:
     """Whether ``LayerNorm(x + residual)`` runs in ``lab.kernels.cpu_norms`` (in place): where the
     ``add_layer_norm`` probe chose it, the torch backend runs (``attention_backend="triton"`` keeps Triton's norms),
     the kernel takes ``x`` (CPU) and nothing records gradients (the kernel has no backward: training, e.g.
@@ -57,7 +58,7 @@ def _lab_norm(x: torch.Tensor, norm: nn.LayerNorm, meta: AttnMeta, plan: dict[st
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm, eps: float, meta: AttnMeta,
-             plan: dict[str, str]) -> torch.Tensor:
+             plan: CpuPlan) -> torch.Tensor:
     """``norm(x + residual)`` for a fresh ``x`` nothing else reads (a GEMM's output, the embeddings' sum): in
     ``lab.kernels.cpu_norms`` written over ``x`` where the plan chose it, else the backend's ``add_layer_norm``."""
     if _lab_norm(x, norm, meta, plan):
@@ -67,15 +68,15 @@ def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm,
 
 class BertLayer(nn.Module):
     def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, index: int,
-                 plan: dict[str, str]):
+                 plan: CpuPlan):
         super().__init__()
         self.heads, self.head_dim, self.eps, self.index = heads, hidden // heads, eps, index
-        self.plan = plan  # the model's CPU fast-path choices (shared dict, ``PackedModel.plan``)
-        self.qkv = Linear(hidden, 3 * hidden)  # fused query/key/value
-        self.attn_out = Linear(hidden, hidden)
+        self.plan = plan  # the model's CPU plan (``PackedModel.plan``), read on every call
+        self.qkv = Linear(hidden, 3 * hidden, plan=plan)  # fused query/key/value
+        self.attn_out = Linear(hidden, hidden, plan=plan)
         self.attn_norm = nn.LayerNorm(hidden, eps=eps)
-        self.up = Linear(hidden, intermediate)
-        self.down = Linear(intermediate, hidden)
+        self.up = Linear(hidden, intermediate, plan=plan)
+        self.down = Linear(intermediate, hidden, plan=plan)
         self.out_norm = nn.LayerNorm(hidden, eps=eps)
         self.act_name = act
         self.act = ACTIVATIONS[act]
@@ -92,7 +93,7 @@ class BertLayer(nn.Module):
         t = x.shape[0]
         if _cpu_default(x, "bert_qkv", self.plan) == "split":
             n, w, b = self.heads * self.head_dim, self.qkv.weight, self.qkv.bias
-            q, key, v = (linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n]).view(t, self.heads, -1)
+            q, key, v = (linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n], plan=self.plan).view(t, self.heads, -1)
                          for j in range(3))
         else:
             q, key, v = self.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)  # (T, H, D) each
@@ -109,18 +110,18 @@ class BertLayer(nn.Module):
         w, b = self.out_norm.weight, self.out_norm.bias
         for s in range(0, x.shape[0], FFN_ROWS):
             rows = x[s : s + FFN_ROWS]
-            cpu_norms.add_layer_norm(linear(self._up_act(rows), self.down.weight, self.down.bias), rows, w, b,
+            cpu_norms.add_layer_norm(linear(self._up_act(rows), self.down.weight, self.down.bias, plan=self.plan), rows, w, b,
                                      self.eps, out=rows)
         return x
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
         if _cpu_default(x, "bert_ffn", self.plan) == "blocks":
-            return row_blocks(x, self.down.weight, self.down.bias, FFN_ROWS, self._up_act)
-        return self.down(linear_act(x, self.up.weight, self.up.bias, self.act_name, self.act))
+            return row_blocks(x, self.down.weight, self.down.bias, FFN_ROWS, self._up_act, plan=self.plan)
+        return self.down(linear_act(x, self.up.weight, self.up.bias, self.act_name, self.act, plan=self.plan))
 
     def _up_act(self, rows: torch.Tensor) -> torch.Tensor:
         """The FFN's up-projection of a row block, its activation in place (the ``blocks`` path)."""
-        return self.act_inplace(linear(rows, self.up.weight, self.up.bias))
+        return self.act_inplace(linear(rows, self.up.weight, self.up.bias, plan=self.plan))
 
 
 class BertModel(PackedModel):
@@ -197,7 +198,7 @@ class BertModel(PackedModel):
         where the C library built)."""
         layer, t = self.layers[0], PROBE_ROWS
         x = torch.randn(t, self.hidden_size, dtype=dtype)
-        yield from gemm_probes(x, layer.up.weight, layer.up.bias, threads)
+        yield from gemm_probes(x, layer.up.weight, layer.up.bias, threads, self.plan)
         qkv = {c: (lambda c=c: self._probe_qkv(layer, x, c)) for c in ("split", "stacked")}
         ffn = {c: (lambda c=c: self._probe_ffn(layer, x, c)) for c in ("blocks", "fused")}
         narrow = dtype == torch.float32  # the default (the first candidate): the narrow paths in float32
@@ -217,7 +218,7 @@ class BertModel(PackedModel):
         self.plan["bert_qkv"] = choice
         w, b, n = layer.qkv.weight, layer.qkv.bias, self.hidden_size
         if choice == "split":
-            return [linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n]) for j in range(3)]
+            return [linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n], plan=self.plan) for j in range(3)]
         return layer.qkv(x)
 
     def _probe_ffn(self, layer: BertLayer, x: torch.Tensor, choice: str):
@@ -269,6 +270,9 @@ class BertModel(PackedModel):
             self.classifier = head.to(dtype)
         self.mlm = None if mlm is None else mlm.to(dtype)
         self.sparse_linear, self.colbert_linear = (None if m is None else m.to(dtype) for m in m3.values())
+        for head in (self.mlm, self.sparse_linear, self.colbert_linear):
+            if head is not None:
+                self.attach_plan(head)
 
     # ------------------------------------------------------------------------------------------ per-token heads
     @property
@@ -372,6 +376,7 @@ class MaskedLMHead(nn.Module):
     def __init__(self, hidden: int, vocab: int, eps: float, act: str, own_decoder: bool):
         super().__init__()
         self.dense = Linear(hidden, hidden)
+        self.plan: CpuPlan | None = None  # the model's, once it loads the head (``PackedModel.attach_plan``)
         self.norm = nn.LayerNorm(hidden, eps=eps)
         self.bias = nn.Parameter(torch.zeros(vocab))
         self.decoder = nn.Parameter(torch.zeros(vocab, hidden)) if own_decoder else None
@@ -379,7 +384,7 @@ class MaskedLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         x = self.norm(self.act(self.dense(hidden)))
-        return linear(x, word_embeddings if self.decoder is None else self.decoder, self.bias)
+        return linear(x, word_embeddings if self.decoder is None else self.decoder, self.bias, plan=self.plan)
 
     @classmethod
     def from_state_dict(cls, sd: dict[str, torch.Tensor], config: dict) -> MaskedLMHead | None:

@@ -26,6 +26,7 @@ from lab.kernels import cpu_norms, cpu_rope
 from lab.models.base import PackedModel
 from lab.ops.gemm import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.loading import KeyTracker, warn_unexpected
+from lab.ops.plan import CpuPlan
 from lab.ops.probes import Probe, attention_probe, gemm_probes
 from lab.models.rope import (
     RopeSpec,
@@ -54,7 +55,7 @@ PROBE_ROWS = 512  # tokens per probe step (``DecoderModel.cpu_probes``): one wor
 CAUSAL_BLOCK = 64
 
 
-def causal_block(plan: dict[str, str]) -> int | None:
+def causal_block(plan: CpuPlan) -> int | None:
     """The query block causal attention runs with under ``plan`` (``CAUSAL_BLOCK`` when its ``causal_attention`` is
     ``blocks``, else ``None``): what a layer passes and what the ``attention_kernel`` probe times."""
     return CAUSAL_BLOCK if plan.get("causal_attention") == "blocks" else None
@@ -132,7 +133,7 @@ def _sliding_window(c: dict, mt: str) -> int | None:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, meta: AttnMeta,
-                 plan: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+                 plan: CpuPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``(RMSNorm(x + residual) * weight, x + residual)``: in ``lab.kernels.cpu_norms`` (one pass per row) where the
     ``add_rms_norm`` probe chose it, the torch backend runs, the kernel takes ``x`` and nothing records gradients (it
     has no backward); elsewhere, and by default, the backend's ops."""
@@ -141,7 +142,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return ops(meta).add_rms_norm(x, residual, weight, eps)
 
 
-def _rope_kernel(q: torch.Tensor, meta: AttnMeta, plan: dict[str, str]):
+def _rope_kernel(q: torch.Tensor, meta: AttnMeta, plan: CpuPlan):
     """The ``pairs`` rotation a layer runs: ``lab.kernels.cpu_rope``'s where the ``rope_kernel`` probe chose it and
     it applies (``cpu_rope.chosen``), else torch's (``lab.models.rope.rotate_pairs_``)."""
     return cpu_rope.rotate_pairs_ if cpu_rope.chosen(plan.get("rope_kernel"), meta.backend, q) else rotate_pairs_
@@ -150,23 +151,23 @@ def _rope_kernel(q: torch.Tensor, meta: AttnMeta, plan: dict[str, str]):
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the residual adds live in the norms."""
 
-    def __init__(self, a: DecoderArgs, index: int, plan: dict[str, str]):
+    def __init__(self, a: DecoderArgs, index: int, plan: CpuPlan):
         super().__init__()
-        self.plan = plan  # the model's CPU fast-path choices (shared dict, ``PackedModel.plan``)
+        self.plan = plan  # the model's CPU plan (``PackedModel.plan``), read on every call
         self.index, self.eps = index, a.rms_norm_eps
         self.hq, self.hkv, self.d = a.num_heads, a.num_kv_heads, a.head_dim
         self.ln_attn = nn.Parameter(torch.empty(a.hidden_size))
         self.ln_mlp = nn.Parameter(torch.empty(a.hidden_size))
-        self.qkv = Linear(a.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=a.qkv_bias)  # fused q/k/v
-        self.o = Linear(self.hq * self.d, a.hidden_size, bias=a.o_bias)
+        self.qkv = Linear(a.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=a.qkv_bias, plan=plan)  # fused q/k/v
+        self.o = Linear(self.hq * self.d, a.hidden_size, bias=a.o_bias, plan=plan)
         if a.qk_norm:
             self.q_norm = nn.Parameter(torch.empty(self.d))
             self.k_norm = nn.Parameter(torch.empty(self.d))
         else:
             self.q_norm = self.k_norm = None
         self.inter = a.intermediate_size
-        self.gate_up = Linear(a.hidden_size, 2 * self.inter, bias=a.mlp_bias)  # fused gate/up
-        self.down = Linear(self.inter, a.hidden_size, bias=a.mlp_bias)
+        self.gate_up = Linear(a.hidden_size, 2 * self.inter, bias=a.mlp_bias, plan=plan)  # fused gate/up
+        self.down = Linear(self.inter, a.hidden_size, bias=a.mlp_bias, plan=plan)
         self.act = ACTIVATIONS[a.hidden_act]
         self.act_inplace = activation_inplace(a.hidden_act)
 
@@ -190,8 +191,8 @@ class DecoderLayer(nn.Module):
             q_rope = rope
         else:
             w, b = self.qkv.weight, self.qkv.bias
-            q = linear(h[only.rows], w[:nq], None if b is None else b[:nq])  # (B, Hq * D)
-            kv = linear(h, w[nq:], None if b is None else b[nq:])  # (T, 2 Hkv * D)
+            q = linear(h[only.rows], w[:nq], None if b is None else b[:nq], plan=self.plan)  # (B, Hq * D)
+            kv = linear(h, w[nq:], None if b is None else b[nq:], plan=self.plan)  # (T, 2 Hkv * D)
             k, v = kv[:, :nk], kv[:, nk:]
             q_rope, residual = rope.rows(only.rows), residual[only.rows]
         tq = q.shape[0]
@@ -228,8 +229,10 @@ class DecoderLayer(nn.Module):
         w, b = self.gate_up.weight, self.gate_up.bias
         gate_w, up_w = w[:i], w[i:]
         gate_b, up_b = (None, None) if b is None else (b[:i], b[i:])
+        plan = self.plan
         return row_blocks(h, self.down.weight, self.down.bias, MLP_ROWS,
-                          lambda rows: self.act_inplace(linear(rows, gate_w, gate_b)).mul_(linear(rows, up_w, up_b)))
+                          lambda rows: self.act_inplace(linear(rows, gate_w, gate_b, plan=plan)).mul_(
+                              linear(rows, up_w, up_b, plan=plan)), plan=plan)
 
 
 class DecoderModel(PackedModel):
@@ -328,7 +331,7 @@ class DecoderModel(PackedModel):
         x = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype)
         b = layer.gate_up.bias
         yield from gemm_probes(x, layer.gate_up.weight[: layer.inter], None if b is None else b[: layer.inter],
-                               threads)
+                               threads, self.plan)
 
         def mlp(choice: str):
             self.plan["decoder_mlp"] = choice

@@ -6,9 +6,12 @@ fast-path choice a model family makes (its ``cpu_probes``, read back from ``mode
 probe: the candidate implementations of that step run on random tensors of the model's shapes, interleaved, in the
 thread layout the engine runs them in (one intra-op thread per CPU worker), each best of ``REPEATS`` after
 ``WARMUP`` untimed calls, and the fastest wins (the first candidate, the default, unless another is at least
-``MARGIN`` faster). A decision is made once per process and shape class and cached; ``LAB_CPU_<NAME>=<candidate>``
-overrides it (for example ``LAB_CPU_BF16_GEMM=widened``). ``decisions()`` lists what was decided, how, and the
-timings; ``Engine.resolved`` (``cpu_paths``) and the benchmark CSVs report the choices with the CPU model and flags
+``MARGIN`` faster: ``choose``). A measurement is made once per process, shape class, thread layout and the choices
+made before it (``context``), and cached: it is a fact about this machine, and the choice each engine takes from it
+goes into that engine's own plan (``lab.ops.plan.CpuPlan``). A choice can be forced per engine
+(``Engine(..., cpu_paths={"bf16_gemm": "widened"})``) or for the process (``LAB_CPU_<NAME>=<candidate>``, read each
+time an engine decides); ``CANDIDATES`` lists every name and its candidates. ``decisions()`` lists what was measured,
+and the timings; ``Engine.cpu_paths`` and the benchmark CSVs report the choices with the CPU model and flags
 (``cpu_info()``).
 
     >>> d = decide(Probe("bf16_gemm", key, {"native": f, "widened": g}))      # Decision(choice="native", ...)
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from lab.ops.plan import CpuPlan
+
 MARGIN = 1.03  # another candidate must be this much faster than the default to replace it
 REPEATS = 5  # interleaved timings per candidate; the best one counts
 # (the best, not the median: on a 2-vCPU VM the first ~30 ms after a multi-threaded region ran ~1.2x slow, likely the
@@ -33,6 +38,23 @@ REPEATS = 5  # interleaved timings per candidate; the best one counts
 # untimed calls per candidate first: oneDNN's first calls at a new shape create and JIT its kernels (on one AMD EPYC
 # its float32 GEMM took 8.2, 6.6, 6.7 ms on calls 1-3 and 5.4 ms from then on, which one warm-up call hid badly)
 WARMUP = 3
+# every CPU fast-path choice a probe can make: name -> its candidates (the default of each probe comes first in the
+# probe itself, which may offer fewer: those this machine or shape can run)
+CANDIDATES: dict[str, tuple[str, ...]] = {
+    "bf16_gemm": ("native", "widened"),  # lab.ops.gemm
+    "f32_gemm": ("blas", "onednn"),
+    "f32_weights": ("packed", "plain"),
+    "bf16_weights": ("packed", "plain"),
+    "attention_kernel": ("sdpa", "matmul", "lab"),  # lab.ops.attention
+    "bert_qkv": ("split", "stacked"),  # lab.models.bert
+    "bert_ffn": ("blocks", "fused"),
+    "add_layer_norm": ("torch", "lab"),
+    "rope_layout": ("halves", "pairs"),  # lab.models.decoder
+    "decoder_mlp": ("blocks", "stacked"),
+    "causal_attention": ("whole", "blocks"),
+    "add_rms_norm": ("torch", "lab"),
+    "rope_kernel": ("torch", "lab"),
+}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "avx_vnni", "fma")
 
 
@@ -46,13 +68,19 @@ class Probe:
     candidates: dict[str, Callable[[], object]]
     threads: int = 1  # intra-op threads the step runs with (one CPU worker's share)
 
+    def __post_init__(self):
+        unknown = set(self.candidates) - set(CANDIDATES.get(self.name, ()))
+        if self.name not in CANDIDATES or unknown or not self.candidates:
+            raise ValueError(f"probe {self.name!r} offers {list(self.candidates)}, not registered in "
+                             "lab.ops.probes.CANDIDATES")
+
 
 @dataclass
 class Decision:
     name: str
     key: tuple
     choice: str
-    source: str  # "probe" | "env" (LAB_CPU_<NAME>)
+    source: str  # "probe" | "engine" (the engine's cpu_paths) | "env" (LAB_CPU_<NAME>)
     seconds: dict[str, float] = field(default_factory=dict)  # best timing per candidate (probe only)
     threads: int = 1  # the intra-op threads it was decided for (one CPU worker's share)
 
@@ -62,7 +90,7 @@ class Decision:
                 f"({self.source}{'; ' + timing if timing else ''})")
 
 
-_DECIDED: dict[tuple[str, tuple, int], Decision] = {}
+_MEASURED: dict[tuple, Decision] = {}
 # Reentrant: a KeyboardInterrupt can land on the ``with`` line's exit (Python runs the lock's ``__exit__`` from that
 # line's bytecode, after a line event where a Ctrl-C or a tracer may raise), leaving the lock held by the interrupted
 # thread; with a plain Lock that thread's next ``decide`` (the next load or ``configure``) then waited forever.
@@ -73,31 +101,55 @@ def env_name(name: str) -> str:
     return f"LAB_CPU_{name.upper()}"
 
 
-def decide(probe: Probe) -> Decision:
-    """The cached decision for ``probe.name`` at ``probe.key``, probing now if there is none (``LAB_CPU_<NAME>``
-    forces a candidate; ``auto`` or unset probes)."""
-    k = (probe.name, probe.key, probe.threads)  # one decision per thread layout: a worker's GEMMs differ from all
+def check_forced(forced: dict[str, str] | None) -> dict[str, str]:
+    """An engine's ``cpu_paths`` argument, checked against ``CANDIDATES``: a dict of name -> candidate."""
+    if forced is None:
+        return {}
+    if not isinstance(forced, dict):
+        raise TypeError(f"cpu_paths must be a dict of fast-path name -> choice, got {type(forced).__name__}")
+    for name, choice in forced.items():
+        if name not in CANDIDATES:
+            raise ValueError(f"cpu_paths: unknown fast path {name!r}; valid: {', '.join(CANDIDATES)}")
+        if choice not in CANDIDATES[name]:
+            raise ValueError(f"cpu_paths[{name!r}]={choice!r} is not a choice; valid: {', '.join(CANDIDATES[name])}")
+    return dict(forced)
+
+
+def decide(probe: Probe, *, forced: dict[str, str] | None = None, context: tuple = ()) -> Decision:
+    """The choice for ``probe``: ``forced[probe.name]`` (an engine's ``cpu_paths``), else ``LAB_CPU_<NAME>`` (read
+    now; ``auto`` or unset: no force), else the measurement cached for ``probe.key``, its thread layout and
+    ``context`` (the choices made before it, which its candidates run with), measuring now if there is none."""
+    for source, choice, where in (("engine", (forced or {}).get(probe.name), f"cpu_paths[{probe.name!r}]"),
+                                  ("env", os.environ.get(env_name(probe.name), "auto"), env_name(probe.name))):
+        if choice is None or choice == "auto":
+            continue
+        if choice not in probe.candidates:
+            raise ValueError(f"{where}={choice!r} is not a {probe.name} choice on this machine at this shape; valid:"
+                             f" {', '.join(probe.candidates)}{' or auto' if source == 'env' else ''}")
+        return Decision(probe.name, probe.key, choice, source, threads=probe.threads)
+    k = (probe.name, probe.key, probe.threads, tuple(probe.candidates), context)
     with _LOCK:
-        if k in _DECIDED:
-            return _DECIDED[k]
-        forced = os.environ.get(env_name(probe.name), "auto")
-        if forced != "auto":
-            if forced not in probe.candidates:
-                raise ValueError(f"{env_name(probe.name)}={forced!r} is not a {probe.name} choice; valid: "
-                                 f"{', '.join(probe.candidates)} or auto")
-            d = Decision(probe.name, probe.key, forced, "env", threads=probe.threads)
-        else:
-            d = _measure(probe)
-        _DECIDED[k] = d
-        return d
+        if k not in _MEASURED:
+            _MEASURED[k] = _measure(probe)
+        return _MEASURED[k]
 
 
 def decisions() -> list[Decision]:
-    """Every decision this process made, in order."""
-    return list(_DECIDED.values())
+    """Every measurement this process made, in order."""
+    return list(_MEASURED.values())
+
+
+def choose(probe: Probe, fastest: dict[str, float]) -> str:
+    """The margin rule: the fastest candidate by ``fastest`` (best seconds per candidate), if it beats the default
+    (the probe's first candidate) by at least ``MARGIN``; else the default."""
+    default = next(iter(probe.candidates))
+    best = min(fastest, key=fastest.get)
+    return best if fastest[best] * MARGIN < fastest[default] else default
 
 
 def _measure(probe: Probe) -> Decision:
+    if len(probe.candidates) == 1:  # nothing to time
+        return Decision(probe.name, probe.key, next(iter(probe.candidates)), "probe", {}, probe.threads)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, probe.threads))
     try:
@@ -114,10 +166,7 @@ def _measure(probe: Probe) -> Decision:
     finally:
         torch.set_num_threads(threads)
     fastest = {c: min(t) for c, t in times.items()}
-    default = next(iter(probe.candidates))
-    best = min(fastest, key=fastest.get)
-    choice = best if fastest[best] * MARGIN < fastest[default] else default
-    return Decision(probe.name, probe.key, choice, "probe", fastest, probe.threads)
+    return Decision(probe.name, probe.key, choose(probe, fastest), "probe", fastest, probe.threads)
 
 
 def cpu_info() -> dict[str, str]:
@@ -137,36 +186,36 @@ def cpu_info() -> dict[str, str]:
             "torch": torch.__version__, "threads": str(torch.get_num_threads())}
 
 
-def gemm_probes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Iterator[Probe]:
+def gemm_probes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int,
+                plan: CpuPlan) -> Iterator[Probe]:
     """The GEMM choices for ``x``'s dtype at one of a model's shapes: the implementation (``bf16_gemm_probe`` for
-    bfloat16, ``f32_gemm_probe`` for float32 where torch has oneDNN), then, where the decision just applied sends
-    that dtype's GEMMs to oneDNN, the weight layout (``weights_probe``). A generator: the runner applies each decision
-    before asking for the next probe."""
-    from lab.ops.gemm import onednn_cpu
-
+    bfloat16, ``f32_gemm_probe`` for float32), then, where the choice just made sends that dtype's GEMMs to oneDNN,
+    the weight layout (``weights_probe``). A generator: the planner puts each choice into ``plan`` before asking for
+    the next probe."""
     if x.dtype == torch.bfloat16:
         yield bf16_gemm_probe(x, weight, bias, threads)
-    elif x.dtype == torch.float32 and onednn_cpu():
+    elif x.dtype == torch.float32:
         yield f32_gemm_probe(x, weight, bias, threads)
     else:
         return
-    probe = weights_probe(x, weight, bias, threads)
+    probe = weights_probe(x, weight, bias, threads, plan)
     if probe is not None:
         yield probe
 
 
-def weights_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe | None:
+def weights_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int,
+                  plan: CpuPlan) -> Probe | None:
     """oneDNN's GEMM on the weight reordered once into its blocked layout (``packed``, the default: the same
     products; on one AMD EPYC 1.03-1.07x at 128-1,024 rows in float32 and bfloat16, and up to 1.8x at 7 rows) against
     the weight as stored (``plain``, reordered in blocks on every call), at one of a model's shapes, where ``x``'s
-    dtype runs through oneDNN (``lab.ops.gemm.linear``: float32 in ``onednn`` mode, bfloat16 in ``native`` mode
-    where oneDNN takes it) and torch can reorder; else ``None``. The packed copy costs one more copy of every
-    projection weight (``LAB_CPU_F32_WEIGHTS=plain`` / ``LAB_CPU_BF16_WEIGHTS=plain`` keep the memory)."""
+    dtype runs through oneDNN under ``plan`` (``lab.ops.gemm.onednn_gemms``) and torch can reorder; else ``None``. The
+    packed copy costs one more copy of every projection weight (``cpu_paths={"f32_weights": "plain"}`` or
+    ``LAB_CPU_F32_WEIGHTS=plain`` / ``..._BF16_WEIGHTS`` keep the memory)."""
     from lab.ops.gemm import onednn_gemms, onednn_linear, onednn_packing, packed_weight
 
-    if not (onednn_packing() and onednn_gemms(x.dtype) and weight.dtype == x.dtype and weight.is_contiguous()):
+    if not (onednn_packing() and onednn_gemms(x.dtype, plan) and weight.dtype == x.dtype and weight.is_contiguous()):
         return None
-    packed = packed_weight(weight)  # made before the timing, as the engine keeps it
+    packed = packed_weight(weight, plan)  # made before the timing, as the engine keeps it
     name = "f32_weights" if x.dtype == torch.float32 else "bf16_weights"
     return Probe(
         name, (str(x.dtype).removeprefix("torch."), x.shape[1], weight.shape[0]),
@@ -176,15 +225,14 @@ def weights_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def f32_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe:
-    """torch's BLAS float32 GEMM (``F.linear``, the default) against oneDNN's (``lab.ops.gemm.onednn_linear``)
-    at one of a model's shapes."""
-    from lab.ops.gemm import onednn_linear
+    """torch's BLAS float32 GEMM (``F.linear``, the default) against oneDNN's (``lab.ops.gemm.onednn_linear``,
+    offered where this torch build has it) at one of a model's shapes."""
+    from lab.ops.gemm import onednn_cpu, onednn_linear
 
-    return Probe(
-        "f32_gemm", ("float32", x.shape[1], weight.shape[0]),
-        {"blas": lambda: F.linear(x, weight, bias), "onednn": lambda: onednn_linear(x, weight, bias)},
-        threads,
-    )
+    candidates = {"blas": lambda: F.linear(x, weight, bias)}
+    if onednn_cpu():
+        candidates["onednn"] = lambda: onednn_linear(x, weight, bias)
+    return Probe("f32_gemm", ("float32", x.shape[1], weight.shape[0]), candidates, threads)
 
 
 def bf16_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> Probe:
