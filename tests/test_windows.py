@@ -182,9 +182,8 @@ HARD = ["👩\u200d👩\u200d👧 family", "cafe\u0301 and re\u0301sume\u0301 e\
 
 @pytest.fixture(scope="module")
 def byte_bpe(tmp_path_factory):
-    from tests.tiny_models import tiny_llama
-
     from lab import Engine
+    from tests.tiny_models import tiny_llama
 
     return Engine(tiny_llama(tmp_path_factory.mktemp("bpe"), "llama"))
 
