@@ -227,3 +227,6 @@ def test_pooling_module_outside_the_model_folder_is_refused(minilm_path, tmp_pat
     (model / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match=r"modules.json: module path '../elsewhere' is outside the model folder"):
         read_folder(model)
+    modules[1]["path"] = "1_Pooling"  # a link to a folder elsewhere, made inside the model folder: followed
+    (model / "modules.json").write_text(json.dumps(modules))
+    assert (model / "1_Pooling").is_symlink() and read_folder(model).pooling == ("mean" if kind == "Pooling" else None)

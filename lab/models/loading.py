@@ -224,12 +224,15 @@ def _read_splade(cfg_path: Path) -> dict[str, str]:
 
 
 def _module_folder(p: Path, entry: dict) -> Path:
-    """The folder of a ``modules.json`` entry; ``ValueError`` when its path leads outside the model folder."""
-    folder = p / str(entry.get("path", ""))
-    if folder.resolve() != p.resolve() and p.resolve() not in folder.resolve().parents:
+    """The folder of a ``modules.json`` entry; ``ValueError`` when its path leads outside the model folder (an
+    absolute path, or ``..`` above it). Checked on the path as written: a module folder that is a symlink (a folder
+    assembled from links) is followed."""
+    rel = str(entry.get("path", ""))
+    norm = os.path.normpath(rel) if rel else "."
+    if os.path.isabs(rel) or norm == ".." or norm.startswith(("../", "..\\")):
         raise ValueError(f"{p / 'modules.json'}: module path {entry.get('path')!r} is outside the model folder; "
                          "refusing to read from there")
-    return folder
+    return p / rel
 
 
 _MV_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
