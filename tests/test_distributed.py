@@ -13,9 +13,11 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +29,9 @@ from conftest import cosine_rows
 
 from lab import Engine
 from lab._repo import import_evals
-from lab.engine.call import Stats
 from lab.distributed import RayEngine, embed_dataset, split_by_tokens
-from lab.distributed.shards import MANIFEST, read_embeddings
+from lab.distributed.shards import MANIFEST, model_digest, read_embeddings
+from lab.engine.call import Stats
 
 import_evals()
 from evals.data_io import read_jsonl
@@ -154,6 +156,18 @@ class TestRayEngine:
         lengths = reng.token_lengths(texts[:40], instruction=instruction)
         assert list(lengths) == [r.length for r in local.tokenize(texts[:40], instruction=instruction)]
 
+    def test_a_full_cluster_fails_at_once(self, reng, minilm_path, tmp_path):
+        """reng holds both CPUs: more actors are refused before load_timeout (600 s), naming who holds them."""
+        t0 = time.monotonic()
+        words = (r"1 Ray actor\(s\) asking for 1 CPU\(s\) and 0 GPU\(s\) each need 1 CPU\(s\), but the cluster has "
+                 r"0 of its 2 CPU\(s\) free; held in this process by RayEngine\(.*, 2 actors x 1 thread")
+        with pytest.raises(RuntimeError, match=words):
+            RayEngine(minilm_path, num_actors=1, load_timeout=600)
+        with pytest.raises(RuntimeError, match=words):
+            embed_dataset(minilm_path, ["a", "b"], tmp_path, num_actors=1, show_progress=False)
+        assert time.monotonic() - t0 < 60
+        assert reng.model_digest() == model_digest(minilm_path)  # the actors hash the files as the driver does
+
     def test_empty_and_bad_input(self, reng):
         assert reng.embed([]).shape == (0, 384)
         with pytest.raises(TypeError, match="single str"):
@@ -226,7 +240,9 @@ class TestRayEngine:
             embed_dataset(reng, texts, out, shard_texts=30, on_shard=interrupt, show_progress=False)
         manifest = json.loads((out / MANIFEST).read_text())
         assert sorted(int(k) for k in manifest["shards"]) == sorted(done)  # the finished shards, and only those
-        stamps = {k: (out / f"shard-{k:05d}.parquet").stat().st_mtime_ns for k in done}
+        redo, kept = done
+        shutil.copy(out / f"shard-{kept:05d}.parquet", out / f"shard-{redo:05d}.parquet")  # right size, other ids
+        stamps = {kept: (out / f"shard-{kept:05d}.parquet").stat().st_mtime_ns}
         left = next(k for k in range(9) if k not in done)
         (out / f".shard-{left:05d}.parquet.999.tmp").write_bytes(b"half a shard")  # a crash mid-write
         (out / f"shard-{left:05d}.parquet").write_bytes(b"not listed in the manifest")  # renamed, not recorded
@@ -234,15 +250,15 @@ class TestRayEngine:
         again = []
         summary = embed_dataset(reng, texts, out, shard_texts=30, on_shard=lambda r: again.append(r["shard"]),
                                 show_progress=False)
-        assert sorted(again) == sorted(set(range(9)) - set(done))  # the rest, each once; none of the finished ones
+        assert sorted(again) == sorted(set(range(9)) - {kept})  # the rest and the replaced one, each once
         assert list(summary.shard) == list(range(9)) and summary.rows.sum() == 253
-        assert sorted(summary.shard[~summary.computed]) == sorted(done)
-        assert {k: (out / f"shard-{k:05d}.parquet").stat().st_mtime_ns for k in done} == stamps  # not rewritten
+        assert list(summary.shard[~summary.computed]) == [kept]
+        assert {kept: (out / f"shard-{kept:05d}.parquet").stat().st_mtime_ns} == stamps  # not rewritten
         assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
         check_rows(by_id(out), list(range(253)), reference)
 
         third = embed_dataset(reng, texts, out, shard_texts=30, on_shard=again.append, show_progress=False)
-        assert len(again) == 9 - len(done) and not third.computed.any()  # nothing left to do
+        assert len(again) == 9 - 1 and not third.computed.any()  # nothing left to do
         with pytest.raises(ValueError, match="shard_texts: 30 there, 40 now"):
             embed_dataset(reng, texts, out, shard_texts=40, show_progress=False)
         with pytest.raises(ValueError, match="rows .* differ"):
@@ -336,6 +352,9 @@ def test_model_that_fails_to_load_fails_fast_with_the_actors_error(minilm_path, 
     with pytest.raises(RuntimeError, match="deserializing header"):
         embed_dataset(bad, ["a", "b"], tmp_path / "out", num_actors=1, show_progress=False)
     assert json.loads((tmp_path / "out" / MANIFEST).read_text())["shards"] == {}
+    (bad / "model.safetensors").write_bytes(b"other weights at the same path" * 4)
+    with pytest.raises(ValueError, match=r"holds another job \(the model's files differ"):  # before any actor
+        embed_dataset(bad, ["a", "b"], tmp_path / "out", num_actors=1, show_progress=False)
 
 
 def test_split_by_tokens_balances_contiguous_ranges():

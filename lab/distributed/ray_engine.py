@@ -28,6 +28,7 @@ import math
 import os
 import re
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -43,11 +44,19 @@ except ImportError as e:  # the core engine does not need Ray; only this module 
     raise ImportError('lab.distributed needs Ray, which prefill-lab installs with its "ray" extra: '
                       'pip install -e ".[ray]"  (or: pip install "ray[data]>=2.9")') from e
 
+from lab.distributed.shards import (
+    Manifest,
+    job_record,
+    model_digest,
+    read_embeddings,
+    read_source,
+    result_knobs,
+    write_shard,
+)
 from lab.engine.call import Stats
 from lab.engine.inputs import check_texts
 from lab.engine.knobs import Knobs
 from lab.engine.scheduler import WAVE_SIZE
-from lab.distributed.shards import Manifest, job_record, read_embeddings, read_source, write_shard
 
 __all__ = ["ChunkResult", "RayEngine", "RayStats", "embed_dataset", "read_embeddings", "split_by_tokens"]
 
@@ -57,7 +66,9 @@ CHUNK_TEXTS = WAVE_SIZE  # texts per call in RayEngine.embed (progress, and what
 FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")
 PER_ACTOR = ["actor", "pid", "node", "calls", *Stats.COUNTS, "seconds", "tokens_per_s"]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+PLACE_WAIT = 5.0  # seconds to wait for free CPUs / GPUs before starting actors (a closed RayEngine frees them soon)
 _UNSET = object()
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's open RayEngines: what holds the cluster, when it is full
 
 
 class EngineActor:
@@ -93,6 +104,11 @@ class EngineActor:
 
     def validate(self, knobs: dict) -> Knobs:
         return self.engine.validate(**knobs)
+
+    def model_digest(self) -> str:
+        from lab.distributed.shards import model_digest
+
+        return model_digest(self.engine.model_path, self.engine.knobs["adapters"])
 
     def lengths(self, texts: list[str], knobs: dict, call: dict) -> np.ndarray:
         self.sync(knobs)
@@ -146,6 +162,9 @@ class RayEngine:
             connects a Ray client, ``"head-ip:6379"`` a driver on a cluster node.
         max_restarts: how often Ray restarts an actor that died; its calls are retried as often.
         load_timeout: seconds to wait for every actor's Engine to load before giving up (naming the resources).
+            Before any actor starts, the cluster's free CPUs (and GPUs) are checked: when they stay short of what
+            the actors ask for (``PLACE_WAIT`` seconds), a ``RuntimeError`` says what is needed, what is free, and
+            which RayEngines of this process hold the rest.
         **knobs: Engine knobs (``pooling``, ``dtype``, ...), as in ``Engine(...)``; ``configure`` changes them live.
             Leave ``device`` at ``auto`` (or ``cuda``) on GPUs: Ray gives each actor one GPU, which it sees as
             ``cuda:0``.
@@ -171,6 +190,7 @@ class RayEngine:
         env = {k: v for k, v in os.environ.items() if k in FORWARDED_ENV or k.startswith("LAB_")}
         if env:
             options["runtime_env"] = {"env_vars": env}
+        check_room(num_actors, options)
         actor_class = ray.remote(EngineActor).options(**options)
         self._actors = [actor_class.remote(self.model_path, self._knobs, threads_per_actor, i)
                         for i in range(num_actors)]
@@ -179,6 +199,7 @@ class RayEngine:
         except BaseException:
             self.close()
             raise
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------------------------------ what it shows
     @property
@@ -226,6 +247,11 @@ class RayEngine:
         """The model folder's revision as the actors see it (``lab.eval.mteb_adapter.model_revision``): MTEB results
         are cached by it, and the driver need not hold the folder."""
         return self._info["revision"]
+
+    def model_digest(self) -> str:
+        """``lab.distributed.shards.model_digest`` of the actors' model and adapters, computed on an actor (the
+        driver need not hold the folder): the content ``embed_dataset`` keys its job by."""
+        return get(self._live()[0].model_digest.remote())
 
     def __repr__(self) -> str:
         r = self.resolved
@@ -352,6 +378,7 @@ class RayEngine:
             with contextlib.suppress(Exception):  # an actor already gone is what we want
                 ray.kill(a, no_restart=True)
         self._actors = []
+        _LIVE.discard(self)
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         self._started_ray = False
@@ -376,8 +403,12 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
             ``id`` and a ``text`` per row, or a ``ray.data.Dataset`` with those columns. Every row is checked
             before any actor starts: a missing or non-string text, a missing or duplicate id is a ``ValueError``.
         out_dir: ``shard-00000.parquet``, ... (shard ``k``: rows ``[k * shard_texts, (k + 1) * shard_texts)``) and
-            ``manifest.json`` (the job, and per finished shard its rows, tokens, seconds, actor). Re-running into
-            it skips the finished shards; a folder holding another job is refused.
+            ``manifest.json`` (the job, and per finished shard its rows, ids digest, file SHA-256, tokens, seconds,
+            actor). Re-running into it skips the finished shards that check out (their files and ids as recorded)
+            and recomputes the rest; a folder holding another job is refused. The job is keyed by content: the
+            rows, ``shard_texts``, the model's and adapters' files (``lab.distributed.shards.model_digest``, hashed
+            here when this machine holds the folder, else by an actor) and the knobs that change results, so new
+            weights at the same path are another job.
         knobs: Engine knobs for the actors. on_shard: called with each finished shard's row after it is recorded
             (an exception raised in it stops the job; the finished shards stay).
 
@@ -397,35 +428,45 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
     else:
         path = os.fspath(model_path)
         model, knobs = (os.path.abspath(path) if os.path.exists(path) else path), dict(knobs or {})
+    result_knobs(knobs)  # a bad knob is named before any actor starts
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest.open(out, job_record(src, shard_texts=shard_texts, model=model, knobs=knobs))
-    manifest.save()
-    spans = {k: (k * shard_texts, min((k + 1) * shard_texts, len(src)))
-             for k in range(math.ceil(len(src) / shard_texts))}
-    todo = [k for k, (a, b) in spans.items() if not manifest.finished(k, b - a)]
+    reng = model_path if given else None
     computed: set[int] = set()
-    if todo:
-        from tqdm.auto import tqdm
+    try:
+        if given:
+            digest = reng.model_digest()
+        elif os.path.exists(model):
+            digest = model_digest(model, Knobs().replace(**knobs).adapters)
+        else:  # a folder the actors' nodes hold and this one does not: they hash it
+            reng = RayEngine(model, num_actors, threads_per_actor, address, **knobs)
+            digest = reng.model_digest()
+        manifest = Manifest.open(out, job_record(src, shard_texts=shard_texts, model=model, digest=digest,
+                                                 knobs=knobs))
+        manifest.save()
+        spans = {k: (k * shard_texts, min((k + 1) * shard_texts, len(src)))
+                 for k in range(math.ceil(len(src) / shard_texts))}
+        todo = [k for k, (a, b) in spans.items() if not manifest.finished(k, src.ids[a:b])]
+        if todo:
+            from tqdm.auto import tqdm
 
-        reng = model_path if given else RayEngine(model, num_actors, threads_per_actor, address, **knobs)
-        bar = tqdm(total=len(spans), initial=len(spans) - len(todo), desc="embed_dataset", unit="shard",
-                   disable=not show_progress)
-        try:
-            for res in reng.map_chunks((k, src.texts[slice(*spans[k])], None) for k in todo):
-                a, b = spans[res.key]
-                name = write_shard(out, res.key, src.ids[a:b], res.embeddings)
-                row = {"file": name, "rows": b - a, "tokens": res.stats.tokens, "seconds": round(res.seconds, 4),
-                       "actor": res.actor, "pid": res.pid, "node": res.node, "finished": round(time.time(), 3)}
-                manifest.record(res.key, row)
-                computed.add(res.key)
-                bar.update(1)
-                if on_shard is not None:
-                    on_shard({"shard": res.key, **row})
-        finally:
-            bar.close()
-            if not given:
-                reng.close()
+            if reng is None:
+                reng = RayEngine(model, num_actors, threads_per_actor, address, **knobs)
+            with tqdm(total=len(spans), initial=len(spans) - len(todo), desc="embed_dataset", unit="shard",
+                      disable=not show_progress) as bar:
+                for res in reng.map_chunks((k, src.texts[slice(*spans[k])], None) for k in todo):
+                    a, b = spans[res.key]
+                    row = {**write_shard(out, res.key, src.ids[a:b], res.embeddings), "tokens": res.stats.tokens,
+                           "seconds": round(res.seconds, 4), "actor": res.actor, "pid": res.pid, "node": res.node,
+                           "finished": round(time.time(), 3)}
+                    manifest.record(res.key, row)
+                    computed.add(res.key)
+                    bar.update(1)
+                    if on_shard is not None:
+                        on_shard({"shard": res.key, **row})
+    finally:
+        if not given and reng is not None:
+            reng.close()
     summary = manifest.summary()
     summary["computed"] = summary["shard"].isin(computed)
     return summary
@@ -503,6 +544,33 @@ def get(refs):
         if isinstance(cause, Exception):
             raise cause from e
         raise
+
+
+def check_room(num_actors: int, options: dict, wait: float = PLACE_WAIT) -> None:
+    """``RuntimeError`` at once, rather than ``load_timeout`` later, when the cluster has too few free CPUs (or
+    GPUs) for ``num_actors`` actors with these ``options``: it names what they need, what is free of what the
+    cluster has, and the RayEngines of this process that hold CPUs. Waits up to ``wait`` seconds first, for
+    actors just killed to hand theirs back."""
+    need = {"CPU": num_actors * options["num_cpus"], "GPU": num_actors * options["num_gpus"]}
+    deadline = time.monotonic() + wait
+    while True:
+        free = ray.available_resources()
+        short = [r for r, n in need.items() if n and free.get(r, 0.0) < n]
+        if not short or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if not short:
+        return
+    total = ray.cluster_resources()
+    have = ", ".join(f"{free.get(r, 0.0):g} of its {total.get(r, 0.0):g} {r}(s) free" for r in short)
+    held = [f"{r!r} ({len(r.actors)} actor(s) x {r.threads_per_actor} CPU(s))" for r in list(_LIVE) if r.actors]
+    holders = (f"; held in this process by {', '.join(held)}: close it (reng.close()) or hand it to "
+               "embed_dataset(reng, ...) instead of a model path" if held else
+               "; what holds them is outside this process (other drivers or actors on the cluster)")
+    asks = " and ".join(f"{n:g} {r}(s)" for r, n in need.items() if n)
+    raise RuntimeError(f"{num_actors} Ray actor(s) asking for {options['num_cpus']} CPU(s) and "
+                       f"{options['num_gpus']} GPU(s) each need {asks}, but the cluster has {have}{holders}; or use "
+                       "fewer actors / threads_per_actor")
 
 
 def wait_ready(refs: list, timeout: float, model_path: str, options: dict) -> list:

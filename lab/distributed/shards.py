@@ -5,12 +5,18 @@ written atomically, and the manifest that lists the finished ones.
 needs no Ray (but to read a ``ray.data.Dataset``). Shard ``k`` holds source rows ``[k * shard_texts, (k + 1) *
 shard_texts)``. Each shard is written to a temporary file in the output folder and renamed into place
 (``os.replace``), so a crash never leaves a half-written ``shard-*.parquet``; the manifest is rewritten the same way
-after every shard, and a shard counts as finished only when the manifest lists it and its file holds that many rows.
-A re-run skips finished shards and refuses a folder that holds another job (other rows, shard size, model or
-result-changing knobs).
+after every shard and records, per shard, its file's SHA-256 and a digest of its ids.
+
+A job is keyed by what computes its vectors, not by paths: the rows (a fingerprint of every id and text), the shard
+size, ``model_digest`` (the content of the model's weights, tokenizer and config files and of the adapters', in
+order) and the knobs that change results. A re-run into the folder of the same job skips the shards that check out
+(listed, the file's SHA-256 as recorded, its ids those of the shard's rows) and recomputes the others; a folder of
+another job, a manifest entry beyond the job's shards or one whose file is not a plain name inside the folder is
+refused. ``read_embeddings`` checks every shard the same way and names the file that does not match.
 
     >>> src = read_source("corpus.jsonl")                     # rows with an "id" and a string "text"
-    >>> man = Manifest.open("out/", job_record(src, shard_texts=2048, model=path, knobs={}))
+    >>> job = job_record(src, shard_texts=2048, model=path, digest=model_digest(path), knobs={})
+    >>> man = Manifest.open("out/", job)
     >>> ids, E = read_embeddings("out/")                      # every finished shard, in source order
 """
 
@@ -32,7 +38,11 @@ from lab.engine.knobs import Knobs
 from lab.eval.mteb_adapter import SCHEDULING_KNOBS
 
 MANIFEST = "manifest.json"
-FORMAT = 1  # the manifest layout; a folder written by another layout is refused, not guessed at
+FORMAT = 2  # the manifest layout; a folder written by another layout is refused, not guessed at
+INT64 = (-(2**63), 2**63 - 1)  # the ids Parquet's int64 column holds
+# model-folder files a loader never reads (other frameworks' weights, docs): left out of model_digest
+NOT_READ = (".md", ".h5", ".msgpack", ".ot", ".onnx")
+INFO_KEYS = ("model", "adapters")  # recorded in the job for people to read; a resume compares the content instead
 
 
 @dataclass
@@ -47,11 +57,31 @@ class Source:
         return len(self.texts)
 
     def fingerprint(self) -> str:
-        """SHA-256 over every ``(id, text)`` in order: a resume must see the same rows in the same shards."""
+        """SHA-256 over every ``(id, text)`` in order, each field length-prefixed (no text or id can pass for
+        another's end): a resume must see the same rows in the same shards."""
         h = hashlib.sha256()
         for i, t in zip(self.ids, self.texts):
-            h.update(f"{i!r}\0{t}\0".encode())
+            h.update(framed(id_bytes(i)))
+            h.update(framed(t.encode("utf-8")))
         return h.hexdigest()
+
+
+def framed(data: bytes) -> bytes:
+    """``data`` prefixed with its length (8 bytes, little-endian)."""
+    return len(data).to_bytes(8, "little") + data
+
+
+def id_bytes(i) -> bytes:
+    """An id as bytes that tell ints from strings (``1`` and ``"1"`` differ)."""
+    return (b"i" + str(i).encode()) if isinstance(i, int) else (b"s" + str(i).encode("utf-8"))
+
+
+def ids_digest(ids) -> str:
+    """SHA-256 over ``ids`` in order (length-prefixed, ints told from strings): what a shard's file must hold."""
+    h = hashlib.sha256()
+    for i in ids:
+        h.update(framed(id_bytes(i)))
+    return h.hexdigest()
 
 
 def read_source(source) -> Source:
@@ -145,7 +175,7 @@ def read_dataset_source(ds) -> Source:
 
 def check_rows(ids: list, texts: list, where: str) -> None:
     """``ValueError`` naming the first bad row of ``where``: text missing or not a string (or not valid Unicode),
-    id missing, ids not all ``int`` or all ``str``, a duplicate id."""
+    id missing, ids not all ``int`` or all ``str``, an int id outside 64 bits (Parquet's), a duplicate id."""
     seen: dict = {}
     kind = None
     for row, (i, t) in enumerate(zip(ids, texts)):
@@ -161,6 +191,9 @@ def check_rows(ids: list, texts: list, where: str) -> None:
         if isinstance(i, bool) or not isinstance(i, (int, str)):
             raise ValueError(  # noqa: TRY004 - a bad row of the source is a ValueError, like a missing id
                 f"{where}: row {row} has a {type(i).__name__} id ({i!r}); ids must be ints or strings")
+        if isinstance(i, int) and not INT64[0] <= i <= INT64[1]:
+            raise ValueError(f"{where}: row {row} has the id {i}, outside the 64-bit range the Parquet shards store "
+                             f"({INT64[0]} to {INT64[1]}); use smaller ints or string ids")
         if kind is None:
             kind = str if isinstance(i, str) else int
         elif not isinstance(i, kind):
@@ -180,14 +213,113 @@ def result_knobs(knobs: dict) -> dict:
     return json.loads(json.dumps({k: v for k, v in full.items() if k not in SCHEDULING_KNOBS}))
 
 
-def job_record(source: Source, *, shard_texts: int, model: str, knobs: dict) -> dict:
-    """What a resume must match: the rows (count and fingerprint), the shard size, the model and its knobs."""
-    return {"rows": len(source), "shard_texts": shard_texts, "source": source.fingerprint(), "model": model,
-            "knobs": result_knobs(knobs)}
+_FILE_DIGESTS: dict[tuple, str] = {}  # (resolved path, size, mtime_ns) -> SHA-256, for this process
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's content, remembered per (path, size, mtime) so a file is read once per process."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FILE_DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        _FILE_DIGESTS[key] = h.hexdigest()
+    return _FILE_DIGESTS[key]
+
+
+def folder_files(folder: Path, subfolders: bool) -> list[tuple[str, Path]]:
+    """``(name relative to folder, path)`` of the files of ``folder`` a loader may read: every file at its top (but
+    docs and other frameworks' weights, ``NOT_READ``) and, with ``subfolders``, those of the sentence-transformers
+    module folders its ``modules.json`` names (a Pooling or Dense config, ColBERT's projection)."""
+    def keep(f: Path) -> bool:
+        return f.is_file() and not f.name.startswith(".") and not f.name.lower().endswith(NOT_READ)
+
+    files = {f.name: f for f in folder.iterdir() if keep(f)}
+    modules = folder / "modules.json"
+    if subfolders and modules.is_file():
+        try:
+            entries = json.loads(modules.read_text(encoding="utf-8"))
+            names = {str(m.get("path") or "") for m in entries if isinstance(m, dict)}
+        except (ValueError, AttributeError, TypeError):
+            names = set()  # the loader names what is wrong with it; modules.json itself is hashed
+        for name in names - {""}:
+            norm = os.path.normpath(name)
+            if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):
+                continue  # a path outside the folder: the loader refuses it
+            sub = folder / norm
+            if sub.is_dir():
+                files |= {f.relative_to(folder).as_posix(): f for f in sub.rglob("*") if keep(f)}
+    return sorted(files.items())
+
+
+def model_digest(model_path, adapters=()) -> str:
+    """SHA-256 over the content of what an Engine on ``model_path`` with these ``adapters`` computes with: the
+    model folder's files (weights, config, tokenizer, sentence-transformers modules; a ``.gguf`` file itself) and
+    each adapter folder's, in merge order (an adapter-only folder as the model: its base, then it). File names
+    count relative to their folder, so a copy of a folder elsewhere has the same digest."""
+    from lab.adapt.adapters import split_adapter_model
+
+    model, adapters = split_adapter_model(os.fspath(model_path), tuple(adapters))
+    h = hashlib.sha256()
+    for role, root in [("model", Path(model)), *((f"adapter {k}", Path(a)) for k, a in enumerate(adapters))]:
+        root = root.expanduser()
+        if not root.exists():
+            raise FileNotFoundError(f"{role} {str(root)!r} does not exist")
+        files = [(root.name, root)] if root.is_file() else folder_files(root, subfolders=role == "model")
+        h.update(framed(role.encode()))
+        for name, f in files:
+            h.update(framed(name.encode("utf-8")) + framed(file_digest(f).encode()))
+    return h.hexdigest()
+
+
+def job_record(source: Source, *, shard_texts: int, model: str, digest: str, knobs: dict) -> dict:
+    """What a resume must match: the rows (count and fingerprint), the shard size, the content of the model and
+    adapter files (``digest``, from ``model_digest``) and the knobs that change results. ``model`` and the adapter
+    paths are recorded too, for people to read (``INFO_KEYS``), and not compared."""
+    knobs = result_knobs(knobs)
+    adapters = knobs.pop("adapters", [])
+    return {"rows": len(source), "shard_texts": shard_texts, "source": source.fingerprint(), "model_files": digest,
+            "knobs": knobs, "model": model, "adapters": adapters}
 
 
 def shard_name(shard: int) -> str:
     return f"shard-{shard:05d}.parquet"
+
+
+def shard_count(job: dict) -> int:
+    return -(-job["rows"] // job["shard_texts"])
+
+
+def read_manifest(out_dir: Path) -> tuple[dict, dict[int, dict]]:
+    """The manifest's job and shards, checked: this layout, every shard of the job (none beyond it), every file a
+    plain name inside ``out_dir``. ``ValueError`` naming the manifest and what is wrong."""
+    path = out_dir / MANIFEST
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, not {FORMAT}")
+        job, shards = data["job"], {int(k): dict(v) for k, v in data["shards"].items()}
+        count = shard_count(job)
+        for k, v in shards.items():
+            for field_, kind in (("file", str), ("rows", int), ("ids", str), ("sha256", str)):
+                if not isinstance(v.get(field_), kind):
+                    raise ValueError(  # noqa: TRY004 - a bad manifest is a ValueError, as a bad job is
+                        f"shard {k} has no {field_!r} {kind.__name__}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a manifest this version reads ({e}); use a new out_dir") from None
+    extra = sorted(k for k in shards if not 0 <= k < count)
+    if extra:
+        raise ValueError(f"{path} lists shard(s) {extra}, but its job has {count} shard(s) (0 to {count - 1}: "
+                         f"{job['rows']} rows, shard_texts={job['shard_texts']}); the manifest was edited or mixed "
+                         "with another's; use a new out_dir")
+    for k, v in shards.items():
+        name = v["file"]
+        if Path(name).name != name or name in ("", ".", "..") or "\\" in name:
+            raise ValueError(f"{path}: shard {k}'s file {name!r} is not a file name inside {out_dir}; refusing to "
+                             "read or trust a path outside the output folder")
+    return job, shards
 
 
 class Manifest:
@@ -198,44 +330,41 @@ class Manifest:
 
     @classmethod
     def open(cls, out_dir, job: dict) -> Manifest:
-        """The folder's manifest (created empty when absent). ``ValueError`` when it records another job; stale
-        temporary files of an interrupted write are removed."""
+        """The folder's manifest (created empty when absent). ``ValueError`` when it records another job, or is
+        not one to trust (``read_manifest``); stale temporary files of an interrupted write are removed."""
         out_dir = Path(out_dir)
         for stale in [*out_dir.glob(".shard-*.tmp"), *out_dir.glob(f".{MANIFEST}.*.tmp")]:
             stale.unlink(missing_ok=True)  # an interrupted write's leftovers: never trusted, never read
-        path = out_dir / MANIFEST
-        if not path.exists():
+        if not (out_dir / MANIFEST).exists():
             return cls(out_dir, job, {})
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            old, shards = data["job"], {int(k): v for k, v in data["shards"].items()}
-            if data.get("format") != FORMAT:
-                raise ValueError(f"format {data.get('format')!r}")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{path} is not a manifest this version can resume ({e}); use a new out_dir") from None
-        diff = [k for k in sorted(set(job) | set(old)) if job.get(k) != old.get(k)]
+        old, shards = read_manifest(out_dir)
+        diff = [k for k in sorted(set(job) | set(old)) if k not in INFO_KEYS and job.get(k) != old.get(k)]
         if diff:
-            details = "; ".join(f"{k}: {old.get(k)!r} there, {job.get(k)!r} now" for k in diff if k != "source")
-            if "source" in diff:
-                details = "; ".join(filter(None, ["the rows (ids / texts / their order) differ", details]))
+            named = {"source": "the rows (ids / texts / their order) differ",
+                     "model_files": "the model's files differ (weights, tokenizer, configs or adapters: another "
+                                    "model, or the folder changed since)"}
+            details = "; ".join([named[k] for k in named if k in diff]
+                                + [f"{k}: {old.get(k)!r} there, {job.get(k)!r} now" for k in diff if k not in named])
             raise ValueError(f"{out_dir} holds another job ({details}); resume with the same source, shard_texts, "
                              "model and knobs, or use a new out_dir")
         return cls(out_dir, job, shards)
 
-    def finished(self, shard: int, rows: int) -> bool:
-        """Listed, and its file holds ``rows`` rows (read from the Parquet footer, not the data)."""
-        import pyarrow.parquet as pq
-
+    def finished(self, shard: int, ids: list) -> bool:
+        """Listed under its own file name, holding exactly ``ids`` (the shard's rows), its SHA-256 as recorded: a
+        shard that fails any of these is computed again."""
         record = self.shards.get(shard)
-        if record is None or record.get("rows") != rows:
+        if record is None or record["file"] != shard_name(shard) or record["rows"] != len(ids) \
+                or record["ids"] != ids_digest(ids):
             return False
         try:
-            return pq.read_metadata(self.out_dir / record["file"]).num_rows == rows
+            read_shard(self.out_dir, shard, record)
         except (OSError, ValueError):
             return False
+        return True
 
     def record(self, shard: int, row: dict) -> None:
-        """Add a finished shard (its file already in place) and rewrite the manifest."""
+        """Add a finished shard (its file already in place; ``row`` with ``write_shard``'s fields) and rewrite the
+        manifest."""
         self.shards[shard] = row
         self.save()
 
@@ -263,8 +392,9 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(out_dir: Path, shard: int, ids: list, embeddings: np.ndarray) -> str:
-    """Write one shard, ``id`` and ``embedding`` (a fixed-size list of float32), atomically; returns its name."""
+def write_shard(out_dir: Path, shard: int, ids: list, embeddings: np.ndarray) -> dict:
+    """Write one shard, ``id`` and ``embedding`` (a fixed-size list of float32), atomically. Returns what the
+    manifest records of it: ``file`` (its name), ``rows``, ``ids`` (``ids_digest``) and ``sha256`` (the file's)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -277,20 +407,45 @@ def write_shard(out_dir: Path, shard: int, ids: list, embeddings: np.ndarray) ->
     name = shard_name(shard)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
-    atomic_write(Path(out_dir) / name, sink.getvalue().to_pybytes())
-    return name
+    data = sink.getvalue().to_pybytes()
+    atomic_write(Path(out_dir) / name, data)
+    return {"file": name, "rows": n, "ids": ids_digest(ids), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def read_shard(out_dir: Path, shard: int, record: dict) -> tuple[list, np.ndarray]:
+    """A shard's ``(ids, embeddings)``, checked against its manifest ``record``: its own file name, the file's
+    SHA-256, its row count and ids digest. ``ValueError`` naming the file and what differs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = out_dir / record["file"]
+    fix = f"run embed_dataset into {out_dir} again to recompute it"
+    if record["file"] != shard_name(shard):
+        raise ValueError(f"{out_dir / MANIFEST} lists {record['file']!r} as shard {shard}'s file, not "
+                         f"{shard_name(shard)!r}; the manifest was edited; {fix}")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        raise ValueError(f"{path} is not the file written as shard {shard} (its SHA-256 differs from the manifest's): "
+                         f"it was changed or replaced since; {fix}")
+    table = pq.read_table(pa.BufferReader(data))
+    ids = table.column("id").to_pylist()
+    if len(ids) != record["rows"] or ids_digest(ids) != record["ids"]:
+        raise ValueError(f"{path} does not hold shard {shard}'s ids (the manifest's record and the file disagree); "
+                         f"{fix}")
+    col = table.column("embedding").combine_chunks()
+    return ids, col.flatten().to_numpy().reshape(len(col), -1)
 
 
 def read_embeddings(out_dir) -> tuple[list, np.ndarray]:
-    """``(ids, embeddings (n, dim) float32)`` of every shard the manifest lists as finished, in source order."""
-    import pyarrow.parquet as pq
+    """``(ids, embeddings (n, dim) float32)`` of every shard the manifest lists as finished, in source order.
 
+    Each shard is checked as ``read_shard`` says (its file's SHA-256 and ids as recorded), and the manifest as
+    ``read_manifest`` says: a ``ValueError`` names the shard file or entry that does not match."""
     out_dir = Path(out_dir)
-    data = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    _, shards = read_manifest(out_dir)
     ids, parts = [], []
-    for key in sorted(data["shards"], key=int):
-        table = pq.read_table(out_dir / data["shards"][key]["file"])
-        ids += table.column("id").to_pylist()
-        col = table.column("embedding").combine_chunks()
-        parts.append(col.flatten().to_numpy().reshape(len(col), -1))
+    for k in sorted(shards):
+        shard_ids, emb = read_shard(out_dir, k, shards[k])
+        ids += shard_ids
+        parts.append(emb)
     return ids, (np.concatenate(parts) if parts else np.zeros((0, 0), dtype=np.float32))

@@ -468,12 +468,15 @@ class Engine:
         forward over the whole document, so every chunk sees its document (then the head: matryoshka, normalize).
         Documents past ``max_length`` run as macro-windows overlapping by ``overlap`` tokens (default
         ``chunk_tokens``); each chunk is pooled from the window that holds it with the most context on its narrower
-        side. ``late=False`` embeds each chunk's text on its own (the baseline). Empty documents have no chunks.
-        See ``lab.engine.windows``."""
+        side. ``late=False`` embeds each chunk's text on its own (the baseline). Empty documents have no chunks (no
+        documents: a ``(0, dim)`` matrix and an empty table). The chunks' character spans tile each document
+        (``lab.engine.windows.chunk_spans``). See ``lab.engine.windows``."""
         docs = check_texts(docs, "docs")
         proc, instruction = self._processor(), self._instruction(instruction)
         plan = windows.plan_chunks(proc, docs, windows.frame(proc, instruction, True), chunk_tokens, overlap)
         table = plan.chunks[["doc", "chunk", "char_start", "char_end", "n_tokens", "text"]].copy()
+        if table.empty:  # no documents, or only empty ones: no chunk to embed
+            return np.zeros((0, self.embedding_dim), dtype=np.float32), table
         if not late:
             return self.embed(table["text"].tolist(), instruction=instruction, show_progress=show_progress), table
         p = Pass(plan.windows, lambda chunk, first: chunk, Pooler(pooling_method("tokens"), TokensHead()))

@@ -94,7 +94,7 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
     ),
     "long_inputs": (
         "what happens to an input past ``max_length``: ``truncate`` (cut, counted in ``stats.truncated``) or ``chunk`` "
-        "(split into ``max_length`` windows, each pooled, averaged weighted by pooled tokens, then the head: "
+        "(split into ``max_length`` windows, each pooled, averaged weighted by its tokens, then the head: "
         "matryoshka, normalize; counted in ``stats.split``; ``lab.engine.windows``)."
     ),
 }

@@ -6,11 +6,14 @@ Both start from a text's **body** (its tokens without special tokens, with chara
 EOS): a window is ``prefix + body[s : s + room] + suffix`` with ``room = max_length - len(prefix) - len(suffix)``.
 
 - ``long_inputs="chunk"`` (``split_long``): an input past ``max_length`` becomes consecutive windows (no overlap),
-  each pooled by the model's method; the input's vector is their average weighted by each window's pooled tokens,
-  then the embedding head (matryoshka, normalize) runs on it, as vLLM's chunked processing does. Inputs that fit
-  run exactly as before.
+  each pooled by the model's method; the input's vector is their average weighted by each window's tokens (its
+  length, less the instruction's tokens when those are not pooled), then the embedding head (matryoshka, normalize)
+  runs on it, as vLLM's chunked processing weighs chunks by their token counts. For ``mean`` pooling a window's
+  weight is the number of tokens it pooled, so the average is the mean over the input's tokens; for ``cls`` /
+  ``lasttoken`` (one pooled token per window) the weight is still the window's length, so that a short last window
+  counts for its share of the text rather than as much as a full one. Inputs that fit run exactly as before.
 - Late chunking (``plan_chunks`` / ``pool_chunks``): a document's body is cut into chunks of ``chunk_tokens``
-  tokens; one forward over the whole document (or, past ``max_length``, over **macro-windows** that overlap by at
+  tokens (``chunk_spans`` gives each its characters: the spans tile the document); one forward over the whole document (or, past ``max_length``, over **macro-windows** that overlap by at
   least one chunk) yields every token's final state, and each chunk's vector is the model's pooling over its own
   span, taken from the window that holds the chunk with the most context on its narrower side.
 
@@ -20,6 +23,7 @@ merge one token across the boundary); its tokens are attended to in every window
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +78,8 @@ def bodies(proc: InputProcessor, texts: list[str]) -> tuple[list[list[int]], lis
 @dataclass
 class Split:
     """``requests``: every window to run (numbered 0..); ``owner[j]``: the input window j belongs to; ``weight[j]``:
-    its pooled tokens; ``split``: how many inputs were split."""
+    its tokens, less an unpooled instruction's (whatever the pooling; see the module docstring); ``split``: how
+    many inputs were split."""
 
     requests: list[Request]
     owner: np.ndarray
@@ -120,17 +125,19 @@ def plan_chunks(proc: InputProcessor, docs: list[str], fr: Frame, chunk_tokens: 
                 overlap: int | None = None) -> ChunkPlan:
     """Chunks of ``chunk_tokens`` body tokens per document, and the macro-windows they are pooled from (one per
     document that fits ``max_length``; else windows ``room`` tokens long that step by ``room - overlap``, overlap
-    at least ``chunk_tokens`` (the default) so that every chunk lies whole in one of them)."""
+    at least ``chunk_tokens`` (the default) so that every chunk lies whole in one of them). Each chunk's characters
+    are ``chunk_spans``'s."""
     room = fr.room(proc.max_length)
-    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or not 1 <= chunk_tokens <= room:
-        raise ValueError(f"chunk_tokens must be an int from 1 to {room} (max_length={proc.max_length} less the "
-                         f"special and instruction tokens), got {chunk_tokens!r}")
+    valid = (f"an int from 1 to {room - 1} (max_length={proc.max_length} less the {proc.max_length - room} special "
+             "and instruction tokens, less one: windows overlap by at least chunk_tokens and must advance)")
+    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or not 1 <= chunk_tokens < room:
+        raise ValueError(f"chunk_tokens must be {valid}, got {chunk_tokens!r}")
     overlap = chunk_tokens if overlap is None else overlap
-    if not isinstance(overlap, int) or not chunk_tokens <= overlap < room:
+    if not isinstance(overlap, int) or isinstance(overlap, bool) or not chunk_tokens <= overlap < room:
         raise ValueError(f"overlap must be an int from chunk_tokens={chunk_tokens} to {room - 1} (so that every "
-                         f"chunk lies whole in a window that advances), got {overlap!r}")
+                         f"chunk lies whole in a window that advances), or None (chunk_tokens), got {overlap!r}")
     stride = room - overlap
-    ids, offsets = bodies(proc, docs)
+    ids, offsets = bodies(proc, docs) if docs else ([], [])
     windows, rows = [], []
     for d, (body, offs) in enumerate(zip(ids, offsets, strict=True)):
         n = len(body)
@@ -139,16 +146,35 @@ def plan_chunks(proc: InputProcessor, docs: list[str], fr: Frame, chunk_tokens: 
             starts.append(n - room)
         first = len(windows)
         windows += [fr.window(body[s:s + room], first + k) for k, s in enumerate(starts)]
-        for c, a in enumerate(range(0, n, chunk_tokens)):
+        firsts = list(range(0, n, chunk_tokens))
+        for c, (a, (cs, ce)) in enumerate(zip(firsts, chunk_spans(offs, firsts, len(docs[d])), strict=True)):
             b = min(a + chunk_tokens, n)
             holds = [(min(a - s, s + room - b), k) for k, s in enumerate(starts) if s <= a and b <= s + room]
             k = max(holds, key=lambda h: (h[0], -h[1]))[1]  # most context on the narrower side; first on ties
-            cs, ce = int(offs[a][0]), int(offs[b - 1][1])
             rows.append({"doc": d, "chunk": c, "char_start": cs, "char_end": ce, "n_tokens": b - a,
                          "text": docs[d][cs:ce], "window": first + k,
                          "row_start": len(fr.prefix) + a - starts[k], "row_end": len(fr.prefix) + b - starts[k]})
     cols = ["doc", "chunk", "char_start", "char_end", "n_tokens", "text", "window", "row_start", "row_end"]
     return ChunkPlan(windows, pd.DataFrame(rows, columns=cols))
+
+
+def chunk_spans(offsets: np.ndarray, firsts: list[int], length: int) -> list[tuple[int, int]]:
+    """The ``(char_start, char_end)`` of each chunk of a document ``length`` characters long whose body tokens have
+    character ``offsets`` (``(n, 2)``), chunk ``c`` starting at token ``firsts[c]``.
+
+    The spans tile the document: the first starts at 0, each ends where the next starts, the last ends at
+    ``length``, so every character lies in exactly one chunk and the texts joined are the document. A chunk starts
+    where its first token starts, so the characters no token covers (whitespace, an accent a normalizer strips)
+    go with the chunk before them; but never inside a character an earlier token covers: a character whose bytes
+    byte-level BPE splits between two chunks (an emoji, a CJK character, a combining mark) is all in the earlier
+    one, and a chunk whose tokens all lie inside such a character has an empty span."""
+    if not firsts:
+        return []
+    ends = np.maximum.accumulate(offsets[:, 1])  # the furthest character the tokens so far reach
+    cuts = [0]
+    for a in firsts[1:]:
+        cuts.append(max(cuts[-1], int(offsets[a][0]), int(ends[a - 1])))
+    return list(itertools.pairwise([*cuts, length]))
 
 
 def pool_chunks(plan: ChunkPlan, token_rows: list[np.ndarray], method: str) -> torch.Tensor:

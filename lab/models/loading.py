@@ -173,10 +173,10 @@ def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
                     f"{modules}: every entry must be an object with 'type' and 'path', got {m!r}")
             kind = m.get("type", "")
             if kind.endswith("SpladePooling"):
-                spec.splade = _read_splade(p / m.get("path", "") / "config.json")
+                spec.splade = _read_splade(_module_folder(p, m) / "config.json")
                 spec.include_prompt = True  # SpladePooling pools every attended token, a prompt's too
             elif kind.endswith("Pooling"):
-                cfg_path = p / m.get("path", "") / "config.json"
+                cfg_path = _module_folder(p, m) / "config.json"
                 if cfg_path.exists():
                     pcfg = _read_json(cfg_path, dict, "a JSON object (the Pooling config)")
                     mode = pcfg.get("pooling_mode")
@@ -223,6 +223,18 @@ def _read_splade(cfg_path: Path) -> dict[str, str]:
     return out
 
 
+def _module_folder(p: Path, entry: dict) -> Path:
+    """The folder of a ``modules.json`` entry; ``ValueError`` when its path leads outside the model folder (an
+    absolute path, or ``..`` above it). Checked on the path as written: a module folder that is a symlink (a folder
+    assembled from links) is followed."""
+    rel = str(entry.get("path", ""))
+    norm = os.path.normpath(rel) if rel else "."
+    if os.path.isabs(rel) or norm == ".." or norm.startswith(("../", "..\\")):
+        raise ValueError(f"{p / 'modules.json'}: module path {entry.get('path')!r} is outside the model folder; "
+                         "refusing to read from there")
+    return p / rel
+
+
 _MV_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
 _QUERY_EXPANSION_KEYS = {"strategy", "attend", "token", "length"}
 
@@ -231,10 +243,7 @@ def _multi_vector_modules(p: Path, entries: list) -> tuple[Path | None, str, boo
     """The Dense folder and activation, whether Normalize follows, and MultiVectorMask's config."""
     dense, activation, normalize, mask = None, "identity", False, {}
     for m in entries:
-        kind, folder = str(m.get("type", "")), p / str(m.get("path", ""))
-        if folder.resolve() != p.resolve() and p.resolve() not in folder.resolve().parents:
-            raise ValueError(f"{p / 'modules.json'}: module path {m.get('path')!r} is outside the model folder; "
-                             "refusing to read from there")
+        kind, folder = str(m.get("type", "")), _module_folder(p, m)
         cfg_path = folder / "config.json"
         reads_config = kind.endswith(("Dense", "MultiVectorMask"))  # the Transformer's config.json is read already
         cfg = _read_json(cfg_path, dict, "a JSON object (the module's config)") \
