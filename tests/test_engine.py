@@ -37,6 +37,20 @@ def test_output_keeps_input_order(minilm_engine, sentences):
     assert cosine_rows(one_by_one, together).min() >= 0.99999
 
 
+def test_the_public_seam_runs_what_embed_runs(minilm_engine, sentences):
+    """``embed_pass`` + ``run_passes`` (what ``lab.engine.rerank`` and ``lab.engine.encode`` build on): one call
+    over several passes gives each pass's outputs in input order, and one ``Stats`` for all of them."""
+    from lab.outputs.heads import TokensHead
+
+    eng = minilm_engine
+    dense, tokens = eng.run_passes([eng.embed_pass(sentences, None),
+                                    eng.embed_pass(sentences, None, "tokens", head=TokensHead())], "seam")
+    assert eng.stats.sequences == 2 * len(sentences)
+    np.testing.assert_array_equal(dense, eng.embed(sentences, instruction=None))
+    for ours, theirs in zip(tokens, eng.embed(sentences, output="tokens", instruction=None)):
+        np.testing.assert_array_equal(ours, theirs)
+
+
 def test_stats_fields(minilm_engine):
     minilm_engine.embed(["A man plays a guitar.", "Someone plays guitar."])
     s = minilm_engine.stats

@@ -21,7 +21,7 @@ from tiny_encoders import tiny_encoder
 from lab import Engine
 from lab.ops.attention import visible_keys_attention
 from lab.ops.batch import AttnMeta
-from lab.eval.retrieval import maxsim_matrix
+from lab.outputs.scoring import maxsim_matrix
 
 st = pytest.importorskip("sentence_transformers")
 if not hasattr(st, "MultiVectorEncoder"):

@@ -8,7 +8,7 @@ import torch
 
 from lab import Engine
 from lab.ops.batch import AttnMeta
-from lab.outputs.heads import EmbeddingHead
+from lab.outputs.heads import EmbeddingHead, Head, Pooler
 from lab.outputs.pooling import pooling_method
 
 
@@ -79,10 +79,38 @@ def test_mean_accumulates_in_float32():
 
 def test_embedding_head_truncates_before_normalizing():
     x = torch.randn(3, 16)
-    out = EmbeddingHead(16, truncate_dim=4, normalize=True)(x)
+    out = EmbeddingHead(16, truncate_dim=4, normalize=True)(x, None)
     torch.testing.assert_close(out, torch.nn.functional.normalize(x[:, :4], dim=-1))
     with pytest.raises(ValueError, match="exceeds"):
         EmbeddingHead(16, truncate_dim=32, normalize=False)
+
+
+def _all_heads(cls=Head) -> set[type]:
+    return {c for sub in cls.__subclasses__() for c in (sub, *_all_heads(sub))}
+
+
+def test_every_head_follows_the_one_protocol():
+    """Every head (``lab.outputs.heads``, ``kinds``, ``multivector``) is a ``Head`` called ``head(pooled,
+    requests)`` with a ``shape``; a ``Pooler`` refuses anything else, naming the protocol."""
+    import inspect
+
+    import lab.outputs.kinds
+    import lab.outputs.multivector  # defines ColbertRows
+
+    heads = _all_heads()
+    assert {"EmbeddingHead", "TokensHead", "ClassifierHead", "YesNoHead", "SpladeHead", "LexicalHead", "ColbertHead",
+            "ColbertRows", "OutputHeads"} <= {h.__name__ for h in heads}
+    for h in heads:
+        assert list(inspect.signature(h.__call__).parameters)[2:] == ["requests"], h
+        assert hasattr(h, "shape"), h
+    with pytest.raises(TypeError, match="must be a lab.outputs.heads.Head"):
+        Pooler(pooling_method("mean"), lambda pooled: pooled)
+    pooler = Pooler(pooling_method("mean"), lab.outputs.kinds.ColbertHead())
+    x = [torch.randn(3, 4), torch.randn(2, 4)]
+    requests = [type("R", (), {"pool_start": 0})(), type("R", (), {"pool_start": 1})()]
+    out = pooler.outputs(x, requests)  # the executor's call: the head gets the step's requests
+    torch.testing.assert_close(out[0], x[0][1:])
+    torch.testing.assert_close(out[1], x[1])
 
 
 def test_all_tokens_are_the_rows_mean_averages():

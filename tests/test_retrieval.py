@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from lab.eval.retrieval import evaluate_retrieval, maxsim_matrix, ndcg, score_matrix
+from lab.eval.retrieval import evaluate_retrieval, ndcg, score_matrix
+from lab.outputs.scoring import maxsim_matrix
 
 DOCS = {
     "d1": "The central bank raised interest rates by half a point and stocks fell.",

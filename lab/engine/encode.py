@@ -28,16 +28,15 @@ What maps to what (checked against sentence-transformers on the same folder, ``t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from lab.engine.inputs import check_texts
+from lab.outputs.heads import EmbeddingHead, TokensHead
 from lab.outputs.quantize import check_precision, quantize_embeddings
 
-__all__ = ["OUTPUT_VALUES", "encode", "resolve_prompt", "task_kw"]
+__all__ = ["OUTPUT_VALUES", "encode", "forward", "resolve_prompt", "task_kw"]
 
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")
 
@@ -124,15 +123,25 @@ def _check_truncate_dim(truncate_dim) -> None:
         raise ValueError(f"truncate_dim must be a positive integer, got {truncate_dim!r}")
 
 
+def forward(engine, texts: list[str], prompt: str | None, kind: str, show_progress: bool | None,
+            task: str | None = None):
+    """``encode``'s forward on ``engine`` (its public seam, ``Engine.embed_pass`` / ``Engine.run_passes``): sentence
+    embeddings before truncation (pooled, normalized when the model normalizes), every token's hidden state (prompt
+    and specials included) for ``kind="token_embeddings"``, or a ColBERT folder's vectors for ``kind="colbert"``
+    (``task``: ``lab.outputs.multivector``)."""
+    if kind == "colbert":
+        p = engine.embed_pass(texts, prompt, output="colbert", task=task)
+    elif kind == "token_embeddings":
+        p = engine.embed_pass(texts, prompt, "tokens", head=TokensHead(), include=True)
+    else:
+        p = engine.embed_pass(texts, prompt, head=EmbeddingHead(engine.model.hidden_size, normalize=engine.normalize))
+    return engine.run_passes([p], "encode", show_progress)[0]
+
+
 def encode(
-    run: Callable[..., object],
+    engine,
     *,
     sentences,
-    prompts: dict[str, str],
-    default_prompt_name: str | None,
-    engine_device: torch.device,
-    dim: int,
-    default_truncate_dim: int | None,
     prompt_name: str | None = None,
     prompt: str | None = None,
     batch_size: int = 32,
@@ -147,12 +156,15 @@ def encode(
     pool=None,
     chunk_size: int | None = None,  # multi-process only: accepted, unused (pool is refused)
     kwargs: dict | None = None,
-    multi_vector: bool = False,
 ):
-    """``SentenceTransformer.encode`` over ``run(texts, prompt, output_value, show_progress)``, which returns the
-    model's sentence embeddings (``(N, dim)`` float32: pooled, normalized when the model normalizes) or its token
-    embeddings (a list of ``(L_i, dim)`` float32 tensors); ``MultiVectorEncoder.encode`` for a ColBERT folder
-    (``multi_vector``). See the module docstring for what maps to what."""
+    """``SentenceTransformer.encode`` on ``engine`` (``Engine.encode``'s arguments; ``kwargs``: the rest), over
+    ``forward``, which gives the model's sentence embeddings (``(N, dim)`` float32: pooled, normalized when the model
+    normalizes) or its token embeddings (a list of ``(L_i, dim)`` float32 tensors); ``MultiVectorEncoder.encode``
+    for a ColBERT folder. The model's prompts, default prompt, device, size and ``truncate_dim`` knob are the
+    engine's. See the module docstring for what maps to what."""
+    prompts, default_prompt_name = engine.prompts, engine.spec.default_prompt_name
+    engine_device, dim, default_truncate_dim = engine.device, engine.model.hidden_size, engine.knobs["truncate_dim"]
+    multi_vector = engine.spec.multi_vector is not None
     kwargs = dict(kwargs or {})
     if output_value is MODEL_DEFAULT:
         output_value = "token_embeddings" if multi_vector else "sentence_embedding"
@@ -166,7 +178,7 @@ def encode(
                              "lab.outputs.quantize.quantize_embeddings); drop the argument")
         _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
                        pool=pool, kwargs=kwargs, values=("token_embeddings",))
-        return _encode_colbert(run, sentences, resolve_prompt(prompts, default_prompt_name, prompt, prompt_name),
+        return _encode_colbert(engine, sentences, resolve_prompt(prompts, default_prompt_name, prompt, prompt_name),
                                task, show_progress_bar, bool(convert_to_numpy), normalize_embeddings, truncate_dim)
     convert_to_numpy = True if convert_to_numpy is None else convert_to_numpy
     _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
@@ -186,7 +198,7 @@ def encode(
     if not sentences:  # sentence-transformers' empty results
         return [] if not (convert_to_numpy or convert_to_tensor) else (
             torch.tensor([]) if convert_to_tensor else np.array([]))
-    out = run(sentences, text, output_value, show_progress_bar)
+    out = forward(engine, sentences, text, output_value, show_progress_bar)
     if tokens:  # tensors, or numpy arrays once quantized (as sentence-transformers returns them)
         mats = [torch.as_tensor(np.asarray(m)) for m in out]
         if precision != "float32":
@@ -205,12 +217,13 @@ def encode(
     return result[0] if single else result
 
 
-def _encode_colbert(run, sentences, prompt, task, show_progress_bar, convert_to_numpy, normalize, truncate_dim):
-    """``MultiVectorEncoder.encode``'s results from ``run(texts, prompt, "colbert", show_progress, task)``."""
+def _encode_colbert(engine, sentences, prompt, task, show_progress_bar, convert_to_numpy, normalize, truncate_dim):
+    """``MultiVectorEncoder.encode``'s results from ``forward(engine, texts, prompt, "colbert", show_progress,
+    task)``."""
     sentences, single = _sentences(sentences)
     _check_truncate_dim(truncate_dim)
-    mats = [torch.as_tensor(m) for m in run(sentences, prompt, "colbert", show_progress_bar, task)] if sentences \
-        else []
+    mats = ([torch.as_tensor(m) for m in forward(engine, sentences, prompt, "colbert", show_progress_bar, task)]
+            if sentences else [])
     if normalize:
         mats = [F.normalize(m, p=2, dim=-1) for m in mats]
     if truncate_dim is not None:

@@ -1,11 +1,12 @@
 """``Engine``: load a model once, flip knobs live, embed / score / rerank with packed, prefill-only batches.
 
-Every call runs one pipeline (``Engine._run``), data flowing one way: ``Pass`` (texts, how to tokenize them, a
+Every call runs one pipeline (``Engine.run_passes``), data flowing one way: ``Pass`` (texts, how to tokenize them, a
 pooler) -> ``InputProcessor`` (tokenize, instruction, truncation records; the next wave tokenized while this one
 runs) -> ``Executor`` (packed path or KV path, CPU workers on both; ``lab.engine.executor``) -> ``Pooler`` (method x head:
 ``lab.outputs.pooling``, ``lab.outputs.heads``) -> ``OutputBuffer`` (input order), all inside one ``Call`` (one ``Stats``, timer,
 progress bar, truncation warning; ``lab.engine.call``). ``embed`` is one pass; ``score`` builds its passes in
-``lab.engine.rerank``.
+``lab.engine.rerank``, ``encode`` in ``lab.engine.encode``, both on the engine's public seam: ``embed_pass`` (the
+pass ``embed`` runs, with another pooling or head if asked) and ``run_passes`` (passes run as one call).
 
     >>> eng = Engine(path)                                  # a local HF / sentence-transformers folder
     >>> E = eng.embed(["A man plays a guitar.", "Someone plays guitar."])    # (2, 384) float32
@@ -26,7 +27,7 @@ from lab.engine import encode as st_compat
 from lab.engine import windows
 from lab.outputs import kinds as outputs
 from lab.outputs import multivector
-from lab.engine import rerank as scoring
+from lab.engine import rerank
 from lab.adapt.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
 from lab.ops.attention import resolve_backend
 from lab.engine.call import Call, ExecSettings, OutputBuffer, Pass, Stats
@@ -39,7 +40,7 @@ from lab.models.hf_fallback import HFFallbackModel
 from lab.models.loading import ModelSpec, load_tokenizer, read_folder, read_state_dict
 from lab.outputs.kinds import output_pooler
 from lab.outputs.pooling import pooling_method
-from lab.outputs.quantize import check_precision
+from lab.outputs.quantize import check_precision, quantize_output
 from lab.ops.probes import check_forced
 from lab.runtime.runner import Runner
 from lab.runtime.allocator import tune_cpu_allocator
@@ -63,6 +64,10 @@ class Engine:
             for the engine's life.
 
     Every other argument is a knob (``lab.engine.knobs.KNOB_DOCS``, listed below and in the README's knob table).
+
+    Call kinds are built on two public methods (the seam ``lab.engine.rerank`` and ``lab.engine.encode`` use):
+    ``embed_pass`` builds a ``Pass`` of texts as ``embed`` tokenizes and pools them, and ``run_passes`` runs passes
+    as one call (one ``Stats``, published when every pass finished) and returns their outputs in input order.
     """
 
     def __init__(
@@ -379,18 +384,19 @@ class Engine:
         """The requests ``embed(texts, instruction=...)`` runs: token ids after truncation, ``pool_start`` (the
         instruction's tokens, attended to but not pooled) and whether each input was cut."""
         texts = check_texts(texts)
-        return self._embed_pass(texts, self._instruction(instruction, prompt_name)).tokenize(texts, 0)
+        return self.embed_pass(texts, self._instruction(instruction, prompt_name)).tokenize(texts, 0)
 
     def _embedding_head(self) -> EmbeddingHead:
         """The engine's embedding head: matryoshka ``truncate_dim``, then normalize as the knobs say."""
         return EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
 
-    def _embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None, *,
-                    head=None, include: bool | None = None, output="dense", task: str | None = None) -> Pass:
-        """The pass ``embed`` runs over ``texts`` (``pooling``: a method name, default the engine's; ``head``:
-        default the engine's ``EmbeddingHead``; ``include``: pool the instruction, default
-        ``include_instruction``; ``output``: as ``embed``'s, checked here; ``task``: a ColBERT folder's,
-        ``lab.outputs.multivector``, which then sets the lengths, the query expansion and pools the prompt)."""
+    def embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None, *,
+                   head=None, include: bool | None = None, output="dense", task: str | None = None) -> Pass:
+        """The pass ``embed`` runs over ``texts`` with ``instruction`` (a resolved instruction text or ``None``),
+        for ``run_passes``. ``pooling``: a method name, default the engine's; ``head``: a
+        ``lab.outputs.heads.Head``, default the engine's ``EmbeddingHead``; ``include``: pool the instruction,
+        default ``include_instruction``; ``output``: as ``embed``'s, checked here; ``task``: a ColBERT folder's,
+        ``lab.outputs.multivector``, which then sets the lengths, the query expansion and pools the prompt."""
         mv = self.spec.multi_vector if "colbert" in outputs.parse_output(output)[0] else None
         proc = self._processor(None if mv is None else
                                multivector.max_length(mv, task, self.max_length, self._knobs.max_length))
@@ -444,20 +450,20 @@ class Engine:
         if self._knobs.long_inputs == "chunk":
             out = self._embed_split(texts, instruction, show_progress)
         else:
-            p = self._embed_pass(texts, instruction, output=output, task=multivector.task_of(prompt_name))
-            out = self._run([p], "embed", show_progress)[0]
-        return outputs.quantize_output(out, precision)
+            p = self.embed_pass(texts, instruction, output=output, task=multivector.task_of(prompt_name))
+            out = self.run_passes([p], "embed", show_progress)[0]
+        return quantize_output(out, precision)
 
     def _embed_split(self, texts: list[str], instruction: str | None, show_progress: bool | None) -> np.ndarray:
         """``embed`` under ``long_inputs="chunk"``: every input tokenized first; those past ``max_length`` become
         windows (``lab.engine.windows.split_long``), pooled, averaged per input, then the embedding head."""
-        raw = self._embed_pass(texts, instruction, head=EmbeddingHead(self.model.hidden_size))
+        raw = self.embed_pass(texts, instruction, head=EmbeddingHead(self.model.hidden_size))
         proc = self._processor()
         fr = windows.frame(proc, instruction, self.include_instruction)
         split = windows.split_long(proc, texts, raw.tokenize(texts, 0), fr)
         p = Pass(split.requests, lambda chunk, first: chunk, raw.pooler, shared_prefix=raw.shared_prefix)
-        rows = self._run([p], "embed", show_progress, split=split.split)[0]
-        return self._embedding_head()(split.combine(rows, len(texts))).numpy()
+        rows = self.run_passes([p], "embed", show_progress, split=split.split)[0]
+        return self._embedding_head()(split.combine(rows, len(texts)), None).numpy()  # averaged: no step's requests
 
     def embed_chunks(self, docs: list[str], chunk_tokens: int = 128, *, late: bool = True, overlap: int | None = None,
                      instruction=_UNSET, show_progress: bool | None = None):
@@ -480,8 +486,8 @@ class Engine:
         if not late:
             return self.embed(table["text"].tolist(), instruction=instruction, show_progress=show_progress), table
         p = Pass(plan.windows, lambda chunk, first: chunk, Pooler(pooling_method("tokens"), TokensHead()))
-        rows = self._run([p], "embed_chunks", show_progress)[0]
-        return self._embedding_head()(windows.pool_chunks(plan, rows, self.pooling)).numpy(), table
+        rows = self.run_passes([p], "embed_chunks", show_progress)[0]
+        return self._embedding_head()(windows.pool_chunks(plan, rows, self.pooling), None).numpy(), table
 
     def encode(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,
                show_progress_bar: bool | None = None, output_value=st_compat.MODEL_DEFAULT,
@@ -497,11 +503,7 @@ class Engine:
             if sentences is not None:
                 raise TypeError("encode() got both sentences and inputs; pass one")
             args["sentences"] = kwargs.pop("inputs")
-        return st_compat.encode(self._encode_run, prompts=self.spec.prompts, engine_device=self.device,
-                                dim=self.model.hidden_size,
-                                default_prompt_name=self.spec.default_prompt_name,
-                                default_truncate_dim=self._knobs.truncate_dim, kwargs=kwargs,
-                                multi_vector=self.spec.multi_vector is not None, **args)
+        return st_compat.encode(self, kwargs=kwargs, **args)
 
     def encode_query(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
         """``encode`` with the model's ``query`` prompt (unless another is given), as sentence-transformers."""
@@ -515,19 +517,6 @@ class Engine:
         return self.encode(sentences, prompt_name=name, prompt=prompt,
                            **st_compat.task_kw(self.spec, "document", kwargs))
 
-    def _encode_run(self, texts: list[str], prompt: str | None, kind: str, show_progress: bool | None,
-                    task: str | None = None):
-        """``encode``'s forward: sentence embeddings before truncation (pooled, normalized when the model
-        normalizes), every token's hidden state (prompt and specials included) for ``kind="token_embeddings"``, or
-        a ColBERT folder's vectors for ``kind="colbert"`` (``task``: ``lab.outputs.multivector``)."""
-        if kind == "colbert":
-            p = self._embed_pass(texts, prompt, output="colbert", task=task)
-        elif kind == "token_embeddings":
-            p = self._embed_pass(texts, prompt, "tokens", head=TokensHead(), include=True)
-        else:
-            p = self._embed_pass(texts, prompt, head=EmbeddingHead(self.model.hidden_size, normalize=self.normalize))
-        return self._run([p], "encode", show_progress)[0]
-
     # ------------------------------------------------------------------------------------------- the pipeline
     def _settings(self) -> ExecSettings:
         k = self._knobs
@@ -535,9 +524,10 @@ class Engine:
                             max_batch_tokens=k.max_batch_tokens, max_num_seqs=k.max_num_seqs,
                             chunked_prefill=k.chunked_prefill, prefix_cache=k.prefix_cache)
 
-    def _run(self, passes: list[Pass], desc: str, show_progress: bool | None, *, split: int = 0) -> list:
-        """Run ``passes`` in one call: each pass's outputs in its input order. ``stats`` are published only when
-        every pass finished (a failed or interrupted call leaves the engine, its stats included, as it was)."""
+    def run_passes(self, passes: list[Pass], desc: str, show_progress: bool | None = None, *, split: int = 0) -> list:
+        """Run ``passes`` in one call: each pass's outputs in its input order (``desc``: the progress bar's label;
+        ``split``: the inputs cut into windows, for ``stats.split``). ``stats`` are published only when every pass
+        finished (a failed or interrupted call leaves the engine, its stats included, as it was)."""
         self._repair()
         settings = self._settings()
         stats = Stats(path="packed" if self.model.packed else "transformers-fallback (padded)",
@@ -574,7 +564,7 @@ class Engine:
     @property
     def score_mode(self) -> str:
         """How ``score`` / ``rerank`` score by default: ``cross-encoder``, ``llm`` or ``bi-encoder``."""
-        return scoring.default_mode(self)
+        return rerank.default_mode(self)
 
     def score(self, pairs, *, mode: str | None = None, activation: str | None = "default", instruction=_UNSET,
               prompt=None, similarity: str = "cosine", show_progress: bool | None = None) -> np.ndarray:
@@ -584,14 +574,14 @@ class Engine:
         weighted dense + sparse + ColBERT); ``activation``: ``default`` (CrossEncoder.predict's; P(yes); raw
         similarity), ``None`` (raw), ``sigmoid``, ``softmax``, ``tanh``; ``prompt``: a ``lab.engine.rerank.YesNoPrompt`` for ``llm``;
         ``similarity``: ``cosine`` or ``dot`` for ``bi-encoder``. See ``lab.engine.rerank``."""
-        job = scoring.score_job(self, pairs, mode=mode, activation=activation, instruction=self._instruction(
-            instruction), prompt=prompt, similarity=similarity, embed_pass=self._embed_pass)
-        return job.combine(self._run(job.passes, "score", show_progress))
+        job = rerank.score_job(self, pairs, mode=mode, activation=activation, instruction=self._instruction(
+            instruction), prompt=prompt, similarity=similarity)
+        return job.combine(self.run_passes(job.passes, "score", show_progress))
 
     def rerank(self, query: str, documents: list[str], *, top_k: int | None = None, **score_kwargs):
         """``documents`` sorted best first for ``query``: a pandas DataFrame with ``rank``, ``index`` (into
         ``documents``), ``score``, ``document``; ``top_k`` keeps the best k. ``score_kwargs`` as in ``score``."""
-        return scoring.rerank(self, query, documents, top_k=top_k, **score_kwargs)
+        return rerank.rerank(self, query, documents, top_k=top_k, **score_kwargs)
 
     def similarity(self, a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         """Cosine similarity matrix ``(n, m)`` between two sets of embeddings ``(n, dim)`` and ``(m, dim)``

@@ -17,11 +17,11 @@ Which mode runs (``default_mode``; ``mode=`` overrides it):
   Pairs share the prompt's head, which the prefix cache computes once under causal attention.
 - ``bi-encoder``: anything else. Queries and documents are embedded apart (each distinct text once) and scored by
   cosine similarity (or ``similarity="dot"``), so every embedding model can rerank too.
-- ``late-interaction``, ``sparse``, ``m3`` (chosen with ``mode=``; models with the heads, ``lab.outputs.kinds``): queries
-  and documents embedded apart as for ``bi-encoder``, one forward per side, scored by ColBERT MaxSim
-  (FlagEmbedding's ``colbert_score``), by the dot product of lexical weights on shared token ids, or by bge-m3's
-  weighted sum of the dense dot product, the sparse and the ColBERT score (``M3Embedder.compute_score``'s
-  ``colbert+sparse+dense`` with its default weights, ``lab.outputs.kinds.M3_WEIGHTS``).
+- ``late-interaction``, ``sparse``, ``m3`` (chosen with ``mode=``; models with the heads, ``lab.outputs.kinds``):
+  queries and documents embedded apart as for ``bi-encoder``, one forward per side, scored (``lab.outputs.scoring``)
+  by ColBERT MaxSim (FlagEmbedding's ``colbert_score``), by the dot product of lexical weights on shared token ids,
+  or by bge-m3's weighted sum of the dense dot product, the sparse and the ColBERT score
+  (``M3Embedder.compute_score``'s ``colbert+sparse+dense`` with its default weights, ``M3_WEIGHTS``).
 
 ``activation``: ``"default"`` (above; the bi-encoder's default is the raw similarity), ``None`` for raw scores
 (head logits, ``logit_yes - logit_no``, or the similarity), ``"sigmoid"``, ``"softmax"`` (over labels), ``"tanh"``.
@@ -42,11 +42,12 @@ import numpy as np
 import torch
 
 from lab.engine.call import Pass
+from lab.engine.inputs import InputProcessor, Request, check_encodable, check_texts
 from lab.outputs.heads import ACTIVATIONS as HEAD_ACTIVATIONS
 from lab.outputs.heads import ClassifierHead, Pooler, YesNoHead, activate
-from lab.engine.inputs import InputProcessor, Request, check_encodable, check_texts
-from lab.outputs.kinds import SCORE_OUTPUTS, check_outputs, pair_scores
+from lab.outputs.kinds import check_outputs
 from lab.outputs.pooling import pooling_method
+from lab.outputs.scoring import SCORE_OUTPUTS, pair_scores
 
 MODES = ("cross-encoder", "llm", "bi-encoder", *SCORE_OUTPUTS)
 ACTIVATIONS = ("default", *HEAD_ACTIVATIONS)  # "default": the mode's own (module doc)
@@ -297,11 +298,10 @@ class ScoreJob:
 
 
 def score_job(engine, pairs, *, mode: str | None = None, activation="default", instruction: str | None = None,
-              prompt: YesNoPrompt | None = None, similarity: str = "cosine",
-              embed_pass: Callable[..., Pass]) -> ScoreJob:
+              prompt: YesNoPrompt | None = None, similarity: str = "cosine") -> ScoreJob:
     """The passes and the combination that score ``pairs`` (``Engine.score``): everything is checked here, before
-    any model work. ``embed_pass(texts, instruction, output=...)`` is the engine's embedding pass (bi-encoder,
-    late-interaction, sparse and m3 modes)."""
+    any model work. The bi-encoder, late-interaction, sparse and m3 modes embed through the engine's public
+    ``Engine.embed_pass``."""
     queries, documents = check_pairs(pairs)
     mode = resolve_mode(engine, mode)
     if activation not in ACTIVATIONS:
@@ -332,8 +332,8 @@ def score_job(engine, pairs, *, mode: str | None = None, activation="default", i
         raise ValueError(f"activation='softmax' needs several scores per pair; mode={mode!r} gives one")
     activation = None if activation == "default" else activation
     if mode in SCORE_OUTPUTS:
-        return _outputs_job(mode, queries, documents, instruction, activation, embed_pass)
-    return _bi_encoder_job(queries, documents, instruction, similarity, activation, embed_pass)
+        return _outputs_job(engine, mode, queries, documents, instruction, activation)
+    return _bi_encoder_job(engine, queries, documents, instruction, similarity, activation)
 
 
 def _cross_encoder_job(engine, queries, documents, index, activation, instruction) -> ScoreJob:
@@ -355,7 +355,7 @@ def _cross_encoder_job(engine, queries, documents, index, activation, instructio
     return ScoreJob([Pass(index, tokenize, Pooler(pooling_method("cls"), head))], combine)
 
 
-def _bi_encoder_job(queries, documents, instruction, similarity, activation, embed_pass) -> ScoreJob:
+def _bi_encoder_job(engine, queries, documents, instruction, similarity, activation) -> ScoreJob:
     """Cosine (or dot) similarity of each query's and document's embeddings; distinct texts embed once, queries
     with ``instruction`` (attended, pooled per the ``include_instruction`` knob), documents without."""
     uq, ud = list(dict.fromkeys(queries)), list(dict.fromkeys(documents))
@@ -368,11 +368,11 @@ def _bi_encoder_job(queries, documents, instruction, similarity, activation, emb
             a, b = torch.nn.functional.normalize(a, dim=-1), torch.nn.functional.normalize(b, dim=-1)
         return activate((a * b).sum(-1), activation).numpy()
 
-    return ScoreJob([embed_pass(uq, instruction), embed_pass(ud, None)], combine)
+    return ScoreJob([engine.embed_pass(uq, instruction), engine.embed_pass(ud, None)], combine)
 
 
-def _outputs_job(mode, queries, documents, instruction, activation, embed_pass) -> ScoreJob:
-    """``late-interaction`` / ``sparse`` / ``m3``: the outputs the mode reads (``lab.outputs.kinds.SCORE_OUTPUTS``),
+def _outputs_job(engine, mode, queries, documents, instruction, activation) -> ScoreJob:
+    """``late-interaction`` / ``sparse`` / ``m3``: the outputs the mode reads (``lab.outputs.scoring.SCORE_OUTPUTS``),
     one forward per side over the distinct texts (queries with ``instruction``), scored per pair."""
     uq, ud = list(dict.fromkeys(queries)), list(dict.fromkeys(documents))
     qi, di = {t: i for i, t in enumerate(uq)}, {t: i for i, t in enumerate(ud)}
@@ -383,7 +383,8 @@ def _outputs_job(mode, queries, documents, instruction, activation, embed_pass) 
         scores = pair_scores(mode, q, d, [qi[x] for x in queries], [di[x] for x in documents])
         return activate(torch.from_numpy(scores), activation).numpy()
 
-    return ScoreJob([embed_pass(uq, instruction, output=outputs), embed_pass(ud, None, output=outputs)], combine)
+    return ScoreJob([engine.embed_pass(uq, instruction, output=outputs), engine.embed_pass(ud, None, output=outputs)],
+                    combine)
 
 
 def rerank(engine, query: str, documents, *, top_k: int | None = None, **score_kwargs):

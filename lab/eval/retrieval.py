@@ -7,7 +7,7 @@ compared; every row of the result says which, so these variants never mix with m
 
 - ``dense``: one vector per text, cosine similarity (what mteb scores);
 - ``sparse``: lexical weights (``output="sparse"``: SPLADE / bge-m3), dot product;
-- ``late-interaction``: bge-m3's ColBERT vectors, MaxSim (``lab.outputs.kinds.maxsim``);
+- ``late-interaction``: bge-m3's ColBERT vectors, MaxSim (``lab.outputs.scoring.maxsim_matrix``);
 - ``tokens-maxsim``: the final hidden states of every pooled token (``output="tokens"``, L2-normalized), MaxSim:
   multi-vector retrieval from any embedding model, without a ColBERT head;
 - ``m3``: bge-m3's ``(dense + sparse + colbert) / 3``;
@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from lab.eval.mteb_adapter import resolve_tasks
+from lab.outputs.scoring import maxsim_matrix
 
 MODES = ("dense", "sparse", "late-interaction", "tokens-maxsim", "m3", "late-chunking", "chunks")
 MODE_OUTPUTS = {"sparse": ("sparse",), "late-interaction": ("colbert",), "tokens-maxsim": ("tokens",),
@@ -54,26 +55,6 @@ def ndcg(scores: np.ndarray, doc_ids: Sequence[str], query_ids: Sequence[str],
 
 def _unit(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-
-
-def maxsim_matrix(queries: list[np.ndarray], docs: list[np.ndarray], block: int = 1 << 16) -> np.ndarray:
-    """``(Q, D)`` MaxSim: for each query vector its best dot product within a document, averaged over the query's
-    vectors. Documents are scanned ``block`` token vectors at a time (memory ``Q_tokens x block``)."""
-    lengths = np.array([len(d) for d in docs])
-    owner = np.repeat(np.arange(len(docs)), lengths)
-    qcat = np.concatenate(queries).astype(np.float32)
-    qown = np.repeat(np.arange(len(queries)), [len(q) for q in queries])
-    best = np.full((len(qcat), len(docs)), -np.inf, dtype=np.float32)
-    flat = np.concatenate(docs).astype(np.float32) if len(docs) else np.zeros((0, qcat.shape[1]), np.float32)
-    for s in range(0, len(flat), block):
-        sims = qcat @ flat[s:s + block].T  # (query tokens, block)
-        cols = owner[s:s + block]
-        starts = np.flatnonzero(np.r_[True, cols[1:] != cols[:-1]])
-        np.maximum.at(best.T, cols[starts], np.maximum.reduceat(sims, starts, axis=1).T)
-    best[~np.isfinite(best)] = 0.0  # an empty document
-    sums = np.zeros((len(queries), len(docs)), dtype=np.float64)
-    np.add.at(sums, qown, best)
-    return (sums / np.bincount(qown, minlength=len(queries))[:, None]).astype(np.float32)
 
 
 def score_matrix(engine, mode: str, queries: list[str], docs: list[str], *, chunk_tokens: int = 128,

@@ -17,10 +17,11 @@ Each output is a pooling method x head pair (``lab.outputs.pooling`` / ``lab.out
   ``MultiVectorEncoder`` folder: its Dense, skiplist and Normalize, with the task's lengths and query expansion
   (``lab.outputs.multivector``).
 
-Several outputs (``output=("dense", "sparse", "colbert")``) make an ``OutputPooler``: its method (``Several``)
-applies each output's method to the step's hidden states in turn, inside the CPU worker that ran the step, and the
-heads run after; the call returns a dict. The last-layer ``rows()`` shortcut is taken only when every output reads
-the same one row per sequence.
+Several outputs (``output=("dense", "sparse", "colbert")``) make one ``Pooler``: its method (``Several``)
+applies each output's method to the step's hidden states in turn, inside the CPU worker that ran the step, and its
+head (``OutputHeads``) runs each output's head after; the call returns a dict. Every head here follows the one
+protocol of ``lab.outputs.heads`` (``head(pooled, requests)``). The last-layer ``rows()`` shortcut is taken only
+when every output reads the same one row per sequence.
 
 Memory: the SPLADE method computes MLM logits ``LOGIT_BLOCK_BYTES`` (64 MiB of float32) at a time, never the whole
 step's ``(tokens, vocab)`` logits (2 GB at the default 16,384-token budget and BERT's 30,522-token vocabulary); it
@@ -28,7 +29,7 @@ holds ``(sequences, vocab)`` float32 maxima per step (31 MB at 256 sequences).
 
     >>> out = eng.embed(texts, output=("dense", "sparse", "colbert"))     # one forward
     >>> out["sparse"]                                                      # csr_matrix (N, vocab_size)
-    >>> maxsim(out["colbert"][0], out["colbert"][1])                        # ColBERT late interaction
+    >>> lab.outputs.scoring.maxsim(out["colbert"][0], out["colbert"][1])   # ColBERT late interaction
 """
 
 from __future__ import annotations
@@ -40,25 +41,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lab.outputs import multivector
 from lab.ops.batch import AttnMeta
-from lab.outputs.heads import Pooler, SparseShape
+from lab.outputs import multivector
+from lab.outputs.heads import Head, Pooler, SparseShape, TokensHead
 from lab.outputs.pooling import PoolingMethod, pooling_method
-from lab.outputs.quantize import quantize_embeddings
 
 OUTPUTS = ("dense", "tokens", "sparse", "colbert")
 LOGIT_BLOCK_BYTES = 64 << 20  # MLM logits computed this many bytes of float32 at a time (module doc)
-M3_WEIGHTS = (1.0, 1.0, 1.0)  # dense, sparse, colbert: FlagEmbedding's M3Embedder.compute_score default
-
-
-def quantize_output(out, precision: str):
-    """``embed``'s result at ``precision`` (``lab.outputs.quantize``): dense arrays and lists of token / ColBERT matrices
-    (one set of int8 ranges per list), each output of a dict on its own; float32 returns ``out`` as it is."""
-    if precision == "float32":
-        return out
-    if isinstance(out, dict):
-        return {name: quantize_output(value, precision) for name, value in out.items()}
-    return quantize_embeddings(out, precision)
 
 
 # ------------------------------------------------------------------------------------------- what a model has
@@ -203,7 +192,17 @@ def sparse_rows(pooled: torch.Tensor):
     return sparse.csr_matrix(pooled.cpu().numpy().astype(np.float32, copy=False))
 
 
-class LexicalHead:
+class SpladeHead(Head):
+    """SPLADE's ``(B, vocab)`` weights (``SpladePool``) -> ``csr_matrix`` ``(B, vocab)`` float32 (``sparse_rows``)."""
+
+    def __init__(self, vocab: int):
+        self.shape = SparseShape(vocab)
+
+    def __call__(self, pooled: torch.Tensor, requests: list | None):
+        return sparse_rows(pooled)
+
+
+class LexicalHead(Head):
     """bge-m3's lexical weights: per sequence, the largest positive weight of each token id among its pooled tokens,
     the ``drop`` ids (special tokens) left out -> ``csr_matrix`` ``(B, vocab)`` float32. Reads the requests' ids."""
 
@@ -230,21 +229,25 @@ class LexicalHead:
                                  shape=(len(requests), self.shape.cols), dtype=np.float32)
 
 
-def colbert_rows(vectors: list[torch.Tensor], requests: list) -> list[torch.Tensor]:
-    """Each sequence's ColBERT vectors without its first token (CLS) when its pooled rows start there."""
-    return [v[1:] if r.pool_start == 0 else v for v, r in zip(vectors, requests)]
+class ColbertHead(Head):
+    """bge-m3's ColBERT vectors: each sequence's without its first token (CLS) when its pooled rows start there.
+    Reads the requests' ``pool_start``."""
+
+    shape = None
+
+    def __call__(self, vectors: list[torch.Tensor], requests: list) -> list[torch.Tensor]:
+        return [v[1:] if r.pool_start == 0 else v for v, r in zip(vectors, requests)]
 
 
 @dataclass(frozen=True)
 class Output:
-    """One named output: a pooling method, a head ``(pooled, requests) -> outputs`` and its shape."""
+    """One named output: a pooling method and a head."""
 
     method: PoolingMethod
-    head: Callable[[object, list], object]
-    shape: object
+    head: Head
 
 
-class OutputHeads:
+class OutputHeads(Head):
     """The heads of several outputs over a ``Several`` method's tuple: a dict by name (one output: its value)."""
 
     def __init__(self, names: tuple[str, ...], outputs: list[Output], several: bool):
@@ -252,7 +255,7 @@ class OutputHeads:
 
     @property
     def shape(self):
-        shapes = {n: o.shape for n, o in zip(self.names, self.outputs)}
+        shapes = {n: o.head.shape for n, o in zip(self.names, self.outputs)}
         return shapes if self.several else shapes[self.names[0]]
 
     def __call__(self, pooled: tuple, requests: list):
@@ -260,77 +263,36 @@ class OutputHeads:
         return out if self.several else out[self.names[0]]
 
 
-@dataclass(frozen=True)
-class OutputPooler(Pooler):
-    """A ``Several`` method with ``OutputHeads``: every requested output from one forward per step."""
-
-    def outputs(self, pooled, requests: list) -> object:
-        return self.head(pooled, requests)
-
-
 def output_pooler(output, dense: Pooler, *, model, spec, tokenizer, task: str | None = None) -> Pooler:
-    """The pooler ``embed(texts, output=...)`` runs: ``dense`` itself for ``"dense"``, else an ``OutputPooler``
-    (``task``: a multi-vector folder's, ``lab.outputs.multivector``). Every check runs here, before any model work."""
+    """The pooler ``embed(texts, output=...)`` runs: ``dense`` itself for ``"dense"``, else a ``Several`` method with
+    ``OutputHeads`` (``task``: a multi-vector folder's, ``lab.outputs.multivector``). Every check runs here, before
+    any model work."""
     names, several = parse_output(output)
     check_outputs(names, model, spec)
     if names == ("dense",) and not several:
         return dense
     outputs = [_output(name, dense, model, spec, tokenizer, task) for name in names]
-    return OutputPooler(Several([o.method for o in outputs]), OutputHeads(names, outputs, several))
+    return Pooler(Several([o.method for o in outputs]), OutputHeads(names, outputs, several))
 
 
 def _output(name: str, dense: Pooler, model, spec, tokenizer, task: str | None) -> Output:
     if name == "dense":
-        return Output(dense.method, lambda pooled, requests: dense.head(pooled), dense.head.shape)
+        return Output(dense.method, dense.head)
     if name == "tokens":
-        return Output(pooling_method("tokens"), lambda pooled, requests: pooled, None)
+        return Output(pooling_method("tokens"), TokensHead())
     if name == "colbert" and spec.multi_vector is not None:
         mv = spec.multi_vector
         return Output(PerToken(multivector.token_fn(model, mv)),
-                      multivector.ColbertRows(multivector.skip_ids(mv, tokenizer, task), mv.normalize), None)
+                      multivector.ColbertRows(multivector.skip_ids(mv, tokenizer, task), mv.normalize))
     if name == "colbert":
         return Output(PerToken(lambda h: F.normalize(model.token_head("colbert_linear", h).float(), dim=-1)),
-                      colbert_rows, None)
+                      ColbertHead())
     vocab = model.config["vocab_size"]  # the width of the MLM logits and of bge-m3's lexical vectors
     if spec.splade is not None and "mlm" in model.token_heads:
         method = SpladePool(lambda h: model.token_head("mlm", h), vocab, spec.splade["pooling_strategy"],
                             spec.splade["activation_function"])
-        return Output(method, lambda pooled, requests: sparse_rows(pooled), SparseShape(vocab))
+        return Output(method, SpladeHead(vocab))
     drop = {tokenizer.convert_tokens_to_ids(t) for t in (tokenizer.cls_token, tokenizer.eos_token, tokenizer.pad_token,
                                                            tokenizer.unk_token) if t is not None}
-    head = LexicalHead(vocab, drop)
-    return Output(PerToken(lambda h: torch.relu(model.token_head("sparse_linear", h).float())), head, head.shape)
-
-
-# ---------------------------------------------------------------------------------------------------- scoring
-def maxsim(q: np.ndarray, d: np.ndarray) -> float:
-    """ColBERT late interaction, as FlagEmbedding's ``colbert_score``: each query vector's largest dot product with
-    a document vector, summed and divided by the number of query vectors (0 when either side has none)."""
-    if not len(q) or not len(d):
-        return 0.0
-    return float((q @ d.T).max(axis=1).sum() / len(q))
-
-
-def sparse_dot(a, b) -> np.ndarray:
-    """Row-wise dot products of two csr matrices of equal shape (lexical matching on shared token ids)."""
-    return np.asarray(a.multiply(b).sum(axis=1), dtype=np.float32).reshape(-1)
-
-
-SCORE_OUTPUTS = {"late-interaction": ("colbert",), "sparse": ("sparse",), "m3": ("dense", "sparse", "colbert")}
-
-
-def pair_scores(mode: str, q: dict, d: dict, qi: list[int], di: list[int]) -> np.ndarray:
-    """Scores of pairs ``(q[qi[k]], d[di[k]])`` in ``mode``: ``late-interaction`` (``maxsim``), ``sparse``
-    (``sparse_dot``) or ``m3`` (dense dot product, sparse and ColBERT scores weighted by ``M3_WEIGHTS`` and divided
-    by their sum, as ``M3Embedder.compute_score``'s ``colbert+sparse+dense``). ``q`` / ``d``: dicts of outputs."""
-    parts = {}
-    if "colbert" in SCORE_OUTPUTS[mode]:
-        parts["colbert"] = np.asarray([maxsim(q["colbert"][i], d["colbert"][j]) for i, j in zip(qi, di)],
-                                      dtype=np.float32)
-    if "sparse" in SCORE_OUTPUTS[mode]:
-        parts["sparse"] = sparse_dot(q["sparse"][qi], d["sparse"][di]) if qi else np.zeros(0, np.float32)
-    if mode != "m3":
-        return next(iter(parts.values()))
-    parts["dense"] = (q["dense"][qi] * d["dense"][di]).sum(axis=1)
-    w = dict(zip(("dense", "sparse", "colbert"), M3_WEIGHTS))
-    return (sum(w[k] * parts[k] for k in w) / sum(M3_WEIGHTS)).astype(np.float32)
+    return Output(PerToken(lambda h: torch.relu(model.token_head("sparse_linear", h).float())),
+                  LexicalHead(vocab, drop))

@@ -20,7 +20,7 @@ decides, as sentence-transformers' ``Transformer.preprocess`` and ``MultiVectorM
     >>> eng = Engine("path/to/colbert")                           # a MultiVectorEncoder folder
     >>> Q = eng.embed(queries, output="colbert", prompt_name="query")
     >>> D = eng.embed(docs, output="colbert", prompt_name="document")
-    >>> lab.eval.retrieval.maxsim_matrix(Q, D)
+    >>> lab.outputs.scoring.maxsim_matrix(Q, D)
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+
+from lab.outputs.heads import Head
 
 TASKS = ("query", "document")
 
@@ -110,8 +112,11 @@ def token_fn(model, mv):
     return fn
 
 
-class ColbertRows:
-    """The head: each request's scored rows (skiplist ids dropped), L2-normalized when the folder normalizes."""
+class ColbertRows(Head):
+    """The head: each request's scored rows (skiplist ids dropped), L2-normalized when the folder normalizes.
+    Reads the requests' ids."""
+
+    shape = None
 
     def __init__(self, skip: np.ndarray, normalize: bool):
         self.skip, self.normalize = skip, normalize

@@ -9,6 +9,7 @@ The semantics are sentence-transformers' ``quantize_embeddings`` (so vectors qua
 - ``binary`` / ``ubinary``: one bit per dimension (``x > 0``), packed big-endian 8 per byte (``ceil(dim / 8)``
   bytes); ``binary`` shifts the byte by -128 into ``int8``.
 - A list of ``(L_i, dim)`` matrices (token vectors) is quantized with one set of ranges for all of them.
+- ``quantize_output``: ``Engine.embed``'s result (an array, a list of matrices, or a dict of outputs) at a precision.
 
     >>> q = quantize_embeddings(E, "ubinary")              # (N, ceil(dim / 8)) uint8
     >>> q = quantize_embeddings(E, "int8", calibration_embeddings=corpus_sample)
@@ -19,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["PRECISIONS", "check_precision", "quantization_ranges", "quantize_embeddings"]
+__all__ = ["PRECISIONS", "check_precision", "quantization_ranges", "quantize_embeddings", "quantize_output"]
 
 PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
 
@@ -87,3 +88,13 @@ def quantize_embeddings(embeddings, precision: str, ranges: np.ndarray | None = 
     step = np.where(step == 0, 1, step)
     buckets = np.clip(np.floor((x - start) / step), 0, 255)
     return (buckets - 128).astype(np.int8) if precision == "int8" else buckets.astype(np.uint8)
+
+
+def quantize_output(out, precision: str):
+    """``embed``'s result at ``precision``: dense arrays and lists of token / ColBERT matrices (one set of int8
+    ranges per list), each output of a dict on its own; float32 returns ``out`` as it is."""
+    if precision == "float32":
+        return out
+    if isinstance(out, dict):
+        return {name: quantize_output(value, precision) for name, value in out.items()}
+    return quantize_embeddings(out, precision)
