@@ -151,7 +151,7 @@ def test_interrupted_dtype_switch_is_repaired(minilm_path):
     base = e.embed(texts)
     hit = 0
     for nth in range(1, 200):
-        if not _interrupt_in("lab/runtime/runner.py", nth, lambda: e.configure(dtype="bfloat16")):
+        if not _interrupt_in("lab/runtime/weights.py", nth, lambda: e.configure(dtype="bfloat16")):
             break
         hit += 1
         e.configure(dtype="float32")

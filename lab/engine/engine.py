@@ -16,6 +16,7 @@ pass ``embed`` runs, with another pooling or head if asked) and ``run_passes`` (
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import asdict, fields
@@ -32,6 +33,7 @@ from lab.adapt.adapters import LoraAdapter, merged_weights, read_adapter, split_
 from lab.ops.attention import resolve_backend
 from lab.engine.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.engine.executor import Executor
+from lab.engine.gate import Gate
 from lab.outputs.heads import EmbeddingHead, Pooler, TokensHead
 from lab.engine.inputs import InputProcessor, Request, check_texts
 from lab.engine.knobs import Knobs, ModelLimits, check_for_model, knobs_doc, resolve_device, resolve_dtype
@@ -49,6 +51,32 @@ from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
 __all__ = ["Engine", "Stats"]
 
 _UNSET = object()
+
+
+def _call(method):
+    """A public call: enters the engine's gate as a call (``lab.engine.gate``: calls run together, never while a
+    ``configure`` runs), after repairing an interrupted ``configure`` alone."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self._dirty:
+            with self._gate.change():
+                self._repair()
+        with self._gate.call():
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+def _change(method):
+    """A change of the engine (``configure``): enters the gate alone, once the other threads' calls finished."""
+
+    @functools.wraps(method)
+    def change(self, *args, **kwargs):
+        with self._gate.change():
+            return method(self, *args, **kwargs)
+
+    return change
 
 
 class Engine:
@@ -113,6 +141,7 @@ class Engine:
         self.model = self._build_model(dtype, forced)
         self.runner = Runner(self.model, device=self.device, dtype=dtype, cpu_paths=forced)
         self.executor = Executor(self.runner)
+        self._gate = Gate()  # calls together, configure alone (lab.engine.gate)
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
         self._dirty = False  # a configure was interrupted while swapping weights (``_repair``)
         self._adapters: list[LoraAdapter] = []  # merged into the live weights, in order
@@ -210,6 +239,7 @@ class Engine:
         adapters = [read_adapter(p) for p in paths]
         return adapters, merged_weights(self.model, self.runner.weights.base, adapters)
 
+    @_change
     def configure(self, **knobs) -> Engine:
         """Change knobs live (no weight reload; ``dtype`` re-casts from the master copy, ``adapters`` re-merge
         onto it when the list changes). Returns ``self``.
@@ -380,6 +410,7 @@ class Engine:
             return self._knobs.include_instruction
         return bool(self.spec.include_prompt)
 
+    @_call
     def tokenize(self, texts: list[str], *, instruction=_UNSET, prompt_name: str | None = None) -> list[Request]:
         """The requests ``embed(texts, instruction=...)`` runs: token ids after truncation, ``pool_start`` (the
         instruction's tokens, attended to but not pooled) and whether each input was cut."""
@@ -416,6 +447,7 @@ class Engine:
 
         return Pass(texts, tokenize, pooler, shared_prefix=bool(instruction and not include))
 
+    @_call
     def embed(self, texts: list[str], *, output="dense", instruction=_UNSET, prompt_name: str | None = None,
               precision: str = "float32", show_progress: bool | None = None):
         """Embed ``texts``, in input order. ``output`` (``lab.outputs.kinds``):
@@ -465,6 +497,7 @@ class Engine:
         rows = self.run_passes([p], "embed", show_progress, split=split.split)[0]
         return self._embedding_head()(split.combine(rows, len(texts)), None).numpy()  # averaged: no step's requests
 
+    @_call
     def embed_chunks(self, docs: list[str], chunk_tokens: int = 128, *, late: bool = True, overlap: int | None = None,
                      instruction=_UNSET, show_progress: bool | None = None):
         """Late chunking: ``(embeddings (M, dim) float32, chunks)``, ``chunks`` a DataFrame with ``doc, chunk,
@@ -489,6 +522,7 @@ class Engine:
         rows = self.run_passes([p], "embed_chunks", show_progress)[0]
         return self._embedding_head()(windows.pool_chunks(plan, rows, self.pooling), None).numpy(), table
 
+    @_call
     def encode(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,
                show_progress_bar: bool | None = None, output_value=st_compat.MODEL_DEFAULT,
                precision: str = "float32", convert_to_numpy: bool | None = None, convert_to_tensor: bool = False,
@@ -505,11 +539,13 @@ class Engine:
             args["sentences"] = kwargs.pop("inputs")
         return st_compat.encode(self, kwargs=kwargs, **args)
 
+    @_call
     def encode_query(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
         """``encode`` with the model's ``query`` prompt (unless another is given), as sentence-transformers."""
         name = st_compat.query_prompt_name(self.spec.prompts, prompt, prompt_name)
         return self.encode(sentences, prompt_name=name, prompt=prompt, **st_compat.task_kw(self.spec, "query", kwargs))
 
+    @_call
     def encode_document(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
         """``encode`` with the model's ``document`` / ``passage`` / ``corpus`` prompt (the first it has, unless
         another is given), as sentence-transformers."""
@@ -524,11 +560,11 @@ class Engine:
                             max_batch_tokens=k.max_batch_tokens, max_num_seqs=k.max_num_seqs,
                             chunked_prefill=k.chunked_prefill, prefix_cache=k.prefix_cache)
 
+    @_call
     def run_passes(self, passes: list[Pass], desc: str, show_progress: bool | None = None, *, split: int = 0) -> list:
         """Run ``passes`` in one call: each pass's outputs in its input order (``desc``: the progress bar's label;
         ``split``: the inputs cut into windows, for ``stats.split``). ``stats`` are published only when every pass
         finished (a failed or interrupted call leaves the engine, its stats included, as it was)."""
-        self._repair()
         settings = self._settings()
         stats = Stats(path="packed" if self.model.packed else "transformers-fallback (padded)",
                       backend=self._backend, adapters=tuple(self.adapter_names), split=split)
@@ -566,6 +602,7 @@ class Engine:
         """How ``score`` / ``rerank`` score by default: ``cross-encoder``, ``llm`` or ``bi-encoder``."""
         return rerank.default_mode(self)
 
+    @_call
     def score(self, pairs, *, mode: str | None = None, activation: str | None = "default", instruction=_UNSET,
               prompt=None, similarity: str = "cosine", show_progress: bool | None = None) -> np.ndarray:
         """Scores of ``(query, document)`` pairs, in input order: ``(N,)`` float32, ``(N, num_labels)`` for a
@@ -578,6 +615,7 @@ class Engine:
             instruction), prompt=prompt, similarity=similarity)
         return job.combine(self.run_passes(job.passes, "score", show_progress))
 
+    @_call
     def rerank(self, query: str, documents: list[str], *, top_k: int | None = None, **score_kwargs):
         """``documents`` sorted best first for ``query``: a pandas DataFrame with ``rank``, ``index`` (into
         ``documents``), ``score``, ``document``; ``top_k`` keeps the best k. ``score_kwargs`` as in ``score``."""
