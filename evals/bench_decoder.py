@@ -33,7 +33,9 @@ where timed) to ``--out`` (default ``evals/results/bench_decoder.csv``), PNG plo
 (``<stem>_throughput.png``, ``<stem>_memory.png``, ``<stem>_prefix.png``) and prints a summary. ``--profile`` adds
 one ``torch.profiler`` call per system and setting: rows with the self time of GEMMs / attention / other ops, and
 the op tables in ``<stem>_profile.txt``. ``--smoke`` shrinks everything (a few docs, one repeat, short inputs) and
-writes ``bench_decoder_smoke.*``; every row carries ``run`` (``smoke`` / ``full`` / ``--label``).
+writes ``bench_decoder_smoke.*``; every row carries ``run`` (``smoke`` / ``full`` / ``--label``). Every engine here
+is created with ``tune_allocator=True`` (``lab.runtime.allocator``; the memory section's RSS includes the heap it
+keeps), and the section rows' ``malloc_tuning`` says whether the settings were in effect.
 
 Sizes: the defaults embed ~40k tokens per system run (128 abstracts at max_length 512), 3 systems x 2 dtypes x 2
 poolings x (1 warm-up + 3 repeats) in the throughput section: about 1.9M tokens, tens of minutes on a 2-core CPU.
@@ -94,8 +96,12 @@ COLUMNS = [
     "run", "section", "corpus", "system", "dtype", "pooling", "setting", "metric", "value", "unit", "target",
     "meets_target", "seconds_median", "seconds_min", "seconds_max", "cpu_seconds_median", "tokens", "tokens_per_s",
     "texts", "repeats", "roofline_tokens_per_s", "roofline_fraction", "baseline_slowdown",
-    "threads", "device", "torch", "transformers", "machine", "cpu_model", "cpu_flags", "cpu_paths", "note",
+    "threads", "device", "torch", "transformers", "machine", "cpu_model", "cpu_flags", "cpu_paths", "malloc_tuning",
+    "note",
 ]
+# every engine here tunes glibc's allocator for its process (lab.runtime.allocator); the rows' malloc_tuning says
+# whether the settings were in effect (off glibc, or on CUDA, they are not)
+TUNE_ALLOCATOR = True
 
 
 # ------------------------------------------------------------------------------------------------------- data
@@ -324,7 +330,7 @@ def bench_throughput(args, path: str, table: Table) -> None:
 
     texts = throughput_texts(args.corpus, args.docs)
     eng = Engine(path, max_length=args.max_length, device=args.device, dtype=args.dtypes[0],
-                 max_batch_tokens=args.max_batch_tokens)
+                 max_batch_tokens=args.max_batch_tokens, tune_allocator=TUNE_ALLOCATOR)
     base = PaddedTransformersEmbedder(path, device=args.device, max_length=args.max_length,
                                       batch_size=args.batch_sizes[0], dtype=args.dtypes[0])
     float32_out = {}  # pooling -> the float32 baseline's embeddings (first batch size), the reference of other dtypes
@@ -336,7 +342,8 @@ def bench_throughput(args, path: str, table: Table) -> None:
         for pooling in args.poolings:
             eng.configure(dtype=dtype, pooling=pooling)
             base.configure(dtype=dtype, pooling=pooling, append_eos=eng.append_eos)
-            common = {"dtype": dtype, "pooling": pooling, "texts": len(texts), "corpus": args.corpus}
+            common = {"dtype": dtype, "pooling": pooling, "texts": len(texts), "corpus": args.corpus,
+                      "malloc_tuning": eng.resolved["malloc_tuning"]}
             # identical tokens: the Engine's own processor vs the baseline's tokenization
             reqs = eng.tokenize(texts)
             same = [list(r.ids) for r in reqs] == base.tokenize(texts)
@@ -459,7 +466,7 @@ def memory_point(spec: dict) -> dict:
 
     length, chunk = spec["length"], spec["chunk"]
     eng = Engine(spec["path"], pooling="mean", max_length=length, dtype=spec["dtype"], device=spec["device"],
-                 chunked_prefill=chunk)
+                 chunked_prefill=chunk, tune_allocator=TUNE_ALLOCATOR)
     # a text of more than `length` tokens, cut by the engine's truncation to exactly `length`
     text, n = "", 0
     docs = iter(scifact_docs())
@@ -480,7 +487,7 @@ def memory_point(spec: dict) -> dict:
         eng.embed([text])
         secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = dict(spec, seconds=secs, cpu_seconds=cpu, tokens=eng.stats.tokens, chunks=eng.stats.chunks,
-               rss_before=rss_before,
+               rss_before=rss_before, malloc_tuning=eng.resolved["malloc_tuning"],
                hwm=_read_status("VmHWM"), hwm_reset=reset,
                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     out["state_bytes"] = eng.stats.state_bytes
@@ -512,7 +519,7 @@ def bench_memory(args, path: str, table: Table) -> None:
                           note=(proc.stderr.strip().splitlines() or ["?"])[-1][:200])
                 continue
             r = json.loads(line.removeprefix("RESULT "))
-            common = {"dtype": args.memory_dtype, "pooling": "mean", "texts": 1,
+            common = {"dtype": args.memory_dtype, "pooling": "mean", "texts": 1, "malloc_tuning": r["malloc_tuning"],
                       "setting": f"length={length}, chunked_prefill={chunk}"}
             table.add("memory", "engine", "time", secs=[r["seconds"]], cpu=[r["cpu_seconds"]], tokens=r["tokens"],
                       unit="s", **common,
@@ -546,7 +553,7 @@ def bench_prefix(args, path: str, table: Table) -> None:
     from lab import Engine
 
     eng = Engine(path, max_length=args.max_length, device=args.device, dtype=args.prefix_dtype,
-                 instruction=INSTRUCTION)
+                 instruction=INSTRUCTION, tune_allocator=TUNE_ALLOCATOR)
     from lab.engine.inputs import InputProcessor
 
     # keep claims short enough that the instruction is >= 3/4 of every input (counted with EOS appended, the
@@ -561,7 +568,8 @@ def bench_prefix(args, path: str, table: Table) -> None:
         eng.configure(pooling=pooling)
         reqs = eng.tokenize(kept, instruction=INSTRUCTION)
         fractions = [r.pool_start / r.length for r in reqs]
-        common = {"dtype": args.prefix_dtype, "pooling": pooling, "texts": len(kept)}
+        common = {"dtype": args.prefix_dtype, "pooling": pooling, "texts": len(kept),
+                  "malloc_tuning": eng.resolved["malloc_tuning"]}
         stats = {}
 
         def run(cache: bool, stats=stats):

