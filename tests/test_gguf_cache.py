@@ -19,20 +19,11 @@ from lab.models import gguf
 @pytest.fixture
 def fake_loader(monkeypatch):
     """``load_gguf`` -> a tiny Llama whose weights are seeded by the file's bytes (so different files differ)."""
-    from transformers import LlamaForCausalLM
-
     calls = []
 
     def load(path):
-        data = Path(path).read_bytes()
         calls.append(str(path))
-        tok = tiny_tokenizer()
-        model = LlamaForCausalLM(tiny_config("llama", len(tok))).eval()
-        randomize_(model, seed=sum(data) % 1000)
-        config = json.loads(model.config.to_json_string(use_diff=False))
-        config["architectures"] = ["LlamaForCausalLM"]
-        sd = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-        return config, sd, tok
+        return fake_gguf(path)
 
     monkeypatch.setattr(gguf, "load_gguf", load)
     return calls
@@ -64,7 +55,7 @@ def test_a_file_changed_in_place_is_converted_again(tmp_path, fake_loader):
     gguf.cache_gguf_as_safetensors(src, out)
     assert len(fake_loader) == 2 and (out / "model.safetensors").read_bytes() != first
     source = json.loads((out / "gguf_source.json").read_text())
-    assert source["size"] == src.stat().st_size and source["sha256_edges"] == gguf.gguf_fingerprint(src)["sha256_edges"]
+    assert source["size"] == src.stat().st_size and source["sha256"] == gguf.gguf_fingerprint(src)["sha256"]
 
 
 def test_a_foreign_or_unrecorded_folder_is_rebuilt(tmp_path, fake_loader):
@@ -90,3 +81,81 @@ def test_an_interrupted_conversion_leaves_no_complete_folder(tmp_path, monkeypat
             gguf.cache_gguf_as_safetensors(src, out)
     assert not out.exists() and list(tmp_path.glob(".cache.*")) == []  # no folder, no temp left
     assert (gguf.cache_gguf_as_safetensors(src, out) / "model.safetensors").exists()
+
+
+def test_copies_with_other_paths_and_mtimes_share_one_entry(tmp_path, monkeypatch, fake_loader):
+    """A second virtual environment holds its own copy of a packaged GGUF (other path, other mtime): the cache is
+    keyed by content, so it reuses the first one's folder instead of converting and rewriting it."""
+    import os
+
+    monkeypatch.setenv("LAB_CACHE", str(tmp_path / "cache"))
+    a = _write(tmp_path / "venv1" / "model.gguf", b"packaged weights" * 100)
+    b = _write(tmp_path / "venv2" / "model.gguf", b"packaged weights" * 100)
+    os.utime(b, ns=(a.stat().st_mtime_ns + 10**9, a.stat().st_mtime_ns + 10**9))
+    fa = gguf.cache_gguf_as_safetensors(a)
+    assert gguf.cache_gguf_as_safetensors(b) == fa and len(fake_loader) == 1
+    fixed = tmp_path / "fixed"  # a folder of a fixed name, as smollm2_path() uses
+    stamp = None
+    for src in (a, b, a):
+        gguf.cache_gguf_as_safetensors(src, fixed)
+        stamp = stamp or (fixed / "model.safetensors").stat().st_mtime_ns
+        assert (fixed / "model.safetensors").stat().st_mtime_ns == stamp  # never rewritten
+    assert len(fake_loader) == 2
+
+
+_CONVERT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import test_gguf_cache
+from lab.models import gguf
+
+calls, ready = {calls!r}, {ready!r}
+
+def load(path):
+    with open(calls, "a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+    time.sleep(1.0)  # a conversion that takes a while: the other process runs meanwhile
+    return test_gguf_cache.fake_gguf(path)
+
+gguf.load_gguf = load
+with open(ready, "a") as f:
+    f.write("x")
+deadline = time.time() + 60
+while open(ready).read().count("x") < 2 and time.time() < deadline:  # both start converting together
+    time.sleep(0.01)
+print(gguf.cache_gguf_as_safetensors({src!r}, {out!r}))
+"""
+
+
+def fake_gguf(path):
+    """The conversion ``fake_loader`` stands in for, for a process of its own."""
+    from transformers import LlamaForCausalLM
+
+    tok = tiny_tokenizer()
+    model = LlamaForCausalLM(tiny_config("llama", len(tok))).eval()
+    randomize_(model, seed=sum(Path(path).read_bytes()) % 1000)
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config["architectures"] = ["LlamaForCausalLM"]
+    return config, {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, tok
+
+
+def test_two_processes_converting_at_once_leave_one_valid_entry(tmp_path):
+    import subprocess
+    import sys
+
+    from lab.models.loading import read_folder, read_state_dict
+
+    src = _write(tmp_path / "m.gguf", b"weights" * 100)
+    out = tmp_path / "cache" / "m"
+    script = _CONVERT.format(tests=str(Path(__file__).parent), calls=str(tmp_path / "calls"),
+                             ready=str(tmp_path / "ready"), src=str(src), out=str(out))
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).parents[1], env=env) for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    assert {o.strip() for o, _ in results} == {str(out)}
+    assert len((tmp_path / "calls").read_text().split()) == 1  # the second process waited and reused the folder
+    assert sorted(p.name for p in out.parent.iterdir()) == [".lock-m", "m"]  # no temporary folder left
+    spec = read_folder(out)
+    assert set(read_state_dict(spec)) == set(spec.tensors) and "model.embed_tokens.weight" in spec.tensors

@@ -9,7 +9,9 @@ gate/up), so each model class says where every transformers Linear lives in its 
 checkpoint prefixes from a name (``hf_module_name``). Several adapters merge in order, each on top of the last (as llm2vec stacks its MNTP and
 SimCSE adapters): ``W = ((W0 + d1) + d2) ...``, all in float32 from the runner's float32 master copy.
 
-Everything is read and checked before any weight changes, so a bad adapter raises and leaves the model as it was.
+Everything is read and checked before any weight changes, so a bad adapter raises and leaves the model as it was:
+``adapter_config.json``'s values (types, ``r`` > 0, finite ``lora_alpha``), the weights file (readable, every tensor
+finite) and, after the merge in float32, every merged weight (finite).
 Supported: plain LoRA on the Linear layers of the packed models (``bias="none"``). Refused with a clear error: other
 peft types (IA3, prompt tuning, ...), DoRA, trained biases, ``lora_bias``, LoRA on embeddings or ``lm_head``, full
 weights (``modules_to_save``), and modules or shapes that do not fit the base.
@@ -32,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from lab.models.checks import check_finite
 
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -163,12 +167,52 @@ def _read_config(p: Path) -> dict:
         raise FileNotFoundError(f"no {ADAPTER_CONFIG} in {str(p)!r}: adapters are PEFT LoRA folders (peft's "
                                 "save_pretrained writes adapter_config.json + adapter_model.safetensors)")
     try:
-        return json.loads(cfg.read_text())
+        config = json.loads(cfg.read_text())
     except ValueError as e:
         raise ValueError(f"{cfg} is not valid JSON: {e}") from e
+    _check_config(config, cfg)
+    return config
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_config(config, cfg: Path) -> None:
+    """The values a merge reads from ``adapter_config.json``, of the types peft writes: an object; ``r`` a positive
+    integer; ``lora_alpha`` a finite number; ``rank_pattern`` / ``alpha_pattern`` objects mapping module patterns
+    to such values; ``use_rslora`` true or false. ``ValueError`` naming the file and the key otherwise."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg} should hold a JSON object of LoRA settings (peft's LoraConfig), got a "  # noqa: TRY004
+                         f"{type(config).__name__}")
+    if "r" in config and not _positive_int(config["r"]):
+        raise ValueError(f"{cfg}: r (the LoRA rank) must be a positive integer, got {config['r']!r}")
+    if "lora_alpha" in config and not _finite_number(config["lora_alpha"]):
+        raise ValueError(f"{cfg}: lora_alpha must be a finite number (the merge scales B @ A by lora_alpha / r), got "
+                         f"{config['lora_alpha']!r}")
+    for key, valid, what in (("rank_pattern", _positive_int, "a positive integer rank"),
+                             ("alpha_pattern", _finite_number, "a finite lora_alpha")):
+        pattern = config.get(key)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict):
+            raise ValueError(f"{cfg}: {key} must be an object mapping module names / patterns to {what}, "  # noqa: TRY004
+                             f"got {pattern!r}")
+        for name, value in pattern.items():
+            if not valid(value):
+                raise ValueError(f"{cfg}: {key}[{name!r}] must be {what}, got {value!r}")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise ValueError(f"{cfg}: use_rslora must be true or false, got {config['use_rslora']!r}")  # noqa: TRY004
 
 
 def _read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """The adapter's tensors and the content hash of its config and weights. A truncated or corrupt weights file,
+    a pickle that holds more than tensors, or a non-finite tensor raises ``ValueError`` naming the file (and the
+    tensor)."""
     h = hashlib.sha256((p / ADAPTER_CONFIG).read_bytes())
     for name in WEIGHT_FILES:
         f = p / name
@@ -176,14 +220,41 @@ def _read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
             data = f.read_bytes()
             h.update(data)
             if name.endswith(".safetensors"):
+                from safetensors import SafetensorError
                 from safetensors.torch import load
 
-                sd = load(data)
+                try:
+                    sd = load(data)
+                except SafetensorError as e:
+                    raise ValueError(f"{f} is not a valid safetensors file ({len(data)} bytes; {e}): it is "
+                                     "truncated or corrupt. Save the adapter again") from None
             else:
-                sd = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                sd = _read_pickle(f, data)
+            for key, t in sd.items():
+                check_finite(t, f"tensor {key!r} of {f}")
             return sd, h.hexdigest()
     raise FileNotFoundError(f"no adapter weights in {str(p)!r}: expected {' or '.join(WEIGHT_FILES)} next to "
                             f"{ADAPTER_CONFIG}")
+
+
+def _read_pickle(f: Path, data: bytes) -> dict[str, torch.Tensor]:
+    """``adapter_model.bin`` through torch's safe loader; refusals and unreadable files name the file."""
+    import pickle
+
+    try:
+        sd = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only load failed" not in str(e).lower():
+            raise ValueError(f"{f} is not a readable PyTorch weights file ({e}): it is truncated or corrupt") from None
+        raise ValueError(f"{f} is refused for safety: it is a pickle file that holds more than tensors, and "
+                         "unpickling it could run arbitrary code. Save the adapter again with peft's "
+                         "save_pretrained(out, safe_serialization=True) (adapter_model.safetensors)") from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"{f} is not a readable PyTorch weights file ({type(e).__name__}: {str(e)[:200]}): it is "
+                         "truncated or corrupt. Save the adapter again") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"{f} should hold a state dict of LoRA tensors, got {type(sd).__name__}")
+    return sd
 
 
 def _lora_modules(sd: dict[str, torch.Tensor], config: dict, where: str) -> list[LoraModule]:
@@ -219,6 +290,9 @@ def _lora_modules(sd: dict[str, torch.Tensor], config: dict, where: str) -> list
                              f"which do not fit rank r={r} from adapter_config.json (expected lora_A (r, in) and "
                              "lora_B (out, r))")
         scale = alpha / math.sqrt(r) if rslora else alpha / r
+        if not math.isfinite(scale):
+            raise ValueError(f"{where}: module {module!r} has the scale lora_alpha / r = {alpha} / {r}, which is not "
+                             "finite; fix lora_alpha / r in adapter_config.json")
         out.append(LoraModule(module=module, A=a, B=b, scale=scale))
     return out
 
@@ -297,6 +371,11 @@ def merged_weights(model, base: Mapping[str, torch.Tensor], adapters: list[LoraA
             dev = merged[param].device
             delta = (m.B.to(dev) @ m.A.to(dev)) * m.scale  # peft's get_delta_weight
             merged[param][rows] += delta
+        for param, weight in merged.items():  # finite inputs can still overflow float32
+            modules = ", ".join(sorted({f"{m.module!r}" for p, _, m in plan if p == param}))
+            check_finite(weight, f"the merged weight {param!r} (LoRA modules {modules} of "
+                                 f"{', '.join(repr(str(ad.path)) for ad in adapters)})",
+                         "The adapters' lora_alpha / r or weights are too large for float32; nothing was changed")
     return merged
 
 

@@ -30,6 +30,7 @@ from lab.ops.gemm import (
     linear_act,
     row_blocks,
 )
+from lab.models.checks import check_shape
 from lab.models.loading import KeyTracker, warn_unexpected
 from lab.ops.plan import CpuPlan
 from lab.ops.probes import Probe, attention_probe, gemm_probes
@@ -229,7 +230,8 @@ class BertModel(PackedModel):
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load a transformers state dict (``bert.``/``roberta.`` prefixes accepted). ``classifier.*`` weights (a
         ``*ForSequenceClassification`` checkpoint) load the sequence-classification head as ``classifier``."""
-        raw, sd = sd, KeyTracker(_strip_prefix(sd, _HF_PREFIXES))
+        raw, sd = sd, KeyTracker(_strip_prefix(sd, _HF_PREFIXES), source=sd)
+        shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
         own = {
             "word_embeddings.weight": "embeddings.word_embeddings.weight",
             "position_embeddings.weight": "embeddings.position_embeddings.weight",
@@ -238,26 +240,30 @@ class BertModel(PackedModel):
         }
         new: dict[str, torch.Tensor] = {}
         for ours, theirs in own.items():
-            new[ours] = _take(sd, theirs)
+            new[ours] = _take(sd, theirs, shapes[ours])
         tt = sd.get("embeddings.token_type_embeddings.weight")
         if tt is None and self.type_vocab_size > 0:  # transformers would report it MISSING and initialize it randomly
             raise KeyError(f"weight 'embeddings.token_type_embeddings.weight' missing from the checkpoint, but "
                            f"config.json has type_vocab_size={self.type_vocab_size}; the folder's weights are "
                            "incomplete (set type_vocab_size to 0 only if the model was trained without token types)")
+        if tt is not None:
+            check_shape(sd, "embeddings.token_type_embeddings.weight", tt, shapes["token_type_embeddings.weight"],
+                        "type_vocab_size, hidden_size")
         new["token_type_embeddings.weight"] = tt if tt is not None else torch.zeros_like(
             self.token_type_embeddings.weight
         )
+        h = self.hidden_size
         for i in range(self.num_layers):
-            p = f"encoder.layer.{i}."
+            p, o = f"encoder.layer.{i}.", f"layers.{i}."
             for kind in ("weight", "bias"):
-                new[f"layers.{i}.qkv.{kind}"] = torch.cat(
-                    [_take(sd, f"{p}attention.self.{n}.{kind}") for n in ("query", "key", "value")]
+                part = (h, h) if kind == "weight" else (h,)  # each of query / key / value
+                new[f"{o}qkv.{kind}"] = torch.cat(
+                    [_take(sd, f"{p}attention.self.{n}.{kind}", part) for n in ("query", "key", "value")]
                 )
-                new[f"layers.{i}.attn_out.{kind}"] = _take(sd, f"{p}attention.output.dense.{kind}")
-                new[f"layers.{i}.attn_norm.{kind}"] = _take(sd, f"{p}attention.output.LayerNorm.{kind}")
-                new[f"layers.{i}.up.{kind}"] = _take(sd, f"{p}intermediate.dense.{kind}")
-                new[f"layers.{i}.down.{kind}"] = _take(sd, f"{p}output.dense.{kind}")
-                new[f"layers.{i}.out_norm.{kind}"] = _take(sd, f"{p}output.LayerNorm.{kind}")
+                for ours, theirs in (("attn_out", "attention.output.dense"),
+                                     ("attn_norm", "attention.output.LayerNorm"), ("up", "intermediate.dense"),
+                                     ("down", "output.dense"), ("out_norm", "output.LayerNorm")):
+                    new[f"{o}{ours}.{kind}"] = _take(sd, f"{p}{theirs}.{kind}", shapes[f"{o}{ours}.{kind}"])
         self.classifier = self.mlm = self.sparse_linear = self.colbert_linear = None
         mlm = MaskedLMHead.from_state_dict(sd, self.config)
         m3 = {name: _m3_linear(sd, name) for name in ("sparse_linear", "colbert_linear")}
@@ -354,9 +360,9 @@ class SequenceClassificationHead(nn.Module):
             names = {"dense": _first_present(sd, ("bert.pooler.dense", "pooler.dense")), "out": "classifier"}
         else:
             raise KeyError("no classification head (classifier.* weights) in this checkpoint")
-        self.load_state_dict(
-            {f"{ours}.{k}": _take(sd, f"{theirs}.{k}") for ours, theirs in names.items() for k in ("weight", "bias")}
-        )
+        shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        self.load_state_dict({f"{ours}.{k}": _take(sd, f"{theirs}.{k}", shapes[f"{ours}.{k}"])
+                              for ours, theirs in names.items() for k in ("weight", "bias")})
 
 
 # transformers' names of a masked-LM head per layout: dense, LayerNorm, bias, decoder
@@ -400,12 +406,15 @@ class MaskedLMHead(nn.Module):
                            "word embeddings (tie_word_embeddings=false): the masked-LM head has no decoder")
         act = config.get("hidden_act", "gelu") if layout == "bert" else "gelu"
         head = cls(config["hidden_size"], config["vocab_size"], config.get("layer_norm_eps", 1e-12), act, not tied)
+        shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
         b = sd.get(f"{bias}.bias")
         b = _take(sd, f"{decoder}.bias") if b is None else b  # older checkpoints keep it on the decoder
-        weights = {"bias": b, **{f"{ours}.{k}": _take(sd, f"{theirs}.{k}") for ours, theirs in
-                                 (("dense", dense), ("norm", norm)) for k in ("weight", "bias")}}
+        weights = {"bias": check_shape(sd, f"{bias}.bias", b, shapes["bias"], "vocab_size"),
+                   **{f"{ours}.{k}": _take(sd, f"{theirs}.{k}", shapes[f"{ours}.{k}"]) for ours, theirs in
+                      (("dense", dense), ("norm", norm)) for k in ("weight", "bias")}}
         if not tied:
-            weights["decoder"] = own
+            weights["decoder"] = check_shape(sd, f"{decoder}.weight", own, shapes["decoder"],
+                                             "vocab_size, hidden_size")
         head.load_state_dict(weights, strict=True)
         return head
 
@@ -443,9 +452,11 @@ def _strip_prefix(sd: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dic
     return out
 
 
-def _take(sd: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+def _take(sd: dict[str, torch.Tensor], key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Checkpoint tensor ``key`` (``KeyError`` naming it when missing), checked to have ``shape`` when given."""
     try:
-        return sd[key]
+        t = sd[key]
     except KeyError:
         near = [k for k in sd if k.split(".")[-1] == key.split(".")[-1]][:3]
         raise KeyError(f"weight {key!r} missing from the checkpoint (similar keys: {near})") from None
+    return t if shape is None else check_shape(sd, key, t, shape)

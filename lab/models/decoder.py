@@ -25,6 +25,7 @@ from lab.ops.batch import AttnMeta, OutputRows
 from lab.kernels import cpu_norms, cpu_rope
 from lab.models.base import PackedModel
 from lab.ops.gemm import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
+from lab.models.checks import check_shape
 from lab.models.loading import KeyTracker, warn_unexpected
 from lab.ops.plan import CpuPlan
 from lab.ops.probes import Probe, attention_probe, gemm_probes
@@ -407,38 +408,43 @@ class DecoderModel(PackedModel):
         ``lm_head.weight`` is optional: tied configs use the embedding, and an untied checkpoint without it (an
         embedding-only export) simply has no LM logits. Raises ``KeyError`` naming every missing weight.
         """
-        sd = KeyTracker({_strip(k): v for k, v in sd.items()})
+        sd = KeyTracker({_strip(k): v for k, v in sd.items()}, source=sd)
         a = self.args
         missing: list[str] = []
 
-        def take(key: str) -> torch.Tensor | None:
+        def take(key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
             if key not in sd:
                 missing.append(key)
-            return sd.get(key)
+                return None
+            return check_shape(sd, key, sd[key], shape)
 
+        h, nq, nk, inter = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
         new: dict[str, torch.Tensor | None] = {
-            "embed_tokens.weight": take("embed_tokens.weight"),
-            "norm": take("norm.weight"),
+            "embed_tokens.weight": take("embed_tokens.weight", (a.vocab_size, h)),
+            "norm": take("norm.weight", (h,)),
         }
         for i in range(a.num_layers):
             p = o = f"layers.{i}."  # their prefix and ours happen to agree
             att, mlp = f"{p}self_attn.", f"{p}mlp."
-            new[o + "ln_attn"] = take(f"{p}input_layernorm.weight")
-            new[o + "ln_mlp"] = take(f"{p}post_attention_layernorm.weight")
-            new[o + "qkv.weight"] = _cat([take(f"{att}{n}_proj.weight") for n in "qkv"])
+            new[o + "ln_attn"] = take(f"{p}input_layernorm.weight", (h,))
+            new[o + "ln_mlp"] = take(f"{p}post_attention_layernorm.weight", (h,))
+            rows = {"q": nq, "k": nk, "v": nk}
+            new[o + "qkv.weight"] = _cat([take(f"{att}{n}_proj.weight", (rows[n], h)) for n in "qkv"])
             if a.qkv_bias:
-                new[o + "qkv.bias"] = _cat([take(f"{att}{n}_proj.bias") for n in "qkv"])
-            new[o + "o.weight"] = take(f"{att}o_proj.weight")
+                new[o + "qkv.bias"] = _cat([take(f"{att}{n}_proj.bias", (rows[n],)) for n in "qkv"])
+            new[o + "o.weight"] = take(f"{att}o_proj.weight", (h, nq))
             if a.o_bias:
-                new[o + "o.bias"] = take(f"{att}o_proj.bias")
+                new[o + "o.bias"] = take(f"{att}o_proj.bias", (h,))
             if a.qk_norm:
-                new[o + "q_norm"] = take(f"{att}q_norm.weight")
-                new[o + "k_norm"] = take(f"{att}k_norm.weight")
-            new[o + "gate_up.weight"] = _cat([take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")])
-            new[o + "down.weight"] = take(f"{mlp}down_proj.weight")
+                new[o + "q_norm"] = take(f"{att}q_norm.weight", (a.head_dim,))
+                new[o + "k_norm"] = take(f"{att}k_norm.weight", (a.head_dim,))
+            new[o + "gate_up.weight"] = _cat([take(f"{mlp}gate_proj.weight", (inter, h)),
+                                              take(f"{mlp}up_proj.weight", (inter, h))])
+            new[o + "down.weight"] = take(f"{mlp}down_proj.weight", (h, inter))
             if a.mlp_bias:
-                new[o + "gate_up.bias"] = _cat([take(f"{mlp}gate_proj.bias"), take(f"{mlp}up_proj.bias")])
-                new[o + "down.bias"] = take(f"{mlp}down_proj.bias")
+                new[o + "gate_up.bias"] = _cat([take(f"{mlp}gate_proj.bias", (inter,)),
+                                                take(f"{mlp}up_proj.bias", (inter,))])
+                new[o + "down.bias"] = take(f"{mlp}down_proj.bias", (h,))
         if missing:
             shown = ", ".join(missing[:12]) + (f" ... ({len(missing)} in all)" if len(missing) > 12 else "")
             near = sorted(sd)[:6]
@@ -458,7 +464,7 @@ class DecoderModel(PackedModel):
                     new[o + "k_norm"] = new[o + "k_norm"][order]
         if self.lm_head is not None:
             if "lm_head.weight" in sd:
-                new["lm_head.weight"] = sd["lm_head.weight"]
+                new["lm_head.weight"] = check_shape(sd, "lm_head.weight", sd["lm_head.weight"], (a.vocab_size, h))
             else:
                 self.lm_head = None  # embedding-only export: no LM head to load
         own = dict(self.named_parameters())

