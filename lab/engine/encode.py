@@ -5,9 +5,16 @@ sentence-transformers runs on the engine by changing one line.
 What maps to what (checked against sentence-transformers on the same folder, ``tests/test_encode.py``):
 
 - ``prompt`` / ``prompt_name`` (a key of ``Engine.prompts``: sentence-transformers' empty ``query`` and
-  ``document`` prompts updated with the folder's ``config_sentence_transformers.json`` ``prompts``; with neither,
-  its ``default_prompt_name``) become the call's ``instruction``; the Pooling config's ``include_prompt`` (knob
-  ``include_instruction``) decides whether its tokens are pooled.
+  ``document`` prompts updated with the folder's ``config_sentence_transformers.json`` ``prompts``) become the
+  call's ``instruction``; with neither, the engine's ``instruction`` knob, else the folder's ``default_prompt_name``
+  (``call_prompt``: what ``Engine.embed`` uses). ``encode_query`` without a prompt uses the ``instruction`` knob
+  when it is set (the knob is the query side's instruction, as ``score`` applies it), else the ``query`` prompt;
+  ``encode_document`` uses the folder's document prompt and never the knob (``score`` embeds documents without
+  it). The Pooling config's ``include_prompt`` (knob ``include_instruction``) decides whether its tokens are pooled.
+- The engine's other knobs apply as in ``Engine.embed``: ``pooling``, ``normalize``, ``max_length``, ``layer``,
+  ``dtype``, ``bidirectional``, ``chunked_prefill``; ``long_inputs="chunk"`` splits sentence embeddings' long inputs
+  into windows as ``embed`` does (``lab.engine.windows.dense_pass``) and is refused for ``token_embeddings`` and a
+  ColBERT folder's vectors (per-token outputs have no window average), as ``embed`` refuses them.
 - The order of the post-processing is sentence-transformers': the model's own modules (pooling, then ``Normalize``
   when the folder has one, or the ``normalize`` knob), then ``truncate_dim`` (the argument, else the engine's
   ``truncate_dim`` knob), then ``normalize_embeddings``, then ``precision`` (``lab.outputs.quantize``, ranges from the
@@ -32,11 +39,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lab.engine import windows
 from lab.engine.inputs import check_texts
 from lab.outputs.heads import EmbeddingHead, TokensHead
 from lab.outputs.quantize import check_precision, quantize_embeddings
 
-__all__ = ["OUTPUT_VALUES", "encode", "forward", "resolve_prompt", "task_kw"]
+__all__ = ["OUTPUT_VALUES", "call_prompt", "encode", "forward", "resolve_prompt", "task_kw"]
 
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")
 
@@ -73,9 +81,20 @@ def resolve_prompt(prompts: dict[str, str], default_name: str | None, prompt: st
     return prompts.get(default_name) if default_name is not None else None
 
 
-def query_prompt_name(prompts: dict[str, str], prompt: str | None, prompt_name: str | None) -> str | None:
-    """``encode_query``'s prompt name: the given one, else ``query`` when the model has it."""
-    if prompt is None and prompt_name is None and "query" in prompts:
+def call_prompt(engine, prompt: str | None, prompt_name: str | None) -> str | None:
+    """The instruction text an ``encode`` call runs with: ``prompt``, else ``prompts[prompt_name]`` (both given are
+    refused, ``resolve_prompt``), else the engine's ``instruction`` knob, else the folder's default prompt: the
+    order ``Engine.embed`` resolves its instruction in."""
+    knob = engine.knobs["instruction"]
+    if prompt is None and prompt_name is None and knob is not None:
+        return knob
+    return resolve_prompt(engine.prompts, engine.spec.default_prompt_name, prompt, prompt_name)
+
+
+def query_prompt_name(engine, prompt: str | None, prompt_name: str | None) -> str | None:
+    """``encode_query``'s prompt name: the given one; else none when the engine's ``instruction`` knob is set (the
+    knob then applies, ``call_prompt``); else ``query`` when the model has it."""
+    if prompt is None and prompt_name is None and engine.knobs["instruction"] is None and "query" in engine.prompts:
         return "query"
     return prompt_name
 
@@ -90,6 +109,14 @@ def document_prompt_name(prompts: dict[str, str], prompt: str | None, prompt_nam
 def task_kw(spec, task: str, kwargs: dict) -> dict:
     """``encode_query`` / ``encode_document``'s arguments: a ColBERT folder's calls carry their ``task``."""
     return {"task": task, **kwargs} if spec.multi_vector is not None else kwargs
+
+
+def _check_long_inputs(engine, what: str) -> None:
+    """``long_inputs="chunk"`` averages one vector per window: per-token outputs cannot follow it."""
+    if engine.knobs["long_inputs"] == "chunk":
+        raise ValueError(f"long_inputs='chunk' averages one sentence embedding per window of max_length="
+                         f"{engine.max_length} tokens; {what} are per-token and cannot be averaged: set "
+                         "long_inputs='truncate' (engine.configure(long_inputs='truncate')) for them")
 
 
 def _check_options(*, batch_size, output_value, device, engine_device, pool, kwargs, values=OUTPUT_VALUES) -> None:
@@ -126,15 +153,18 @@ def _check_truncate_dim(truncate_dim) -> None:
 def forward(engine, texts: list[str], prompt: str | None, kind: str, show_progress: bool | None,
             task: str | None = None):
     """``encode``'s forward on ``engine`` (its public seam, ``Engine.embed_pass`` / ``Engine.run_passes``): sentence
-    embeddings before truncation (pooled, normalized when the model normalizes), every token's hidden state (prompt
-    and specials included) for ``kind="token_embeddings"``, or a ColBERT folder's vectors for ``kind="colbert"``
-    (``task``: ``lab.outputs.multivector``)."""
+    embeddings before truncation (pooled, normalized when the model normalizes; long inputs split as the
+    ``long_inputs`` knob says, ``lab.engine.windows.dense_pass``), every token's hidden state (prompt and specials
+    included) for ``kind="token_embeddings"``, or a ColBERT folder's vectors for ``kind="colbert"`` (``task``:
+    ``lab.outputs.multivector``)."""
     if kind == "colbert":
         p = engine.embed_pass(texts, prompt, output="colbert", task=task)
     elif kind == "token_embeddings":
         p = engine.embed_pass(texts, prompt, "tokens", head=TokensHead(), include=True)
     else:
-        p = engine.embed_pass(texts, prompt, head=EmbeddingHead(engine.model.hidden_size, normalize=engine.normalize))
+        dense = windows.dense_pass(engine, texts, prompt,
+                                   head=EmbeddingHead(engine.model.hidden_size, normalize=engine.normalize))
+        return dense.finish(engine.run_passes([dense.run], "encode", show_progress, split=dense.split)[0])
     return engine.run_passes([p], "encode", show_progress)[0]
 
 
@@ -160,9 +190,9 @@ def encode(
     """``SentenceTransformer.encode`` on ``engine`` (``Engine.encode``'s arguments; ``kwargs``: the rest), over
     ``forward``, which gives the model's sentence embeddings (``(N, dim)`` float32: pooled, normalized when the model
     normalizes) or its token embeddings (a list of ``(L_i, dim)`` float32 tensors); ``MultiVectorEncoder.encode``
-    for a ColBERT folder. The model's prompts, default prompt, device, size and ``truncate_dim`` knob are the
-    engine's. See the module docstring for what maps to what."""
-    prompts, default_prompt_name = engine.prompts, engine.spec.default_prompt_name
+    for a ColBERT folder. The model's prompts, default prompt, device, size and knobs (``instruction`` when no
+    prompt is given, ``truncate_dim``, ``long_inputs``, ...) are the engine's. See the module docstring for what maps
+    to what."""
     engine_device, dim, default_truncate_dim = engine.device, engine.model.hidden_size, engine.knobs["truncate_dim"]
     multi_vector = engine.spec.multi_vector is not None
     kwargs = dict(kwargs or {})
@@ -178,14 +208,16 @@ def encode(
                              "lab.outputs.quantize.quantize_embeddings); drop the argument")
         _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
                        pool=pool, kwargs=kwargs, values=("token_embeddings",))
-        return _encode_colbert(engine, sentences, resolve_prompt(prompts, default_prompt_name, prompt, prompt_name),
-                               task, show_progress_bar, bool(convert_to_numpy), normalize_embeddings, truncate_dim)
+        _check_long_inputs(engine, "a ColBERT folder's vectors")
+        return _encode_colbert(engine, sentences, call_prompt(engine, prompt, prompt_name), task, show_progress_bar, bool(convert_to_numpy), normalize_embeddings, truncate_dim)
     convert_to_numpy = True if convert_to_numpy is None else convert_to_numpy
     _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
                    pool=pool, kwargs=kwargs)
-    text = resolve_prompt(prompts, default_prompt_name, prompt, prompt_name)
+    text = call_prompt(engine, prompt, prompt_name)
     sentences, single = _sentences(sentences)
     tokens = output_value == "token_embeddings"
+    if tokens:
+        _check_long_inputs(engine, "output_value='token_embeddings'")
     check_precision(precision, rows=None if tokens else len(sentences))
     if tokens:
         convert_to_tensor = convert_to_numpy = False  # a list of per-text tensors, as sentence-transformers returns

@@ -494,15 +494,10 @@ class Engine:
         return quantize_output(out, precision)
 
     def _embed_split(self, texts: list[str], instruction: str | None, show_progress: bool | None) -> np.ndarray:
-        """``embed`` under ``long_inputs="chunk"``: every input tokenized first; those past ``max_length`` become
-        windows (``lab.engine.windows.split_long``), pooled, averaged per input, then the embedding head."""
-        raw = self.embed_pass(texts, instruction, head=EmbeddingHead(self.model.hidden_size))
-        proc = self._processor()
-        fr = windows.frame(proc, instruction, self.include_instruction)
-        split = windows.split_long(proc, texts, raw.tokenize(texts, 0), fr)
-        p = Pass(split.requests, lambda chunk, first: chunk, raw.pooler, shared_prefix=raw.shared_prefix)
-        rows = self.run_passes([p], "embed", show_progress, split=split.split)[0]
-        return self._embedding_head()(split.combine(rows, len(texts)), None).numpy()  # averaged: no step's requests
+        """``embed`` under ``long_inputs="chunk"``: inputs past ``max_length`` become windows, pooled, averaged per
+        input, then the embedding head (``lab.engine.windows.dense_pass``)."""
+        dense = windows.dense_pass(self, texts, instruction)
+        return dense.finish(self.run_passes([dense.run], "embed", show_progress, split=dense.split)[0])
 
     @_call
     def embed_chunks(self, docs: list[str], chunk_tokens: int = 128, *, late: bool = True, overlap: int | None = None,
@@ -548,14 +543,16 @@ class Engine:
 
     @_call
     def encode_query(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
-        """``encode`` with the model's ``query`` prompt (unless another is given), as sentence-transformers."""
-        name = st_compat.query_prompt_name(self.spec.prompts, prompt, prompt_name)
+        """``encode`` with the model's ``query`` prompt (unless another is given, or the ``instruction`` knob is set:
+        then the knob), as sentence-transformers (``lab.engine.encode``)."""
+        name = st_compat.query_prompt_name(self, prompt, prompt_name)
         return self.encode(sentences, prompt_name=name, prompt=prompt, **st_compat.task_kw(self.spec, "query", kwargs))
 
     @_call
     def encode_document(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
         """``encode`` with the model's ``document`` / ``passage`` / ``corpus`` prompt (the first it has, unless
-        another is given), as sentence-transformers."""
+        another is given), as sentence-transformers; the ``instruction`` knob is the query side's and does not apply
+        (``lab.engine.encode``)."""
         name = st_compat.document_prompt_name(self.spec.prompts, prompt, prompt_name)
         return self.encode(sentences, prompt_name=name, prompt=prompt,
                            **st_compat.task_kw(self.spec, "document", kwargs))
@@ -620,7 +617,7 @@ class Engine:
         ``similarity``: ``cosine`` or ``dot`` for ``bi-encoder``. See ``lab.engine.rerank``."""
         job = rerank.score_job(self, pairs, mode=mode, activation=activation, instruction=self._instruction(
             instruction), prompt=prompt, similarity=similarity)
-        return job.combine(self.run_passes(job.passes, "score", show_progress))
+        return job.combine(self.run_passes(job.passes, "score", show_progress, split=job.split))
 
     @_call
     def rerank(self, query: str, documents: list[str], *, top_k: int | None = None, **score_kwargs):

@@ -59,7 +59,9 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
         "states + one layer's K/V per long input (``lab.engine.kv_path``)."
     ),
     "instruction": (
-        "text prepended to every input, attended to; pooled or not as ``include_instruction`` says."
+        "text prepended to every input, attended to; pooled or not as ``include_instruction`` says. ``score`` / "
+        "``rerank`` and ``encode_query`` apply it to queries, ``encode_document`` to no document; a call's own "
+        "``instruction=`` / ``prompt=`` / ``prompt_name=`` replaces it."
     ),
     "include_instruction": (
         "pool the instruction's tokens too; ``None`` = the model's Pooling config (sentence-transformers' "
@@ -95,7 +97,9 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
     "long_inputs": (
         "what happens to an input past ``max_length``: ``truncate`` (cut, counted in ``stats.truncated``) or ``chunk`` "
         "(split into ``max_length`` windows, each pooled, averaged weighted by its tokens, then the head: "
-        "matryoshka, normalize; counted in ``stats.split``; ``lab.engine.windows``)."
+        "matryoshka, normalize; counted in ``stats.split``; ``lab.engine.windows``). ``chunk`` applies to every dense "
+        "call (``embed``, ``encode*``, bi-encoder ``score`` / ``rerank``); cross-encoder / LLM pair scoring refuses "
+        "a pair past ``max_length`` under it, per-token and sparse outputs refuse it."
     ),
 }
 

@@ -23,6 +23,21 @@ Which mode runs (``default_mode``; ``mode=`` overrides it):
   or by bge-m3's weighted sum of the dense dot product, the sparse and the ColBERT score
   (``M3Embedder.compute_score``'s ``colbert+sparse+dense`` with its default weights, ``M3_WEIGHTS``).
 
+The engine's knobs, per mode:
+
+- ``bi-encoder``: every embedding knob, as ``Engine.embed`` applies it to each side (queries take the ``instruction``,
+  documents none); ``long_inputs="chunk"`` splits a long query or document into windows whose vectors are averaged
+  (``lab.engine.windows.dense_pass``), so the score is the cosine of the vectors ``embed`` gives.
+- ``cross-encoder`` / ``llm``: a pair is one sequence whose score is read at one token (the classification head's
+  first token, the yes/no logits at the last), so ``pooling``, ``normalize``, ``truncate_dim`` and
+  ``include_instruction`` do not apply; ``instruction`` is prepended to the query (cross-encoder) or fills the
+  prompt's ``{instruction}`` slot (llm); ``max_length``, ``layer``, ``dtype``, ``bidirectional`` and
+  ``chunked_prefill`` apply to the forward. ``long_inputs="chunk"`` has no sound rule for one pair's windows (a
+  score is not an average of its windows' scores), so a pair past ``max_length`` is refused under it, naming
+  ``long_inputs`` and ``max_length``; pairs that fit score as under ``truncate``.
+- ``late-interaction`` / ``sparse`` / ``m3``: per-token and lexical outputs have no window average, so
+  ``long_inputs="chunk"`` is refused, as ``Engine.embed`` refuses those outputs under it.
+
 ``activation``: ``"default"`` (above; the bi-encoder's default is the raw similarity), ``None`` for raw scores
 (head logits, ``logit_yes - logit_no``, or the similarity), ``"sigmoid"``, ``"softmax"`` (over labels), ``"tanh"``.
 
@@ -43,6 +58,7 @@ import torch
 
 from lab.engine.call import Pass
 from lab.engine.inputs import InputProcessor, Request, check_encodable, check_texts
+from lab.engine.windows import dense_pass
 from lab.outputs.heads import ACTIVATIONS as HEAD_ACTIVATIONS
 from lab.outputs.heads import ClassifierHead, Pooler, YesNoHead, activate
 from lab.outputs.kinds import check_outputs
@@ -295,6 +311,7 @@ class ScoreJob:
 
     passes: list[Pass]
     combine: Callable[[list], np.ndarray]
+    split: int = 0  # inputs cut into windows (long_inputs="chunk"; Engine.run_passes' split=)
 
 
 def score_job(engine, pairs, *, mode: str | None = None, activation="default", instruction: str | None = None,
@@ -326,12 +343,17 @@ def score_job(engine, pairs, *, mode: str | None = None, activation="default", i
             return layout.requests([queries[i] for i in chunk], [documents[i] for i in chunk], first_index=first)
 
         # every prompt starts with the same template: the prefix cache computes it once under causal attention
-        return ScoreJob([Pass(index, tokenize, Pooler(pooling_method("lasttoken"), head), shared_prefix=True)],
-                        lambda outs: outs[0])
+        return ScoreJob([_pair_pass(engine, mode, index, tokenize, Pooler(pooling_method("lasttoken"), head),
+                                    shared_prefix=True)], lambda outs: outs[0])
     if activation == "softmax":
         raise ValueError(f"activation='softmax' needs several scores per pair; mode={mode!r} gives one")
     activation = None if activation == "default" else activation
     if mode in SCORE_OUTPUTS:
+        if engine.knobs["long_inputs"] == "chunk":
+            raise ValueError(f"long_inputs='chunk' averages one dense vector per window, but mode={mode!r} scores "
+                             f"per-token or lexical outputs ({', '.join(SCORE_OUTPUTS[mode])}), which have no window "
+                             "average; set long_inputs='truncate' for this mode (inputs are then cut at "
+                             f"max_length={engine.max_length})")
         return _outputs_job(engine, mode, queries, documents, instruction, activation)
     return _bi_encoder_job(engine, queries, documents, instruction, similarity, activation)
 
@@ -352,12 +374,30 @@ def _cross_encoder_job(engine, queries, documents, index, activation, instructio
     def combine(outs: list) -> np.ndarray:
         return outs[0][:, 0] if labels == 1 else outs[0]
 
-    return ScoreJob([Pass(index, tokenize, Pooler(pooling_method("cls"), head))], combine)
+    return ScoreJob([_pair_pass(engine, "cross-encoder", index, tokenize, Pooler(pooling_method("cls"), head))],
+                    combine)
+
+
+def _pair_pass(engine, mode: str, index: list[int], tokenize, pooler: Pooler, *, shared_prefix: bool = False) -> Pass:
+    """The pass of one-sequence-per-pair scoring. Under ``long_inputs="chunk"`` every pair is tokenized first and
+    a pair past ``max_length`` is refused before any model work (see the module docstring); ``truncate`` cuts it."""
+    if engine.knobs["long_inputs"] != "chunk":
+        return Pass(index, tokenize, pooler, shared_prefix=shared_prefix)
+    requests = tokenize(index, 0)
+    long = [r.index for r in requests if r.truncated]
+    if long:
+        raise ValueError(
+            f"long_inputs='chunk' does not apply to mode={mode!r}: a (query, document) pair is scored as one sequence "
+            f"and a score is not an average of its windows' scores, but pairs[{long[0]}] ({len(long)} pair(s) in all) "
+            f"is longer than max_length={engine.max_length} tokens. Set long_inputs='truncate' to cut such pairs "
+            "(longest side first), raise max_length, or shorten the document")
+    return Pass(requests, lambda chunk, first: chunk, pooler, shared_prefix=shared_prefix)
 
 
 def _bi_encoder_job(engine, queries, documents, instruction, similarity, activation) -> ScoreJob:
     """Cosine (or dot) similarity of each query's and document's embeddings; distinct texts embed once, queries
-    with ``instruction`` (attended, pooled per the ``include_instruction`` knob), documents without."""
+    with ``instruction`` (attended, pooled per the ``include_instruction`` knob), documents without, each side as
+    ``Engine.embed`` embeds it under the ``long_inputs`` knob (``lab.engine.windows.dense_pass``)."""
     uq, ud = list(dict.fromkeys(queries)), list(dict.fromkeys(documents))
     qi, di = {t: i for i, t in enumerate(uq)}, {t: i for i, t in enumerate(ud)}
 
@@ -368,7 +408,9 @@ def _bi_encoder_job(engine, queries, documents, instruction, similarity, activat
             a, b = torch.nn.functional.normalize(a, dim=-1), torch.nn.functional.normalize(b, dim=-1)
         return activate((a * b).sum(-1), activation).numpy()
 
-    return ScoreJob([engine.embed_pass(uq, instruction), engine.embed_pass(ud, None)], combine)
+    sides = [dense_pass(engine, uq, instruction), dense_pass(engine, ud, None)]
+    return ScoreJob([side.run for side in sides], lambda outs: combine([s.finish(o) for s, o in zip(sides, outs)]),
+                    split=sum(side.split for side in sides))
 
 
 def _outputs_job(engine, mode, queries, documents, instruction, activation) -> ScoreJob:

@@ -17,6 +17,10 @@ EOS): a window is ``prefix + body[s : s + room] + suffix`` with ``room = max_len
   least one chunk) yields every token's final state, and each chunk's vector is the model's pooling over its own
   span, taken from the window that holds the chunk with the most context on its narrower side.
 
+``dense_pass`` is the one place the knob is read: every call kind that embeds texts into dense vectors (``embed``,
+``encode`` / ``encode_query`` / ``encode_document``, ``score`` / ``rerank`` in ``bi-encoder`` mode) runs the pass it
+builds, so they all split a long input the same way.
+
 The instruction is tokenized on its own here (in the packed path it is tokenized together with the text, which can
 merge one token across the boundary); its tokens are attended to in every window and never pooled in a chunk.
 """
@@ -30,8 +34,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from lab.engine.call import Pass
 from lab.engine.inputs import InputProcessor, Request
 from lab.kernels.reference import segment_pool
+from lab.outputs.heads import EmbeddingHead, Head
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,44 @@ def split_long(proc: InputProcessor, texts: list[str], requests: list[Request], 
             owner.append(r.index)
             weight.append(w.length - w.pool_start)
     return Split(out, np.asarray(owner, dtype=np.int64), np.asarray(weight, dtype=np.float64), len(long_ids))
+
+
+@dataclass(frozen=True)
+class DensePass:
+    """Dense embeddings of ``n`` texts as one pass of ``Engine.run_passes``: ``run`` is the pass, ``finish`` turns
+    its rows into the ``(n, dim)`` embeddings and ``split`` counts the inputs cut into windows (``run_passes``'s
+    ``split=``). Without windows the pass's own head already gave the embeddings; with them, ``run`` pools each
+    window before any head and ``finish`` averages them per input (``Split.combine``), then applies ``head``."""
+
+    run: Pass
+    n: int
+    head: Head | None = None
+    windows: Split | None = None
+
+    @property
+    def split(self) -> int:
+        return 0 if self.windows is None else self.windows.split
+
+    def finish(self, rows: np.ndarray) -> np.ndarray:
+        if self.windows is None:
+            return rows
+        return self.head(self.windows.combine(rows, self.n), None).numpy()  # averaged: no step's requests
+
+
+def dense_pass(engine, texts: list[str], instruction: str | None, *, head: Head | None = None) -> DensePass:
+    """The pass that embeds ``texts`` with ``instruction`` (a resolved text or ``None``) as ``Engine.embed`` does,
+    under the engine's ``long_inputs`` knob: ``truncate`` runs ``engine.embed_pass`` as it is; ``chunk`` tokenizes
+    every input first and replaces those past ``max_length`` with windows (``split_long``), pooled with no head, the
+    head (``head``, default the engine's embedding head) applied to the averages by ``DensePass.finish``. Inputs
+    that fit give the same vectors either way."""
+    plain = engine.embed_pass(texts, instruction, head=head)
+    if engine.knobs["long_inputs"] != "chunk":
+        return DensePass(plain, len(texts))
+    raw = engine.embed_pass(texts, instruction, head=EmbeddingHead(engine.model.hidden_size))
+    proc = InputProcessor(engine.tokenizer, engine.max_length, append_eos=engine.append_eos)  # embed_pass's
+    split = split_long(proc, texts, raw.tokenize(texts, 0), frame(proc, instruction, engine.include_instruction))
+    windows = Pass(split.requests, lambda chunk, first: chunk, raw.pooler, shared_prefix=raw.shared_prefix)
+    return DensePass(windows, len(texts), plain.pooler.head, split)
 
 
 # ------------------------------------------------------------------------------------------------ late chunking
