@@ -36,9 +36,9 @@ def kernels_for(model: str) -> tuple[str, ...]:
 
 
 def run(lengths: list[int], dtypes: list[str], tokens: int, rounds: int) -> pd.DataFrame:
+    from lab.eval.bench import interleaved
     from lab.ops.attention import attention
     from lab.ops.batch import AttnMeta
-    from lab.eval.bench import interleaved
     from lab.ops.probes import cpu_info
 
     info = cpu_info()

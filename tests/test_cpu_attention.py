@@ -106,9 +106,9 @@ def test_unbuildable_machine_falls_back(tmp_path, monkeypatch):
     """No working compiler: ``available()`` is False with the compiler's complaint, the probe does not offer the
     kernel, and ``attention(..., kernel="lab")`` runs torch's fused kernel; the build cache is keyed by source,
     compiler and CPU, so the same request is compiled once."""
+    from lab.ops import probes
     from lab.ops.attention import attention
     from lab.ops.batch import AttnMeta
-    from lab.ops import probes
 
     broken = tmp_path / "cc"
     broken.write_text("#!/bin/sh\necho 'cc: no such thing' >&2\nexit 1\n")

@@ -126,9 +126,9 @@ def test_bert_layers_in_place_match_transformers(tmp_path, minilm_path, ffn, mon
     from tiny_encoders import tiny_encoder
     from transformers import AutoModel, AutoTokenizer
 
-    from lab.ops.batch import PackedBatch
     from lab.models import bert
     from lab.models.loading import read_folder, read_state_dict
+    from lab.ops.batch import PackedBatch
 
     monkeypatch.setattr(bert, "FFN_ROWS", 5)
     calls, real = [], cpu_norms.add_layer_norm
@@ -162,9 +162,9 @@ def test_bert_under_autograd_keeps_torchs_norms(tmp_path, minilm_path, monkeypat
     import numpy as np
     from tiny_encoders import tiny_encoder
 
-    from lab.ops.batch import PackedBatch
     from lab.models.bert import BertModel
     from lab.models.loading import read_folder, read_state_dict
+    from lab.ops.batch import PackedBatch
 
     calls, real = [], cpu_norms.add_layer_norm
     monkeypatch.setattr(cpu_norms, "add_layer_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -188,9 +188,9 @@ def test_bert_under_autograd_keeps_torchs_norms(tmp_path, minilm_path, monkeypat
 def test_the_triton_backend_keeps_its_own_norms(monkeypatch):
     """A plan that chose the C kernels does not reroute the Triton backend's norms (BERT's post-norm, the decoders'
     pre-norm): only the torch backend's."""
+    from lab.models import bert, decoder
     from lab.ops.attention import ops
     from lab.ops.batch import AttnMeta
-    from lab.models import bert, decoder
 
     calls = []
     for name in ("add_layer_norm", "add_rms_norm"):

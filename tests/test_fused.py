@@ -90,7 +90,8 @@ def test_cpu_paths_are_probed_and_can_be_forced(minilm_path, monkeypatch):
     choice is one of its probe's candidates, and forcing the other candidates (``cpu_paths=``, for that engine
     alone) changes no output. Nothing here assumes which candidate this CPU prefers or how many probes run."""
     from lab import Engine
-    from lab.ops import gemm as fused, probes
+    from lab.ops import gemm as fused
+    from lab.ops import probes
 
     texts = ["a probe", "another text, longer than the first one"]
     eng = Engine(minilm_path)

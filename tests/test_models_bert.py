@@ -11,9 +11,9 @@ from conftest import cosine_rows
 from tiny_encoders import tiny_encoder
 
 from lab import Engine
-from lab.ops.batch import PackedBatch
 from lab.models.bert import BertModel
 from lab.models.loading import read_folder, read_state_dict
+from lab.ops.batch import PackedBatch
 
 TEXTS = ["a", "hello world", "the quick brown fox jumps over the lazy dog", "", "naïve café 東京",
          "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"]

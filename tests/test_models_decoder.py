@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tiny_models import KINDS, tiny_llama
 
-from lab.ops.batch import AttnMeta, KVStep
 from lab.models.decoder import DecoderModel
 from lab.models.rope import rope_from_config
+from lab.ops.batch import AttnMeta, KVStep
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 COS_MIN = 0.9999

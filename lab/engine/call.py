@@ -20,9 +20,9 @@ from typing import Self
 
 import numpy as np
 
-from lab.outputs.heads import Pooler, SparseShape
 from lab.engine.inputs import Request
 from lab.engine.scheduler import WAVE_SIZE
+from lab.outputs.heads import Pooler, SparseShape
 
 
 @dataclass

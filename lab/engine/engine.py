@@ -24,29 +24,28 @@ from dataclasses import asdict, fields
 import numpy as np
 import torch
 
-from lab.engine import encode as st_compat
-from lab.engine import windows
-from lab.outputs import kinds as outputs
-from lab.outputs import multivector
-from lab.engine import rerank
 from lab.adapt.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
-from lab.ops.attention import resolve_backend
+from lab.engine import encode as st_compat
+from lab.engine import rerank, windows
 from lab.engine.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.engine.executor import Executor
 from lab.engine.gate import Gate
-from lab.outputs.heads import EmbeddingHead, Pooler, TokensHead
 from lab.engine.inputs import InputProcessor, Request, check_texts
 from lab.engine.knobs import Knobs, ModelLimits, check_for_model, knobs_doc, resolve_device, resolve_dtype
+from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
 from lab.models import model_class
 from lab.models.hf_fallback import HFFallbackModel
 from lab.models.loading import ModelSpec, load_tokenizer, read_folder, read_state_dict
+from lab.ops.attention import resolve_backend
+from lab.ops.probes import check_forced
+from lab.outputs import kinds as outputs
+from lab.outputs import multivector
+from lab.outputs.heads import EmbeddingHead, Pooler, TokensHead
 from lab.outputs.kinds import output_pooler
 from lab.outputs.pooling import pooling_method
 from lab.outputs.quantize import check_precision, quantize_output
-from lab.ops.probes import check_forced
-from lab.runtime.runner import Runner
 from lab.runtime import allocator
-from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
+from lab.runtime.runner import Runner
 
 __all__ = ["Engine", "Stats"]
 

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from lab.ops.batch import OutputRows
 from lab.engine.call import ExecSettings, Stats
-from lab.outputs.heads import Pooler
 from lab.engine.inputs import Request, pack
 from lab.engine.kv_path import KVPath
+from lab.engine.scheduler import plan_batches
+from lab.ops.batch import OutputRows
+from lab.outputs.heads import Pooler
 from lab.outputs.pooling import PoolingMethod
 from lab.runtime.runner import Runner
-from lab.engine.scheduler import plan_batches
 
 
 class Executor:

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lab.ops.batch import AttnMeta, KVStep, PackedBatch
 from lab.engine.call import ExecSettings, Stats
 from lab.engine.inputs import Request, pack
+from lab.engine.scheduler import plan_batches
+from lab.ops.batch import AttnMeta, KVStep, PackedBatch
 from lab.outputs.pooling import PoolingMethod
 from lab.runtime.runner import Runner
-from lab.engine.scheduler import plan_batches
 
 
 class _PerLayer:

@@ -18,8 +18,8 @@ import html
 import ipywidgets as widgets
 import numpy as np
 
-from lab.kernels.reference import POOLING_METHODS
 from lab.engine.knobs import DTYPES
+from lab.kernels.reference import POOLING_METHODS
 
 DEFAULT_SENTENCES = (
     "A man is playing a guitar.\n"

@@ -155,8 +155,8 @@ def evaluate(
 
 def _check_modes(engine, modes: Iterable[str]) -> tuple[str, ...]:
     """``retrieval_modes`` known and servable by the engine's model (its outputs), before any work."""
-    from lab.outputs.kinds import check_outputs
     from lab.eval.retrieval import MODE_OUTPUTS, MODES
+    from lab.outputs.kinds import check_outputs
 
     modes = tuple(modes)
     for mode in modes:

@@ -17,10 +17,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from lab.ops.attention import attention, ops
-from lab.ops.batch import AttnMeta, OutputRows
 from lab.kernels import cpu_norms
 from lab.models.base import PackedModel
+from lab.models.checks import check_shape
+from lab.models.loading import KeyTracker, warn_unexpected
+from lab.ops.attention import attention, ops
+from lab.ops.batch import AttnMeta, OutputRows
 from lab.ops.gemm import (
     ACTIVATIONS,
     Linear,
@@ -30,8 +32,6 @@ from lab.ops.gemm import (
     linear_act,
     row_blocks,
 )
-from lab.models.checks import check_shape
-from lab.models.loading import KeyTracker, warn_unexpected
 from lab.ops.plan import CpuPlan
 from lab.ops.probes import Probe, attention_probe, gemm_probes
 

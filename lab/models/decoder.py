@@ -20,15 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lab.ops.attention import attention, ops
-from lab.ops.batch import AttnMeta, OutputRows
 from lab.kernels import cpu_norms, cpu_rope
 from lab.models.base import PackedModel
-from lab.ops.gemm import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
 from lab.models.checks import check_shape
 from lab.models.loading import KeyTracker, warn_unexpected
-from lab.ops.plan import CpuPlan
-from lab.ops.probes import Probe, attention_probe, gemm_probes
 from lab.models.rope import (
     RopeSpec,
     RopeTables,
@@ -38,6 +33,11 @@ from lab.models.rope import (
     rotate_pairs_,
     rotate_qk_,
 )
+from lab.ops.attention import attention, ops
+from lab.ops.batch import AttnMeta, OutputRows
+from lab.ops.gemm import ACTIVATIONS, Linear, activation_inplace, check_activation, linear, row_blocks
+from lab.ops.plan import CpuPlan
+from lab.ops.probes import Probe, attention_probe, gemm_probes
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = tuple(

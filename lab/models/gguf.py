@@ -90,6 +90,7 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
     out = Path(out_dir).expanduser() if out_dir is not None else default_cache_dir() / f"{src.stem}-{fp['id']}"
     if _complete(out, fp):
         return out
+    require("gguf", extra="gguf", purpose=f"reading GGUF files ({src.name})")  # before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     with _locked(out.parent / f".lock-{out.name}"):
         if _complete(out, fp):  # another process converted it while this one waited

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from lab.ops.batch import AttnMeta, OutputRows
 from lab.models.base import PackedModel
+from lab.ops.batch import AttnMeta, OutputRows
 
 
 class HFFallbackModel(PackedModel):

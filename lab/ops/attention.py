@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import torch
 
-from lab.ops.batch import AttnMeta
 from lab.kernels import cpu_attention, reference
+from lab.ops.batch import AttnMeta
 
 BACKENDS = ("auto", "torch", "triton")
 # Scores per group of sequences on the torch kernels' matmul path (``attention(..., kernel="matmul")``); a sequence with

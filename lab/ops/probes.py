@@ -273,9 +273,9 @@ def attention_probe(dtype: torch.dtype, heads: int, d: int, threads: int, *, kv_
     0.990 (``lab`` / fused); that mode's worst texts are fragile under any rounding change (0.877 / 0.915).
     ``causal_block``: the torch path's query blocks for long causal sequences (a decoder's ``causal_attention``
     choice), used by ``sdpa`` and ``matmul`` here as in the layer."""
+    from lab.kernels import cpu_attention
     from lab.ops.attention import attention
     from lab.ops.batch import AttnMeta
-    from lab.kernels import cpu_attention
 
     kv_heads = kv_heads or heads
     meta = AttnMeta.from_lengths(list(ATTENTION_PROBE_LENGTHS), causal=causal)

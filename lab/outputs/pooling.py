@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lab.kernels.reference import POOLING_METHODS
 from lab.ops.attention import ops
 from lab.ops.batch import AttnMeta
-from lab.kernels.reference import POOLING_METHODS
 
 __all__ = ["METHODS", "POOLING_METHODS", "PoolingMethod", "pooling_method"]
 
