@@ -142,6 +142,33 @@ def test_a_stale_weights_file_beside_model_safetensors_is_not_read(models, tmp_p
     np.testing.assert_array_equal(eng.embed(TEXTS), Engine(str(models["bert"])).embed(TEXTS))
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_hub_cache_layout_loads_sharded_or_not(models, tmp_path, sharded):
+    """The Hugging Face hub cache keeps a snapshot's files as symbolic links to ``../../blobs``: one rule for the
+    single file and the shards (the names must stay inside the folder; the files may be links), both load."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    src = models["bert"]
+    for f in src.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, blobs / f.name)
+            (snap / f.name).symlink_to(Path("..", "..", "blobs", f.name))
+    sd = load_file(str(src / "model.safetensors"))
+    if sharded:
+        names = sorted(sd)
+        parts = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for shard, keys in parts.items():
+            save_file({k: sd[k] for k in keys}, str(blobs / shard))
+            (snap / shard).symlink_to(Path("..", "..", "blobs", shard))
+        (snap / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: shard for shard, keys in parts.items() for k in keys}}))
+    else:
+        shutil.copy(src / "model.safetensors", blobs / "model.safetensors")
+        (snap / "model.safetensors").symlink_to(Path("..", "..", "blobs", "model.safetensors"))
+    np.testing.assert_array_equal(Engine(str(snap)).embed(TEXTS), Engine(str(src)).embed(TEXTS))
+
+
 def test_weights_under_another_name_are_not_guessed(models, tmp_path):
     folder = _copy(models, "bert", tmp_path / "bert")
     (folder / "model.safetensors").rename(folder / "weights.safetensors")
