@@ -357,3 +357,16 @@ def test_errors_name_the_heads_and_change_nothing(minilm_engine, m3_folder, spla
     with pytest.raises(ValueError, match="masked-LM head \\(no SpladePooling module"):
         mlm.embed(["a"], output="sparse")
     assert m3.embed([], output=("sparse", "colbert"))["sparse"].shape == (0, m3.model.config["vocab_size"])
+
+
+def test_an_m3_head_of_the_wrong_width_is_named(m3_folder, tmp_path):
+    """A ``colbert_linear.pt`` whose input width is not the model's hidden size fails at load, naming the tensor and
+    the shape config.json implies (it used to fail inside torch at the first call)."""
+    import shutil
+
+    folder = tmp_path / "m3-wrong"
+    shutil.copytree(m3_folder, folder)
+    torch.save(torch.nn.Linear(40, 48).state_dict(), folder / "colbert_linear.pt")
+    with pytest.raises(ValueError, match=r"'colbert_linear.weight'.*has shape \(48, 40\), but config.json implies "
+                                         r"\(48, 48\) \(\(outputs, hidden_size\)\)"):
+        Engine(str(folder))

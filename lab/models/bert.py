@@ -266,7 +266,7 @@ class BertModel(PackedModel):
                     new[f"{o}{ours}.{kind}"] = _take(sd, f"{p}{theirs}.{kind}", shapes[f"{o}{ours}.{kind}"])
         self.classifier = self.mlm = self.sparse_linear = self.colbert_linear = None
         mlm = MaskedLMHead.from_state_dict(sd, self.config)
-        m3 = {name: _m3_linear(sd, name) for name in ("sparse_linear", "colbert_linear")}
+        m3 = {name: _m3_linear(sd, name, self.hidden_size) for name in ("sparse_linear", "colbert_linear")}
         warn_unexpected(sd, self.model_type, ignore=_UNUSED_PREFIXES)
         self.load_state_dict(new, strict=True)
         dtype = self.word_embeddings.weight.dtype
@@ -419,12 +419,16 @@ class MaskedLMHead(nn.Module):
         return head
 
 
-def _m3_linear(sd: dict[str, torch.Tensor], name: str) -> Linear | None:
+def _m3_linear(sd: dict[str, torch.Tensor], name: str, hidden: int) -> Linear | None:
     """bge-m3's ``sparse_linear`` / ``colbert_linear`` (``sparse_linear.pt`` / ``colbert_linear.pt`` beside the
-    weights, read under these prefixes by ``lab.models.loading.read_state_dict``), or ``None``."""
+    weights, read under these prefixes by ``lab.models.loading.read_state_dict``), or ``None``; its input width must
+    be the model's ``hidden`` size, and a bias its output width."""
     w = sd.get(f"{name}.weight")
     if w is None:
         return None
+    check_shape(sd, f"{name}.weight", w, (w.shape[0] if w.dim() else 1, hidden), "(outputs, hidden_size)")
+    if f"{name}.bias" in sd:
+        check_shape(sd, f"{name}.bias", sd[f"{name}.bias"], (w.shape[0],), "the weight's outputs")
     layer = Linear(w.shape[1], w.shape[0], bias=f"{name}.bias" in sd)
     layer.load_state_dict({"weight": w, **({"bias": sd[f"{name}.bias"]} if layer.bias is not None else {})})
     return layer
