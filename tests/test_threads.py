@@ -110,3 +110,26 @@ def test_an_interrupted_call_leaves_the_gate_open():
     done = threading.Event()
     threading.Thread(target=lambda: (gate.change().__enter__(), done.set())).start()
     assert done.wait(2)
+
+
+def test_calls_of_several_threads_run_one_at_a_time():
+    gate, inside, most = Gate(), [0], [0]
+    lock = threading.Lock()
+
+    def call():
+        for _ in range(5):
+            with gate.call():
+                with lock:
+                    inside[0] += 1
+                    most[0] = max(most[0], inside[0])
+                with gate.call():  # nested in one thread: runs at once
+                    time.sleep(0.005)
+                with lock:
+                    inside[0] -= 1
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1 and inside[0] == 0

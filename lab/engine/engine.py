@@ -53,7 +53,7 @@ _UNSET = object()
 
 
 def _call(method):
-    """A public call: enters the engine's gate as a call (``lab.engine.gate``: calls run together, never while a
+    """A public call: enters the engine's gate as a call (``lab.engine.gate``: one at a time, never while a
     ``configure`` runs), after repairing an interrupted ``configure`` alone."""
 
     @functools.wraps(method)
@@ -146,7 +146,7 @@ class Engine:
         self.model = self._build_model(dtype, forced)
         self.runner = Runner(self.model, device=self.device, dtype=dtype, cpu_paths=forced)
         self.executor = Executor(self.runner)
-        self._gate = Gate()  # calls together, configure alone (lab.engine.gate)
+        self._gate = Gate()  # one call at a time, configure between calls (lab.engine.gate)
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
         self._dirty = False  # a configure was interrupted while swapping weights (``_repair``)
         self._adapters: list[LoraAdapter] = []  # merged into the live weights, in order
