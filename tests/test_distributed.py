@@ -372,11 +372,12 @@ def test_split_by_tokens_balances_contiguous_ranges():
 
 
 def test_lab_does_not_need_ray(tmp_path):
-    """``import lab`` (and the engine) never import Ray; without Ray, lab.distributed says how to install it."""
+    """``import lab`` (and the engine, and the package ``lab.distributed``, whose names load on first use) never
+    import Ray; without Ray, asking for ``RayEngine`` says how to install it."""
     code = (
         "import sys; sys.modules['ray'] = None\n"  # as if Ray were not installed
-        "import lab, lab.engine, lab.distributed.shards\n"
-        "try:\n    import lab.distributed\nexcept ImportError as e:\n    print(e)\n"
+        "import lab, lab.engine, lab.distributed, lab.distributed.shards\n"
+        "try:\n    from lab.distributed import RayEngine\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert 'pip install -e ".[ray]"' in out.stdout
