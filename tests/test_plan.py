@@ -178,7 +178,7 @@ def test_two_engines_with_different_plans_in_two_threads(two_engines, sentences)
         try:
             for _ in range(4):
                 results[name].append(two_engines[name].embed(texts[name]))
-        except Exception as e:  # surfaced below
+        except Exception as e:  # noqa: BLE001 (surfaced below)
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(name,)) for name in texts]

@@ -29,7 +29,7 @@ def test_configure_while_other_threads_embed(minilm_path, sentences):
         try:
             while not stop.is_set():
                 results.append(eng.embed(texts))
-        except Exception as e:  # surfaced below
+        except Exception as e:  # noqa: BLE001 (surfaced below)
             errors.append(e)
 
     threads = [threading.Thread(target=work) for _ in range(3)]
