@@ -88,7 +88,7 @@ LAYER_PREFIX = {"bert": "encoder.layer.2.", "llama": "model.layers.2."}
 @pytest.mark.parametrize("kind, weights", [("bert", "model.safetensors"), ("llama", "model.safetensors"),
                                            ("bert", "pytorch_model.bin")])
 def test_a_config_with_layers_the_checkpoint_lacks_fails_at_once(models, kind, weights, tmp_path):
-    """num_hidden_layers: 1000000 over a 2-layer checkpoint used to allocate without bound."""
+    """num_hidden_layers: 1000000 over a 2-layer checkpoint fails at the first missing layer, before allocating."""
     folder = _edit_config(_copy(models, kind, tmp_path / kind), num_hidden_layers=1_000_000)
     if weights.endswith(".bin"):
         torch.save(load_file(str(folder / "model.safetensors")), folder / weights)
@@ -132,7 +132,7 @@ def test_config_values_that_cannot_be_right_name_the_key(models, kind, changes, 
 
 # --------------------------------------------------------------------------------------- 2. the weights file
 def test_a_stale_weights_file_beside_model_safetensors_is_not_read(models, tmp_path):
-    """model_old.safetensors sorts after model.safetensors and used to win, silently."""
+    """model_old.safetensors sorts after model.safetensors; it is left unread, with a warning."""
     folder = _copy(models, "bert", tmp_path / "bert")
     sd = load_file(str(folder / "model.safetensors"))
     save_file({k: v * 0.5 for k, v in sd.items()}, str(folder / "model_old.safetensors"))

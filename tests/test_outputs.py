@@ -361,7 +361,7 @@ def test_errors_name_the_heads_and_change_nothing(minilm_engine, m3_folder, spla
 
 def test_an_m3_head_of_the_wrong_width_is_named(m3_folder, tmp_path):
     """A ``colbert_linear.pt`` whose input width is not the model's hidden size fails at load, naming the tensor and
-    the shape config.json implies (it used to fail inside torch at the first call)."""
+    the shape config.json implies, not inside torch at the first call."""
     import shutil
 
     folder = tmp_path / "m3-wrong"
