@@ -23,7 +23,6 @@ weights (``modules_to_save``), and modules or shapes that do not fit the base.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import os
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from lab.models.checks import check_finite
+from lab.models.loading import load_pickle_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -229,32 +229,14 @@ def _read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
                     raise ValueError(f"{f} is not a valid safetensors file ({len(data)} bytes; {e}): it is "
                                      "truncated or corrupt. Save the adapter again") from None
             else:
-                sd = _read_pickle(f, data)
+                sd = load_pickle_weights(f, "a state dict of LoRA tensors", data=data, convert=(
+                    "save the adapter again with peft's save_pretrained(out, safe_serialization=True) "
+                    "(adapter_model.safetensors)"))
             for key, t in sd.items():
                 check_finite(t, f"tensor {key!r} of {f}")
             return sd, h.hexdigest()
     raise FileNotFoundError(f"no adapter weights in {str(p)!r}: expected {' or '.join(WEIGHT_FILES)} next to "
                             f"{ADAPTER_CONFIG}")
-
-
-def _read_pickle(f: Path, data: bytes) -> dict[str, torch.Tensor]:
-    """``adapter_model.bin`` through torch's safe loader; refusals and unreadable files name the file."""
-    import pickle
-
-    try:
-        sd = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "weights only load failed" not in str(e).lower():
-            raise ValueError(f"{f} is not a readable PyTorch weights file ({e}): it is truncated or corrupt") from None
-        raise ValueError(f"{f} is refused for safety: it is a pickle file that holds more than tensors, and "
-                         "unpickling it could run arbitrary code. Save the adapter again with peft's "
-                         "save_pretrained(out, safe_serialization=True) (adapter_model.safetensors)") from None
-    except (RuntimeError, EOFError, ValueError) as e:
-        raise ValueError(f"{f} is not a readable PyTorch weights file ({type(e).__name__}: {str(e)[:200]}): it is "
-                         "truncated or corrupt. Save the adapter again") from None
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ValueError(f"{f} should hold a state dict of LoRA tensors, got {type(sd).__name__}")
-    return sd
 
 
 def _lora_modules(sd: dict[str, torch.Tensor], config: dict, where: str) -> list[LoraModule]:

@@ -17,6 +17,7 @@ allocating a model the weights cannot fill. ``read_state_dict`` refuses non-fini
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -491,16 +492,19 @@ _CONVERT_HINT = ("convert it once, only if you trust its source: load it with tr
                  "'model.safetensors'); then load the folder with model.safetensors")
 
 
-def load_pickle_weights(f: Path, what: str = "a state dict of tensors", mmap: bool = False) -> dict[str, torch.Tensor]:
+def load_pickle_weights(f: Path, what: str = "a state dict of tensors", mmap: bool = False, *,
+                        data: bytes | None = None, convert: str = _CONVERT_HINT) -> dict[str, torch.Tensor]:
     """A pickle (``torch.save``) weights file through torch's safe loader (``weights_only=True``): tensors and
     plain containers only. A file that needs anything else is refused for safety, and one torch cannot read at all
-    is named as corrupt, each with a ``ValueError`` naming the file and how to convert it to safetensors.
-    ``mmap``: map the tensors' data rather than read it (a file of the older, non-zip format is read)."""
+    is named as corrupt, each with a ``ValueError`` naming the file (``convert``: how to turn it into safetensors).
+    ``mmap``: map the tensors' data rather than read it (a file of the older, non-zip format is read); ``data``: the
+    file's bytes, already read by the caller."""
+    source = f if data is None else io.BytesIO(data)
     try:
         try:
-            sd = torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
+            sd = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap and data is None)
         except RuntimeError:
-            if not mmap:
+            if not mmap or data is not None:
                 raise
             sd = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -508,7 +512,7 @@ def load_pickle_weights(f: Path, what: str = "a state dict of tensors", mmap: bo
             first = str(e).strip().splitlines()[-1][:200]
             raise ValueError(f"{f} is refused for safety: it is a pickle file that holds more than tensors "
                              f"({first}), and unpickling it could run arbitrary code. Prefill-lab reads pickle "
-                             f"weights only through torch's weights_only loader; {_CONVERT_HINT}") from None
+                             f"weights only through torch's weights_only loader; {convert}") from None
         raise _bad_pickle(f, e) from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise _bad_pickle(f, e) from None
@@ -519,7 +523,7 @@ def load_pickle_weights(f: Path, what: str = "a state dict of tensors", mmap: bo
 
 def _bad_pickle(f: Path, e: Exception) -> ValueError:
     return ValueError(f"{f} is not a readable PyTorch weights file ({type(e).__name__}: {str(e)[:200]}): it is "
-                      "truncated or corrupt. Download or save it again, preferably as model.safetensors")
+                      "truncated or corrupt. Download or save it again, preferably as safetensors")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "sentencepiece.bpe.model",
