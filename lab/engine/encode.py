@@ -209,7 +209,8 @@ def encode(
         _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
                        pool=pool, kwargs=kwargs, values=("token_embeddings",))
         _check_long_inputs(engine, "a ColBERT folder's vectors")
-        return _encode_colbert(engine, sentences, call_prompt(engine, prompt, prompt_name), task, show_progress_bar, bool(convert_to_numpy), normalize_embeddings, truncate_dim)
+        return _encode_colbert(engine, sentences, call_prompt(engine, prompt, prompt_name), task, show_progress_bar,
+                               bool(convert_to_numpy), normalize_embeddings, truncate_dim)
     convert_to_numpy = True if convert_to_numpy is None else convert_to_numpy
     _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
                    pool=pool, kwargs=kwargs)
