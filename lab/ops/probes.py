@@ -186,6 +186,39 @@ def cpu_info() -> dict[str, str]:
             "torch": torch.__version__, "threads": str(torch.get_num_threads())}
 
 
+def machine_slug(info: dict[str, str] | None = None) -> str:
+    """A short file-name-safe name for this CPU, the suffix of every benchmark result file: the model name's words
+    lower-cased, trademarks, "CPU", "Processor", core counts and clock speeds dropped
+    (``Intel(R) Xeon(R) Platinum 8488C CPU @ 2.40GHz`` -> ``intel-xeon-platinum-8488c``). A name with no model
+    number (a VM that reports only ``AMD EPYC``) gets the CPU family and model from ``/proc/cpuinfo``
+    (``amd-epyc-f25m17``), so two generations never share a file.
+
+        >>> machine_slug({"cpu_model": "Intel(R) Xeon(R) Platinum 8488C CPU @ 2.40GHz"})
+        'intel-xeon-platinum-8488c'
+    """
+    import re
+
+    name = (info or cpu_info())["cpu_model"]
+    name = re.sub(r"\((R|TM|r|tm)\)|@.*$|\b(CPU|Processor|[0-9]+-Core)\b", " ", name)
+    words = [w for w in re.split(r"[^A-Za-z0-9.]+", name.lower()) if w]
+    slug = "-".join(words) or platform.machine().lower() or "cpu"
+    if info is None and not any(ch.isdigit() for ch in slug):
+        fields = {}
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key.strip() in ("cpu family", "model") and key.strip() not in fields:
+                        fields[key.strip()] = value.strip()
+                    if not line.strip():
+                        break
+        except OSError:
+            pass
+        if "cpu family" in fields and "model" in fields:
+            slug += f"-f{fields['cpu family']}m{fields['model']}"
+    return slug
+
+
 def gemm_probes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int,
                 plan: CpuPlan) -> Iterator[Probe]:
     """The GEMM choices for ``x``'s dtype at one of a model's shapes: the implementation (``bf16_gemm_probe`` for
