@@ -26,11 +26,11 @@ import torch
 
 from lab.adapt.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
 from lab.engine import encode as st_compat
-from lab.engine import rerank, windows
+from lab.engine import framing, rerank, windows
 from lab.engine.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.engine.executor import Executor
 from lab.engine.gate import Gate
-from lab.engine.inputs import InputProcessor, Request, check_texts
+from lab.engine.inputs import InputProcessor, Request, check_inputs, check_texts
 from lab.engine.knobs import Knobs, ModelLimits, check_for_model, knobs_doc, resolve_device, resolve_dtype
 from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
 from lab.models import model_class
@@ -117,6 +117,8 @@ class Engine:
         chunked_prefill: int | None = None,
         instruction: str | None = None,
         include_instruction: bool | None = None,
+        instruction_pooling: str | None = None,
+        template: str | None = None,
         append_eos: bool | None = None,
         prefix_cache: bool = True,
         attention_backend: str = "auto",
@@ -133,6 +135,7 @@ class Engine:
         self._knobs = Knobs().replace(**knobs)
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a path to a local model folder, got {type(model).__name__}")
+        self._folder = str(model)  # as given: an adapter-only folder names its base (lab.engine.framing.base_names)
         model, adapters = split_adapter_model(str(model), self._knobs.adapters)  # an adapter-only folder: its base
         self._knobs = self._knobs.replace(adapters=adapters)
         self.model_path = str(model)
@@ -204,6 +207,7 @@ class Engine:
             "attention_backend": self._backend, "chunked_prefill": k.chunked_prefill,
             "instruction": self._instruction(),
             "include_instruction": self.include_instruction, "append_eos": self.append_eos,
+            "instruction_pooling": self.instruction_pooling, "template": k.template,
             "cpu_workers": self._workers, "layer": self.layer, "long_inputs": k.long_inputs,
             "adapters": self.adapter_names, "cpu_paths": self.cpu_paths, "malloc_tuning": allocator.in_effect(),
         }
@@ -349,9 +353,27 @@ class Engine:
 
     @property
     def append_eos(self) -> bool:
+        """The knob, else on for decoders with ``lasttoken`` pooling under the ``exact`` rule (llm2vec appends no EOS
+        token: under its rule ``eos_token`` pooling appends llm2vec's EOS text instead)."""
         if self._knobs.append_eos is not None:
             return self._knobs.append_eos
-        return self.is_decoder and self.pooling == "lasttoken"
+        return self.is_decoder and self.pooling == "lasttoken" and self.instruction_pooling == "exact"
+
+    @property
+    def instruction_pooling(self) -> str:
+        """The pooling rule for inputs with instructions (``lab.engine.framing``): the knob, else ``llm2vec`` for a
+        folder (or adapter) with ``llm2vec_config.json``, else ``exact``."""
+        if self._knobs.instruction_pooling is not None:
+            return self._knobs.instruction_pooling
+        return "llm2vec" if framing.has_llm2vec_config([self._folder, *self._knobs.adapters]) else "exact"
+
+    def _framing(self) -> framing.Framing:
+        """How this engine's inputs are framed under the knobs in force (rule, template, chat template, EOS text)."""
+        rule = self.instruction_pooling
+        names = framing.base_names([self._folder, *self._knobs.adapters], self.spec.config)
+        eos = framing.eos_text(names, self.spec.config.get("model_type")) if self.pooling == "eos_token" else ""
+        return framing.Framing(rule=rule, template=self._knobs.template, eos=eos,
+                               chat=framing.chat_template(names) if rule == "llm2vec" else None)
 
     @property
     def max_length(self) -> int:
@@ -420,25 +442,32 @@ class Engine:
     def tokenize(self, texts: list[str], *, instruction=_UNSET, prompt_name: str | None = None) -> list[Request]:
         """The requests ``embed(texts, instruction=...)`` runs: token ids after truncation, ``pool_start`` (the
         instruction's tokens, attended to but not pooled) and whether each input was cut."""
-        texts = check_texts(texts)
-        return self.embed_pass(texts, self._instruction(instruction, prompt_name)).tokenize(texts, 0)
+        texts, instructions = check_inputs(texts)
+        return self.embed_pass(texts, self._instruction(instruction, prompt_name),
+                               instructions=instructions).tokenize(texts, 0)
 
     def _embedding_head(self) -> EmbeddingHead:
         """The engine's embedding head: matryoshka ``truncate_dim``, then normalize as the knobs say."""
         return EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
 
     def embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None, *,
-                   head=None, include: bool | None = None, output="dense", task: str | None = None) -> Pass:
+                   head=None, include: bool | None = None, output="dense", task: str | None = None,
+                   instructions: list[str] | None = None) -> Pass:
         """The pass ``embed`` runs over ``texts`` with ``instruction`` (a resolved instruction text or ``None``),
         for ``run_passes``. ``pooling``: a method name, default the engine's; ``head``: a
         ``lab.outputs.heads.Head``, default the engine's ``EmbeddingHead``; ``include``: pool the instruction,
         default ``include_instruction``; ``output``: as ``embed``'s, checked here; ``task``: a ColBERT folder's,
-        ``lab.outputs.multivector``, which then sets the lengths, the query expansion and pools the prompt."""
+        ``lab.outputs.multivector``, which then sets the lengths, the query expansion and pools the prompt;
+        ``instructions``: one per text (``[instruction, text]`` inputs), replacing ``instruction``."""
         mv = self.spec.multi_vector if "colbert" in outputs.parse_output(output)[0] else None
         proc = self._processor(None if mv is None else
                                multivector.max_length(mv, task, self.max_length, self._knobs.max_length))
         include = True if mv is not None else self.include_instruction if include is None else include
-        method = pooling_method(pooling or self.pooling)
+        method = pooling_method(framing.kernel_pooling(pooling or self.pooling))
+        if self._knobs.template is not None and set(outputs.parse_output(output)[0]) - {"dense", "tokens"}:
+            raise ValueError(f"the template knob applies to dense and token outputs, not output={output!r}; set "
+                             "template=None for sparse / ColBERT outputs")
+        proc.framing = self._framing()
         if head is None:
             head = self._embedding_head()
         pooler = output_pooler(output, Pooler(method, head), model=self.model, spec=self.spec,
@@ -448,10 +477,13 @@ class Engine:
             fill = multivector.expansion_token_id(mv, self.tokenizer, causal=self.causal)
 
         def tokenize(chunk: list[str], first: int) -> list[Request]:
-            reqs = proc.process(chunk, first_index=first, instruction=instruction, include_instruction=include)
+            per_item = None if instructions is None else instructions[first : first + len(chunk)]
+            reqs = proc.process(chunk, first_index=first, instruction=instruction, include_instruction=include,
+                                instructions=per_item)
             return multivector.expand(reqs, mv, fill) if expand else reqs
 
-        return Pass(texts, tokenize, pooler, shared_prefix=bool(instruction and not include))
+        prefixed = instruction or instructions is not None or self._knobs.template is not None
+        return Pass(texts, tokenize, pooler, shared_prefix=bool(prefixed and not include))
 
     @_call
     def embed(self, texts: list[str], *, output="dense", instruction=_UNSET, prompt_name: str | None = None,
@@ -468,6 +500,8 @@ class Engine:
         - a tuple of these: a dict of them by name, all from one forward per step.
 
         An output the model cannot give is an error naming the heads it has, raised before any work.
+        ``texts`` may also be llm2vec's ``[instruction, text]`` pairs, each with its own instruction (replacing the
+        call's), pooled as ``instruction_pooling`` says.
         ``instruction`` overrides the engine's instruction for this call (``None`` for none); ``prompt_name``
         uses one of the model folder's prompts instead (``prompts``; with neither and no ``instruction`` knob, its
         ``default_prompt_name``'s). ``precision``: ``float32``, or ``int8`` / ``uint8`` / ``binary`` /
@@ -475,7 +509,7 @@ class Engine:
         call's own vectors, shared by all of a list's matrices) for dense, token and ColBERT vectors.
         ``show_progress``: a tqdm bar; ``None`` shows one for more than 4096 texts.
         """
-        texts = check_texts(texts)
+        texts, instructions = check_inputs(texts)
         names = outputs.parse_output(output)[0]
         check_precision(precision, rows=len(texts) if names == ("dense",) else None)
         if precision != "float32" and "sparse" in names:
@@ -485,10 +519,14 @@ class Engine:
             raise ValueError(f"long_inputs='chunk' averages one dense vector per window; output={output!r} needs "
                              "long_inputs='truncate' (or embed_chunks for vectors per span of a long document)")
         instruction = self._instruction(instruction, prompt_name)
+        if instructions is not None and self._knobs.long_inputs == "chunk":
+            raise ValueError("[instruction, text] inputs need long_inputs='truncate' (windows of a split input share "
+                             "one instruction); pass instruction=... with plain texts instead")
         if self._knobs.long_inputs == "chunk":
             out = self._embed_split(texts, instruction, show_progress)
         else:
-            p = self.embed_pass(texts, instruction, output=output, task=multivector.task_of(prompt_name))
+            p = self.embed_pass(texts, instruction, output=output, task=multivector.task_of(prompt_name),
+                                instructions=instructions)
             out = self.run_passes([p], "embed", show_progress)[0]
         return quantize_output(out, precision)
 
@@ -512,6 +550,9 @@ class Engine:
         documents: a ``(0, dim)`` matrix and an empty table). The chunks' character spans tile each document
         (``lab.engine.windows.chunk_spans``). See ``lab.engine.windows``."""
         docs = check_texts(docs, "docs")
+        if self._knobs.template is not None:
+            raise ValueError("embed_chunks embeds spans of a document, which a template cannot frame; set "
+                             "template=None for it")
         proc, instruction = self._processor(), self._instruction(instruction)
         plan = windows.plan_chunks(proc, docs, windows.frame(proc, instruction, True), chunk_tokens, overlap)
         table = plan.chunks[["doc", "chunk", "char_start", "char_end", "n_tokens", "text"]].copy()
@@ -521,7 +562,8 @@ class Engine:
             return self.embed(table["text"].tolist(), instruction=instruction, show_progress=show_progress), table
         p = Pass(plan.windows, lambda chunk, first: chunk, Pooler(pooling_method("tokens"), TokensHead()))
         rows = self.run_passes([p], "embed_chunks", show_progress)[0]
-        return self._embedding_head()(windows.pool_chunks(plan, rows, self.pooling), None).numpy(), table
+        return self._embedding_head()(windows.pool_chunks(plan, rows, framing.kernel_pooling(self.pooling)),
+                                      None).numpy(), table
 
     @_call
     def encode(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,

@@ -34,7 +34,7 @@ from lab.engine.kv_path import KVPath
 from lab.engine.scheduler import plan_batches
 from lab.ops.batch import OutputRows
 from lab.outputs.heads import Pooler
-from lab.outputs.pooling import PoolingMethod
+from lab.outputs.pooling import PoolingMethod, pool_spans
 from lab.runtime.runner import Runner
 
 
@@ -93,4 +93,5 @@ class Executor:
         if rows is not None:
             sel = OutputRows.build(batch.meta, rows, self.runner.device)
             return method.from_rows(self.runner.forward(batch, s.num_layers, output_rows=sel)), delta
-        return method(self.runner.forward(batch, s.num_layers), batch.meta, batch.pool_start), delta
+        return pool_spans(method, self.runner.forward(batch, s.num_layers), batch.meta, batch.pool_start,
+                          batch.pool_end), delta

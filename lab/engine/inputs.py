@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lab.engine.framing import Framing
 from lab.ops.batch import KVStep, PackedBatch
 
 
@@ -32,6 +33,7 @@ class Request:
     pool_start: int = 0  # tokens before this are an instruction: attended, not pooled
     truncated: bool = False
     key_len: int | None = None  # only the first key_len tokens are attended to (None: all; lab.outputs.multivector)
+    pool_end: int | None = None  # the pooled span ends here (None: at the sequence's end; a ``template``'s text)
 
     @property
     def length(self) -> int:
@@ -50,6 +52,7 @@ def pack(requests: list[Request], *, causal: bool, device, backend: str, skip: i
         token_type_ids=[None if r.token_type_ids is None else r.token_type_ids[skip:] for r in requests],
         pool_start=[r.pool_start - skip for r in requests],
         position_offsets=[skip] * len(requests) if skip else None, kv=kv, key_lens=key_lens,
+        pool_end=[None if r.pool_end is None else r.pool_end - skip for r in requests],
     )
 
 
@@ -84,6 +87,26 @@ def check_texts(texts, what: str = "texts") -> list[str]:
     return list(texts)
 
 
+def check_inputs(texts, what: str = "texts") -> tuple[list[str], list[str] | None]:
+    """``check_texts`` that also takes llm2vec's ``[instruction, text]`` items: ``(texts, instructions)``, the
+    second ``None`` for plain strings. Every item is one kind or the other (a mix is refused, naming the first
+    odd item)."""
+    if isinstance(texts, Sequence) and not isinstance(texts, (str, bytes)) and texts and all(
+            isinstance(t, (list, tuple)) for t in texts):
+        for i, t in enumerate(texts):
+            if len(t) != 2 or not all(isinstance(x, str) for x in t):
+                raise TypeError(f"{what}[{i}] must be an [instruction, text] pair of two strings (llm2vec's input "
+                                f"form), got {type(t).__name__} of {len(t)} item(s)")
+        instructions = check_texts([t[0] for t in texts], f"{what}' instructions")
+        return check_texts([t[1] for t in texts], what), instructions
+    if isinstance(texts, Sequence) and not isinstance(texts, (str, bytes)):
+        for i, t in enumerate(texts):
+            if isinstance(t, (list, tuple)):
+                raise TypeError(f"{what}[{i}] is a {type(t).__name__} while others are strings: pass either strings "
+                                "or [instruction, text] pairs, not both")
+    return check_texts(texts, what), None
+
+
 def check_encodable(text: str, where: str) -> None:
     """``text`` is valid Unicode (encodable as UTF-8); a ``ValueError`` naming ``where`` and the character if not."""
     try:
@@ -97,10 +120,11 @@ def check_encodable(text: str, where: str) -> None:
 class InputProcessor:
     """Tokenizes texts (optionally text pairs) into ``Request`` objects, recording truncation."""
 
-    def __init__(self, tokenizer, max_length: int, *, append_eos: bool = False):
+    def __init__(self, tokenizer, max_length: int, *, append_eos: bool = False, framing: Framing | None = None):
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.append_eos = append_eos and tokenizer.eos_token_id is not None
+        self.framing = framing or Framing()
         self._layout: tuple[int, int] | None | bool = False  # special_layout, probed on first need
         self._n_prefix: int | None = None  # prefix_specials, probed on first need
 
@@ -112,6 +136,10 @@ class InputProcessor:
 
     def tokenize(self, texts: list[str], pairs: list[str] | None = None) -> tuple[list[list[int]], list | None, list]:
         """Token ids (and type ids for pairs) truncated at ``max_length``; third item: which were cut."""
+        return self._tokenize(texts, pairs)[:3]
+
+    def _tokenize(self, texts: list[str], pairs: list[str] | None = None):
+        """``tokenize``'s three items and which inputs got the EOS this processor appends (``append_eos``)."""
         limit = self.max_length - 1 if self.append_eos else self.max_length
         enc = self._encode(texts, pairs, limit + 1)
         ids, types = enc["input_ids"], enc.get("token_type_ids")
@@ -128,9 +156,11 @@ class InputProcessor:
                 ids[i] = again["input_ids"][j]
                 if types is not None:
                     types[i] = again["token_type_ids"][j]
+        appended = [False] * len(ids)
         if self.append_eos:
             eos = self.tokenizer.eos_token_id
-            ids = [x if x and x[-1] == eos else x + [eos] for x in ids]
+            appended = [not (x and x[-1] == eos) for x in ids]
+            ids = [x + [eos] if a else x for x, a in zip(ids, appended)]
         if any(not x for x in ids):  # "" with a tokenizer that adds no specials: one EOS token stands in for it
             filler = next(t for t in (self.tokenizer.eos_token_id, self.tokenizer.bos_token_id,
                                       self.tokenizer.pad_token_id, self.tokenizer.unk_token_id, 0) if t is not None)
@@ -138,7 +168,7 @@ class InputProcessor:
         truncated = [False] * len(ids)
         for i in cut:
             truncated[i] = True
-        return ids, types, truncated
+        return ids, types, truncated, appended
 
     def special_layout(self) -> tuple[int, int] | None:
         """``(n_prefix, n_suffix)``: special tokens the tokenizer puts before and after a single text, when cutting
@@ -184,8 +214,75 @@ class InputProcessor:
     def process(
         self, texts: list[str], *, first_index: int = 0, instruction: str | None = None,
         include_instruction: bool = False, pairs: list[str] | None = None,
+        instructions: list[str | None] | None = None,
     ) -> list[Request]:
-        """Requests for ``texts`` numbered from ``first_index``; the instruction (if any) is prepended."""
+        """Requests for ``texts`` numbered from ``first_index``, framed as ``framing`` says
+        (``lab.engine.framing``): the instruction (if any; ``instructions``: one per text, from ``[instruction,
+        text]`` inputs) prepended, the text rendered through the template, the pooled span set by the rule."""
+        if pairs is not None or (self.framing.plain and instructions is None):
+            return self._process_plain(texts, first_index, instruction, include_instruction, pairs)
+        per_item = instructions if instructions is not None else [instruction] * len(texts)
+        f = self.framing
+        if f.template is not None:
+            spans = [f.text_span(ins or None, t) for ins, t in zip(per_item, texts)]
+            fulls = [full for full, _, _ in spans]
+        else:
+            joined = [f.join(ins or None, t) for ins, t in zip(per_item, texts)]
+            fulls = [full for full, _, _ in joined]
+        ids, _, truncated, appended = self._tokenize(fulls)
+        n_suffix = (self.special_layout() or (0, 0))[1]
+        starts: list[int] = []
+        ends: list[int | None] = []
+        if f.template is not None:
+            offsets = self._offsets(fulls)
+            for i, ((_, begin, end), x, off, a) in enumerate(zip(spans, ids, offsets, appended)):
+                inside = [j for j, (a, b) in enumerate(off) if b > a and a < end and b > begin]
+                if not inside:  # an empty text: the whole input after its instruction
+                    starts.append(0 if include_instruction else self._instruction_tokens(per_item[i], f))
+                    ends.append(None)
+                    continue
+                kept = len(x) - n_suffix - int(a)  # the text tokens left after truncation
+                if inside[-1] >= kept:
+                    raise ValueError(
+                        f"text {first_index + i} is cut by max_length={self.max_length} inside the template's last copy "
+                        f"of the text (it needs {inside[-1] + 1 + n_suffix} tokens): raise max_length, shorten the "
+                        "text, or use a template whose pooled copy comes first")
+                starts.append(0 if include_instruction else inside[0])
+                ends.append(inside[-1] + 1)
+        else:
+            for (_, part, _), ins, x, a in zip(joined, per_item, ids, appended):
+                if f.rule == "exact":  # per-item instructions, token-exact
+                    starts.append(0 if include_instruction or not ins else self.instruction_length(ins))
+                    ends.append(None)
+                    continue
+                n = len(self.tokenizer(part, add_special_tokens=False, truncation=True, max_length=self.max_length,
+                                       verbose=False)["input_ids"]) if part else 0
+                starts.append(0 if include_instruction or n == 0 else max(len(x) - int(a) - n, 0))
+                ends.append(len(x) - 1 if a else None)  # the EOS appended here is not llm2vec's: not pooled
+        return [
+            Request(index=first_index + i, ids=np.asarray(x, dtype=np.int64),
+                    pool_start=min(p, max(len(x) - 1, 0)), truncated=truncated[i],
+                    pool_end=None if e is None or e >= len(x) else e)
+            for i, (x, p, e) in enumerate(zip(ids, starts, ends))
+        ]
+
+    def _instruction_tokens(self, instruction: str | None, f: Framing) -> int:
+        if not instruction:
+            return 0
+        return self.instruction_length(instruction if f.rule == "exact" else instruction.strip() + " ")
+
+    def _offsets(self, fulls: list[str]) -> list[list[tuple[int, int]]]:
+        """Character offsets of each token of ``fulls`` tokenized whole (specials ``(0, 0)``)."""
+        try:
+            enc = self.tokenizer(fulls, add_special_tokens=True, return_offsets_mapping=True,
+                                 return_attention_mask=False, verbose=False)
+        except NotImplementedError:
+            raise ValueError("the template knob finds the text's tokens by character offsets, which this (slow) "
+                             "tokenizer cannot give; use a fast tokenizer (tokenizer.json) or template=None") from None
+        return [[tuple(o) for o in off] for off in enc["offset_mapping"]]
+
+    def _process_plain(self, texts, first_index, instruction, include_instruction, pairs) -> list[Request]:
+        """Requests for ``texts`` as given, the instruction (if any) prepended and excluded token-exactly."""
         pool_start = 0
         if instruction:
             texts = [instruction + t for t in texts]

@@ -16,17 +16,21 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from lab.engine.framing import INSTRUCTION_POOLING, check_template
 from lab.kernels.reference import POOLING_METHODS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LONG_INPUTS = ("truncate", "chunk")
+POOLING_KNOB = (*POOLING_METHODS, "eos_token")  # eos_token: llm2vec's (lasttoken after its EOS text)
 
 KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, the README table, the panel
     "pooling": (
-        "``cls``, ``mean``, ``max``, ``lasttoken`` or ``weightedmean``; ``None`` = the model's own "
-        "(sentence-transformers Pooling config; ``lasttoken`` for decoders; else ``mean``)."
+        "``cls``, ``mean``, ``max``, ``lasttoken``, ``weightedmean``, or llm2vec's ``eos_token`` (``lasttoken`` after "
+        "the EOS text llm2vec appends for the base: `` </s>`` for Llama / Mistral, ``<eos>`` Gemma, ``<|endoftext|>`` "
+        "Qwen2); ``None`` = the model's own (``llm2vec_config.json``'s ``pooling_mode``, sentence-transformers Pooling "
+        "config; ``lasttoken`` for decoders; else ``mean``)."
     ),
     "normalize": (
         "L2-normalize embeddings; ``None`` = whether the model folder has a Normalize module."
@@ -62,6 +66,21 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
         "text prepended to every input, attended to; pooled or not as ``include_instruction`` says. ``score`` / "
         "``rerank`` and ``encode_query`` apply it to queries, ``encode_document`` to no document; a call's own "
         "``instruction=`` / ``prompt=`` / ``prompt_name=`` replaces it."
+    ),
+    "instruction_pooling": (
+        "which tokens of an input with an instruction are pooled (``lab.engine.framing``): ``llm2vec`` (llm2vec's "
+        "embed mask: the input is ``instruction.strip() + ' ' + text``, in the base model's chat template where "
+        "llm2vec applies one, and the last n tokens are pooled, n = the text tokenized alone without special tokens) "
+        "or ``exact`` (the instruction as given, its own tokens not pooled, as sentence-transformers counts a prompt); "
+        "``None`` = ``llm2vec`` for a folder with ``llm2vec_config.json`` (an LLM2Vec checkpoint or adapter), else "
+        "``exact``."
+    ),
+    "template": (
+        "a string with one ``{text}`` field (a prompt, e.g. PromptEOL ``'This sentence : \"{text}\" means in one "
+        "word:\"'`` with ``lasttoken`` pooling) or two (echo embeddings: the text twice, the second copy pooled); "
+        "the pooled span is the tokens overlapping the text's last copy (by character offsets), ``lasttoken`` "
+        "reading the input's last token. Dense and token outputs; composes with ``instruction``, chunked prefill "
+        "and the prefix cache; ``long_inputs='chunk'`` refuses it."
     ),
     "include_instruction": (
         "pool the instruction's tokens too; ``None`` = the model's Pooling config (sentence-transformers' "
@@ -129,6 +148,8 @@ class Knobs:
     chunked_prefill: int | None = None
     instruction: str | None = None
     include_instruction: bool | None = None  # None: the model's Pooling config (include_prompt), else False
+    instruction_pooling: str | None = None  # "llm2vec" | "exact"; None: llm2vec for LLM2Vec folders (lab.engine.framing)
+    template: str | None = None  # "{text}" template: a prompt, or echo with two fields (lab.engine.framing)
     append_eos: bool | None = None
     prefix_cache: bool = True
     attention_backend: str = "auto"
@@ -155,8 +176,15 @@ class Knobs:
 
     def validate(self) -> None:
         """Raise ``ValueError`` / ``TypeError`` naming the bad knob, the valid values and the fix."""
-        if self.pooling is not None and self.pooling not in POOLING_METHODS:
-            raise ValueError(f"unknown pooling {self.pooling!r}; valid: {', '.join(POOLING_METHODS)} (or None)")
+        if self.pooling is not None and self.pooling not in POOLING_KNOB:
+            raise ValueError(f"unknown pooling {self.pooling!r}; valid: {', '.join(POOLING_KNOB)} (or None)")
+        if self.instruction_pooling is not None and self.instruction_pooling not in INSTRUCTION_POOLING:
+            raise ValueError(f"unknown instruction_pooling {self.instruction_pooling!r}; valid: "
+                             f"{', '.join(map(repr, INSTRUCTION_POOLING))} or None (the model's default)")
+        check_template(self.template)
+        if self.template is not None and self.long_inputs == "chunk":
+            raise ValueError("template conflicts with long_inputs='chunk': a window of a split input holds no whole "
+                             "copy of the template; use long_inputs='truncate' (or template=None)")
         for name in ("normalize", "bidirectional", "append_eos", "include_instruction"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):

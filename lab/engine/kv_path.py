@@ -32,7 +32,7 @@ from lab.engine.call import ExecSettings, Stats
 from lab.engine.inputs import Request, pack
 from lab.engine.scheduler import plan_batches
 from lab.ops.batch import AttnMeta, KVStep, PackedBatch
-from lab.outputs.pooling import PoolingMethod
+from lab.outputs.pooling import PoolingMethod, pool_spans
 from lab.runtime.runner import Runner
 
 
@@ -119,7 +119,7 @@ class KVPath:
                         prefix_v=_PerLayer(lambda layer: prefix.v[layer].repeat(n, 1, 1)))
         packed = self._pack([o.req for o in batch], p, kv)
         hidden = self.runner.forward(packed, self.depth)
-        pooled = self.method(hidden, packed.meta, packed.pool_start)
+        pooled = pool_spans(self.method, hidden, packed.meta, packed.pool_start, packed.pool_end)
         return pooled, Stats(chunks=len(batch), tokens_computed=packed.meta.num_tokens)
 
     # ------------------------------------------------------------------------------------------ layer by layer
@@ -195,7 +195,7 @@ class KVPath:
         if self.depth == self.num_layers:  # final norm piece by piece, in place (the last layer's output only)
             for rows, _, _ in steps:
                 _put(h, rows, model.finish(_take(h, rows), None, packed.meta, last=True))
-        return self.method(h, packed.meta, packed.pool_start), None, stats
+        return pool_spans(self.method, h, packed.meta, packed.pool_start, packed.pool_end), None, stats
 
     @staticmethod
     def _round_step(members, starts, p, dev):

@@ -145,15 +145,17 @@ class PackedBatch:
     token_type_ids: torch.Tensor | None  # (T,) int64 or None when all zero
     meta: AttnMeta
     pool_start: torch.Tensor | None  # (B,) int64 tokens excluded from pooling at each sequence's front
+    pool_end: list[int] | None = None  # per sequence, where its pooled span ends (None: every span runs to the end)
 
     @classmethod
     def build(
         cls, ids: list, *, causal: bool, device: torch.device, backend: str = "torch", token_type_ids=None,
         pool_start: list[int] | None = None, position_offsets: list[int] | None = None, kv: KVStep | None = None,
-        key_lens: list[int | None] | None = None,
+        key_lens: list[int | None] | None = None, pool_end: list[int | None] | None = None,
     ) -> PackedBatch:
         """Pack per-sequence arrays of token ids (numpy int64) into flat tensors with their metadata (``key_lens``:
-        ``AttnMeta``'s, ``None`` entries meaning the whole sequence)."""
+        ``AttnMeta``'s, ``None`` entries meaning the whole sequence; ``pool_end``: where each pooled span ends within
+        its sequence, ``None`` entries meaning its end)."""
         import numpy as np
 
         lengths = [len(x) for x in ids]
@@ -176,4 +178,6 @@ class PackedBatch:
                 lengths, causal=causal, device=device, backend=backend, kv=kv,
                 key_lens=None if key_lens is None else [n if k is None else k for n, k in zip(lengths, key_lens)]),
             pool_start=ps,
+            pool_end=None if pool_end is None or all(e is None for e in pool_end) else
+            [n if e is None else e for n, e in zip(lengths, pool_end)],
         )

@@ -27,7 +27,7 @@ from lab.kernels.reference import POOLING_METHODS
 from lab.ops.attention import ops
 from lab.ops.batch import AttnMeta
 
-__all__ = ["METHODS", "POOLING_METHODS", "PoolingMethod", "pooling_method"]
+__all__ = ["METHODS", "POOLING_METHODS", "PoolingMethod", "pool_spans", "pooling_method"]
 
 
 class PoolingMethod:
@@ -106,3 +106,27 @@ def pooling_method(name: str) -> PoolingMethod:
     if method is None:
         raise ValueError(f"unknown pooling {name!r}; valid: {', '.join(METHODS)}")
     return method
+
+
+def pool_spans(method: PoolingMethod, hidden: torch.Tensor, meta: AttnMeta, pool_start: torch.Tensor | None,
+               pool_end: list[int] | None):
+    """``method`` over each sequence's pooled span ``[pool_start_i, pool_end_i)``: the span's rows gathered into a
+    packed tensor of their own (``pool_end`` ``None``: every span runs to its sequence's end, ``method`` as is).
+    ``lasttoken`` always reads each sequence's last token, whatever its span (a prompt's last token,
+    PromptEOL-style); ``cls`` reads the span's first.
+
+        >>> pooled = pool_spans(pooling_method("mean"), hidden, meta, pool_start, [3, 5])    # tokens [ps_i, 3), ...
+    """
+    if pool_end is None or method.name == "lasttoken":
+        return method(hidden, meta, pool_start)
+    starts = [0] * meta.num_seqs if pool_start is None else pool_start.tolist()
+    pieces, lengths, offset = [], [], 0
+    for n, p, e in zip(meta.seqlens, starts, pool_end):
+        e = max(1, min(e, n))
+        p = min(p, e - 1)
+        pieces.append(torch.arange(offset + p, offset + e))
+        lengths.append(e - p)
+        offset += n
+    rows = torch.cat(pieces).to(hidden.device)
+    spans = AttnMeta.from_lengths(lengths, causal=meta.causal, device=hidden.device, backend=meta.backend)
+    return method(hidden.index_select(0, rows), spans, None)
