@@ -60,8 +60,8 @@ def test_every_results_file_is_listed_and_dated():
     assert not undated, f"runs without a run_date column or a .meta.json sidecar: {undated}"
 
 
-def test_result_names_carry_the_machine_not_a_round_of_work():
-    """Every results file outside a self-documenting folder ends with a machine slug, never a round of work."""
+def test_result_names_end_with_their_machine():
+    """Every results file outside a self-documenting folder ends with the slug of the machine that made it."""
     bad = []
     for e in ri.entries(RESULTS):
         if e.path.name == "README.md" or e.benchmark == "panel":
@@ -140,10 +140,10 @@ def test_orphans_and_broken_inputs_are_named(tmp_path, capsys):
     path; a begin marker without an end marker is an error."""
     root = tmp_path / "results"
     _write_csv(root / "bench_embed" / "bench_embed_test-cpu-9000.csv", _embed_rows("2030-01-02"))
-    (root / "stray_s18.csv").write_text("a\n1\n")
+    (root / "loose.csv").write_text("a\n1\n")
     assert ri.main(["--results", str(root), "--readme", str(tmp_path / "none.md")]) == 1
-    assert "stray_s18.csv" in capsys.readouterr().err
-    (root / "stray_s18.csv").unlink()
+    assert "loose.csv" in capsys.readouterr().err
+    (root / "loose.csv").unlink()
     assert ri.main(["--results", str(root), "--readme", str(tmp_path / "none.md")]) == 0
 
     (root / "study").mkdir()
