@@ -10,8 +10,10 @@ key/value heads of 64; ``matmul`` left out, it is not offered to decoders).
     python -m evals.bench_attention                      # ~2 min on 2 cores
     python -m evals.bench_attention --lengths 16 128 --rounds 3
 
-Writes evals/results/bench_attention.csv (tidy rows with the CPU model and flags, GFLOP/s from the 4 L^2 H D FLOPs
-of each sequence, the time against ``sdpa``) and evals/results/bench_attention.png.
+Writes evals/results/bench_attention/bench_attention_<machine>.csv (tidy rows with the run's ``run_date``, the CPU
+model and flags, GFLOP/s from the 4 L^2 H D FLOPs of each sequence, the time against ``sdpa``), the plot
+``bench_attention_<machine>.png`` and the command in ``<csv>.meta.json``; the machine is
+``lab.ops.probes.machine_slug()`` (``evals.results_index``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+
+from evals.results_index import device_slug, stamp, write_meta
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"all-MiniLM-L6-v2": (12, 12, 32), "SmolLM2-135M": (9, 3, 64)}  # query heads, key/value heads, head size
@@ -99,13 +103,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per timed call")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=str(RESULTS / "bench_attention"),
+                        help="folder (default evals/results/bench_attention)")
     args = parser.parse_args(argv)
-    df = run(args.lengths, args.dtypes, args.tokens, args.rounds)
+    df = stamp(run(args.lengths, args.dtypes, args.tokens, args.rounds))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / "bench_attention.csv", index=False)
-    plot(df).savefig(out / "bench_attention.png", dpi=120)
+    csv_path = out / f"bench_attention_{device_slug()}.csv"
+    df.to_csv(csv_path, index=False)
+    write_meta(csv_path)
+    plot(df).savefig(csv_path.with_suffix(".png"), dpi=120)
     cols = ["model", "dtype", "length", "kernel", "seconds_median", "gflops", "time_vs_sdpa"]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:,.4f}"))
 

@@ -29,11 +29,13 @@
    >= 2.5x.
 
 Writes tidy rows (one per section x system x setting x metric; seconds median/min/max, CPU seconds and tokens/s
-where timed) to ``--out`` (default ``evals/results/bench_decoder.csv``), PNG plots next to it
-(``<stem>_throughput.png``, ``<stem>_memory.png``, ``<stem>_prefix.png``) and prints a summary. ``--profile`` adds
-one ``torch.profiler`` call per system and setting: rows with the self time of GEMMs / attention / other ops, and
-the op tables in ``<stem>_profile.txt``. ``--smoke`` shrinks everything (a few docs, one repeat, short inputs) and
-writes ``bench_decoder_smoke.*``; every row carries ``run`` (``smoke`` / ``full`` / ``--label``). Every engine here
+where timed; the run's ``run_date``) to ``--out`` (default ``evals/results/bench_decoder/<name>_<machine>.csv``,
+``<name>`` from ``--name``, the machine ``evals.results_index.device_slug``: the CPU's, or the GPU's under
+``--device cuda``), the command in ``<csv>.meta.json``, PNG plots next to it (``<name>_throughput_<machine>.png``,
+``<name>_memory_<machine>.png``, ``<name>_prefix_<machine>.png``) and prints a summary. ``--profile`` adds one
+``torch.profiler`` call per system and setting: rows with the self time of GEMMs / attention / other ops, and the op
+tables in ``<name>_profile_<machine>.txt``. ``--smoke`` shrinks everything (a few docs, one repeat, short inputs) and
+names the files ``bench_decoder_smoke_*``; every row carries ``run`` (``smoke`` / ``full`` / ``--label``). Every engine here
 is created with ``tune_allocator=True`` (``lab.runtime.allocator``; the memory section's RSS includes the heap it
 keeps), and the section rows' ``malloc_tuning`` says whether the settings were in effect.
 
@@ -72,6 +74,7 @@ if str(ROOT) not in sys.path:
 # after the path set-up: this runs as a script
 from evals.criteria import COSINE_TARGET, cosine_note, meets_speed_target, min_cosine
 from evals.data_io import mixed_corpus, read_jsonl, scifact_text, spread
+from evals.results_index import companion, device_slug, stamp, write_meta
 from lab.eval.bench import interleaved
 
 DATA = ROOT / "evals" / "data"
@@ -91,7 +94,7 @@ INSTRUCTION = (
     "Claim:\n"
 )
 
-PROFILES: list[str] = []  # op tables of --profile, written to <stem>_profile.txt
+PROFILES: list[str] = []  # op tables of --profile, written to <name>_profile_<machine>.txt
 COLUMNS = [
     "run", "section", "corpus", "system", "dtype", "pooling", "setting", "metric", "value", "unit", "target",
     "meets_target", "seconds_median", "seconds_min", "seconds_max", "cpu_seconds_median", "tokens", "tokens_per_s",
@@ -608,7 +611,8 @@ def bench_prefix(args, path: str, table: Table) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ plots
-def plot(df, stem: Path) -> list[Path]:
+def plot(df, csv_path: Path, slug: str | None = None) -> list[Path]:
+    """The sections' plots beside ``csv_path`` (``evals.results_index.companion``: ``<name>_<kind>_<slug>.png``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -633,7 +637,7 @@ def plot(df, stem: Path) -> list[Path]:
                 ax.annotate(f"{float(r.value.iloc[0]):.2f}x", (i, pivot.loc[group].max()), ha="center",
                             va="bottom", fontsize=9, xytext=(0, 3), textcoords="offset points")
         plt.tight_layout()
-        p = stem.with_name(stem.name + "_throughput.png")
+        p = companion(csv_path, "throughput", "png", slug)
         plt.savefig(p, dpi=120)
         plt.close()
         written.append(p)
@@ -663,7 +667,7 @@ def plot(df, stem: Path) -> list[Path]:
         axes[0].legend()
         fig.suptitle(f"SmolLM2-135M, one long input, chunked prefill ({run})", fontsize=11)
         plt.tight_layout()
-        p = stem.with_name(stem.name + "_memory.png")
+        p = companion(csv_path, "memory", "png", slug)
         plt.savefig(p, dpi=120)
         plt.close()
         written.append(p)
@@ -675,7 +679,7 @@ def plot(df, stem: Path) -> list[Path]:
         ax.set_title(f"shared-instruction queries: prefix cache\n({run})", fontsize=10)
         ax.legend(title="setting", loc="upper left", fontsize=8)
         plt.tight_layout()
-        p = stem.with_name(stem.name + "_prefix.png")
+        p = companion(csv_path, "prefix", "png", slug)
         plt.savefig(p, dpi=120)
         plt.close()
         written.append(p)
@@ -723,14 +727,17 @@ def parse_args(argv=None):
     ap.add_argument("--prefix-poolings", nargs="+", default=["mean", "lasttoken"], choices=["mean", "lasttoken"])
     ap.add_argument("--prefix-dtype", default="float32")
     ap.add_argument("--profile", action="store_true",
-                    help="throughput: also profile one call of each system (op-group rows + <stem>_profile.txt)")
+                    help="throughput: also profile one call of each system (op-group rows + <name>_profile_<machine>.txt)")
     ap.add_argument("--self-check", action="store_true",
                     help="throughput: also run the baseline at another batch size (untimed) and record how well it "
                          "agrees with itself (min_cosine_vs_itself_other_batch)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script (run label 'smoke')")
-    ap.add_argument("--out", type=Path, default=None, help="CSV path (default evals/results/bench_decoder.csv)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="CSV path (default evals/results/bench_decoder/<name>_<machine>.csv)")
+    ap.add_argument("--name", default=None,
+                    help="the files' name before the machine (default bench_decoder, bench_decoder_smoke with --smoke)")
     ap.add_argument("--label", default=None, help="the rows' run label (default 'smoke' with --smoke, else 'full')")
     ap.add_argument("--memory-point", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -742,8 +749,10 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, s if small else f)
     args.chunks = [None if str(c).lower() in ("none", "off", "0") else int(c) for c in args.chunks]
+    args.slug = device_slug(args.device)
     if args.out is None:
-        args.out = RESULTS / ("bench_decoder_smoke.csv" if small else "bench_decoder.csv")
+        name = args.name or ("bench_decoder_smoke" if small else "bench_decoder")
+        args.out = RESULTS / "bench_decoder" / f"{name}_{args.slug}.csv"
     return args
 
 
@@ -762,12 +771,13 @@ def main(argv=None) -> int:
     for section in args.sections:
         print(f"[{section}]", flush=True)
         {"throughput": bench_throughput, "memory": bench_memory, "prefix": bench_prefix}[section](args, path, table)
-    df = table.frame()
+    df = stamp(table.frame())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out, index=False)
-    pngs = plot(df, args.out.with_suffix(""))
+    write_meta(args.out)
+    pngs = plot(df, args.out, args.slug)
     if PROFILES:
-        prof_path = args.out.with_name(args.out.stem + "_profile.txt")
+        prof_path = companion(args.out, "profile", "txt", args.slug)
         prof_path.write_text("\n\n".join(PROFILES) + "\n")
         pngs.append(prof_path)
     print()

@@ -10,9 +10,11 @@ and its FLOPs per token) each reaches.
     python -m evals.bench_embed                     # full run: ~10 min on 2 cores
     python -m evals.bench_embed --repeats 2 --scifact-docs 300     # quicker
 
-Writes evals/results/bench_embed.csv (tidy rows, with the CPU model, its flags, the engine's probed CPU fast paths
-``cpu_paths`` and ``malloc_tuning``: the engine is created with ``tune_allocator=True``, which tunes glibc's allocator
-for the whole process, the baseline's runs included; ``lab.runtime.allocator``) and evals/results/bench_embed.png. ``baseline_slowdown``: the baseline's interleaved median over its
+Writes evals/results/bench_embed/bench_embed_<machine>.csv (tidy rows, with the run's ``run_date``, the CPU model,
+its flags, the engine's probed CPU fast paths ``cpu_paths`` and ``malloc_tuning``: the engine is created with
+``tune_allocator=True``, which tunes glibc's allocator for the whole process, the baseline's runs included;
+``lab.runtime.allocator``), the plot ``bench_embed_<machine>.png`` and the command in ``<csv>.meta.json``; the machine
+is ``lab.ops.probes.machine_slug()`` (``evals.results_index``). ``baseline_slowdown``: the baseline's interleaved median over its
 median timed alone before the engine ran on those texts (near 1: the engine did not slow the baseline down).
 Issue 15's targets are columns of the engine's rows (``targets``): ``ratio_target`` / ``meets_ratio_target`` on the
 mixed corpus (the ratio, at a minimum cosine of 0.9999), ``roofline_target`` / ``meets_roofline_target`` for float32
@@ -38,6 +40,7 @@ import torch
 
 from evals.criteria import meets_speed_target, min_cosine
 from evals.data_io import mixed_corpus, read_jsonl, scifact_text, stsbenchmark_sentences
+from evals.results_index import device_slug, stamp, write_meta
 
 ROOT = Path(__file__).resolve().parent
 DATA, RESULTS = ROOT / "data", ROOT / "results"
@@ -204,18 +207,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--scifact-docs", type=int, default=1000)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=str(RESULTS / "bench_embed"), help="folder (default evals/results/bench_embed)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.model is None:
         from lab._extras import minilm_path
 
         args.model = minilm_path()
-    df = run(args.model, args.corpora, args.dtypes, args.repeats, args.scifact_docs)
+    df = stamp(run(args.model, args.corpora, args.dtypes, args.repeats, args.scifact_docs))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / "bench_embed.csv", index=False)
-    plot(df).savefig(out / "bench_embed.png", dpi=120)
+    csv_path = out / f"bench_embed_{device_slug()}.csv"
+    df.to_csv(csv_path, index=False)
+    write_meta(csv_path)
+    plot(df).savefig(csv_path.with_suffix(".png"), dpi=120)
     cols = ["corpus", "dtype", "system", "tokens_per_s", "ratio_vs_sentence_transformers", "roofline_fraction",
             "roofline_cap", "kernel_share", "ratio_at_kernel_seconds", "min_cosine", "baseline_slowdown",
             "meets_ratio_target", "meets_roofline_target"]

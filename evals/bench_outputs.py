@@ -4,8 +4,10 @@ STSBenchmark sentences and 260 SciFact abstracts, shuffled), interleaved rounds,
 
     python -m evals.bench_outputs              # ~2 min on 2 cores; run it alone
 
-Writes evals/results/bench_outputs.csv (one row per output and round, with the CPU model, its flags, the load
-average before the run and ``malloc_tuning``: the engine runs with ``tune_allocator=True``, ``lab.runtime.allocator``).
+Writes evals/results/bench_outputs/bench_outputs_<machine>.csv (one row per output and round, with the run's
+``run_date``, the CPU model, its flags, the load average before the run and ``malloc_tuning``: the engine runs with
+``tune_allocator=True``, ``lab.runtime.allocator``) and the command in ``<csv>.meta.json``; the machine is
+``lab.ops.probes.machine_slug()`` (``evals.results_index``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from evals.bench_embed import load_corpus
+from evals.results_index import result_path, stamp, write_meta
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -27,7 +30,7 @@ def main(argv=None) -> pd.DataFrame:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--outputs", nargs="+", default=["dense", "tokens"])
-    ap.add_argument("--out", default=str(RESULTS / "bench_outputs.csv"))
+    ap.add_argument("--out", default=None, help="CSV path (default evals/results/bench_outputs/bench_outputs_<machine>.csv)")
     args = ap.parse_args(argv)
     from lab import Engine
     from lab._extras import minilm_path
@@ -54,8 +57,11 @@ def main(argv=None) -> pd.DataFrame:
         eng.resolved["malloc_tuning"])
     med = df.groupby("output").tokens_per_s.median()
     df["ratio_vs_dense"] = df.output.map(med / med["dense"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(args.out, index=False)
+    df = stamp(df)
+    out = Path(args.out) if args.out else result_path("bench_outputs", root=RESULTS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    write_meta(out)
     print(f"{info['cpu_model']}, load {load:.2f} before; median tokens/s over {args.rounds} rounds:")
     print((med.to_frame("tokens_per_s").assign(ratio_vs_dense=med / med["dense"])).round(3).to_string())
     return df

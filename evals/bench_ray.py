@@ -23,11 +23,13 @@ GPU's), shards of S tokens (``--shard-texts`` x the corpus' mean tokens per text
 seconds d per shard: ``tokens/s(N) = min(N S / (S / R + o), S / d)``, which assumes the actors scale perfectly and
 the driver is the only shared part; ``efficiency`` is that over N R.
 
-    python -m evals.bench_ray              # the full run (the lead's; ~10 min on 2 cores)
-    python -m evals.bench_ray --quick      # 1,000 texts, 1 round: checks the script, writes *_quick.* files
+    python -m evals.bench_ray              # the full run (~10 min on 2 cores)
+    python -m evals.bench_ray --quick      # 1,000 texts, 1 round: checks the script, writes bench_ray_quick*
 
-Writes ``evals/results/bench_ray.csv`` (throughput), ``bench_ray_overhead.csv``, ``bench_ray_projection.csv`` and
-``bench_ray.png``, each row with the CPU model, its flags, torch and Ray versions. Every engine, the actors'
+Writes into ``evals/results/bench_ray/`` ``bench_ray_<machine>.csv`` (throughput), ``bench_ray_overhead_<machine>.csv``,
+``bench_ray_projection_<machine>.csv`` and ``bench_ray_<machine>.png``, each row with the run's ``run_date``, the CPU
+model, its flags, torch and Ray versions, each CSV's command in ``<csv>.meta.json``; the machine is
+``lab.ops.probes.machine_slug()`` (``evals.results_index``). Every engine, the actors'
 included, runs with ``lab.runtime.allocator``'s tuning (``LAB_MALLOC_TUNING=1``); the throughput rows'
 ``malloc_tuning`` says whether it was in effect.
 """
@@ -47,6 +49,7 @@ import pandas as pd
 
 from evals.criteria import min_cosine
 from evals.data_io import read_jsonl
+from evals.results_index import device_slug, stamp, write_meta
 
 ROOT = Path(__file__).resolve().parent
 DATA, RESULTS = ROOT / "data", ROOT / "results"
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard-texts", type=int, default=2048)
     parser.add_argument("--rates", type=float, nargs="*", default=[], help="per-actor tokens/s to project (a GPU's)")
     parser.add_argument("--quick", action="store_true", help="1,000 texts, 1 round, 250-text shards; *_quick files")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=str(RESULTS / "bench_ray"), help="folder (default evals/results/bench_ray)")
     args = parser.parse_args(argv)
     if args.quick:
         args.texts, args.rounds, args.shard_texts = 1000, 1, 250
@@ -230,15 +233,15 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     proj = projection(params, args.rates, [1, 2, 4, 8, 16, 32, 64])
     machine = {**cpu_info(), "cores": cores, "ray": ray.__version__, "model": eng.model_name, "corpus": note}
-    tp, ov, proj = (df.assign(**machine) for df in (tp, ov, proj))
-    out, suffix = Path(args.out), "_quick" if args.quick else ""
+    tp, ov, proj = (stamp(df.assign(**machine)) for df in (tp, ov, proj))
+    out, suffix, slug = Path(args.out), "_quick" if args.quick else "", device_slug()
     out.mkdir(parents=True, exist_ok=True)
-    tp.to_csv(out / f"bench_ray{suffix}.csv", index=False)
-    ov.to_csv(out / f"bench_ray_overhead{suffix}.csv", index=False)
-    proj.to_csv(out / f"bench_ray_projection{suffix}.csv", index=False)
+    for df, name in ((tp, "bench_ray"), (ov, "bench_ray_overhead"), (proj, "bench_ray_projection")):
+        df.to_csv(out / f"{name}{suffix}_{slug}.csv", index=False)
+        write_meta(out / f"{name}{suffix}_{slug}.csv")
     title = (f"{machine['model']} on {machine['cpu_model']} ({cores} cores), {len(texts):,} texts, median of "
              f"{args.rounds}; Ray {ray.__version__}")
-    plot(tp, proj, title).savefig(out / f"bench_ray{suffix}.png", dpi=120)
+    plot(tp, proj, title).savefig(out / f"bench_ray{suffix}_{slug}.png", dpi=120)
     fmt = {"float_format": lambda v: f"{v:,.4g}", "index": False}
     print(note)
     print(tp[["system", "tokens", "seconds_median", "tokens_per_s", "ratio_vs_engine", "min_cosine"]].to_string(**fmt))

@@ -9,8 +9,10 @@ LLM2Vec turns attention bidirectional and then trains the model to use it (MNTP 
 is flipped on the raw instruct model, so the table measures what the switch alone does. It states numbers, not
 a winner.
 
-Writes ``<out>.csv`` (one row per variant), ``<out>.md`` (pooling x attention table and the full rows) and
-``<out>.png`` (bar plot), default ``evals/results/causal_vs_bidirectional.*``.
+Writes ``<out>.csv`` (one row per variant, with the run's ``run_date``), ``<out>.md`` (pooling x attention table and
+the full rows), ``<out>.png`` (bar plot) and the command in ``<out>.csv.meta.json``; ``<out>`` defaults to
+``evals/results/causal_vs_bidirectional/causal_vs_bidirectional_<machine>``, the machine the CPU's
+``lab.ops.probes.machine_slug()`` or the GPU's name (``evals.results_index.device_slug``).
 
     python evals/causal_vs_bidirectional.py                 # all 1,379 pairs
     python evals/causal_vs_bidirectional.py --limit 200     # 200 evenly spaced pairs (a quick look)
@@ -32,9 +34,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from evals.data_io import read_jsonl, spread  # after the path set-up: this runs as a script
+from evals.results_index import device_slug, run_date, write_meta
 
 DATA = ROOT / "evals" / "data" / "stsbenchmark" / "test.jsonl.gz"
-DEFAULT_OUT = ROOT / "evals" / "results" / "causal_vs_bidirectional"
+RESULTS = ROOT / "evals" / "results" / "causal_vs_bidirectional"
 
 
 def load_pairs(limit: int | None) -> list[dict]:
@@ -98,7 +101,7 @@ def run(args) -> list[dict]:
                 "seconds": secs, "append_eos": r["append_eos"], "dtype": r["dtype"], "device": r["device"],
                 "run": "full" if args.limit is None or args.limit >= 1379 else f"limit={len(pairs)}",
                 "torch": torch.__version__, "machine": platform.machine(),
-                "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "run_date": run_date(),
             })
             print(f"  {pooling:9s} {rows[-1]['attention']:13s} Spearman {rows[-1]['spearman_x100']:6.2f}  "
                   f"Pearson {rows[-1]['pearson_x100']:6.2f}  ({secs:.1f} s, {eng.stats.tokens} tokens)", flush=True)
@@ -110,8 +113,9 @@ def write(rows: list[dict], out: Path) -> list[Path]:
 
     df = pd.DataFrame(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
-    csv, md, png = out.with_suffix(".csv"), out.with_suffix(".md"), out.with_suffix(".png")
+    csv, md, png = (out.with_name(out.name + ext) for ext in (".csv", ".md", ".png"))
     df.to_csv(csv, index=False)
+    write_meta(csv)
     table = df.pivot_table(index="pooling", columns="attention", values="spearman_x100", sort=False)
     table = table[[c for c in ("causal", "bidirectional") if c in table.columns]]
     r0 = rows[0]
@@ -160,11 +164,17 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output path without suffix")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output path without suffix (default evals/results/causal_vs_bidirectional/"
+                         "causal_vs_bidirectional_<machine>)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = run(args)
-    paths = write(rows, args.out.with_suffix("") if args.out.suffix in (".csv", ".md", ".png") else args.out)
+    if args.out is None:
+        out = RESULTS / f"causal_vs_bidirectional_{device_slug(rows[0]['device'])}"
+    else:
+        out = args.out.with_suffix("") if args.out.suffix in (".csv", ".md", ".png") else args.out
+    paths = write(rows, out)
     print(paths[1].read_text())
     print("wrote " + ", ".join(str(p) for p in paths) + f" in {time.perf_counter() - t0:.0f} s")
     return 0

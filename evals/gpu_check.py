@@ -14,17 +14,20 @@ sentence-transformers. Meant for a CUDA machine (about 3-5 minutes on one H100/H
    (``check_decoder``); the rotary section also checks and times the ``pairs`` layout's rotation
    (``lab.models.rope.rotate_pairs_``, a CPU engine's choice) beside the Triton kernel.
 
-Writes tidy rows (one per section / kernel / provider / config / dtype / metric) to a CSV and prints a table; exits
-1 if a correctness check fails or a section raised.
+Writes tidy rows (one per section / kernel / provider / config / dtype / metric, with the run's ``run_date``) to a
+CSV, the command in ``<csv>.meta.json``, and prints a table; exits 1 if a correctness check fails or a section
+raised. The default CSV is ``evals/results/gpu_check/gpu_check_<machine>.csv``, the machine the GPU's short name
+(``evals.results_index.gpu_slug``: ``h200``), or the CPU's under ``--smoke``; the printed output, kept, goes beside it
+as ``gpu_check_<machine>.log``, and the kernel tests' output as ``kernel_tests_<machine>.log``.
 
-    python evals/gpu_check.py                           # -> evals/results/gpu_check.csv
+    python evals/gpu_check.py                           # -> evals/results/gpu_check/gpu_check_<machine>.csv
     python evals/gpu_check.py /tmp/out.csv --skip-engine
     python evals/gpu_check.py --smoke                   # CPU + Triton interpreter, tiny shapes: checks the script
 
 On a machine where the project cannot be installed (a lent GPU box with its own torch and no package index), run it
 from the checkout: ``ln -s ../kernels lab/kernels`` (the mapping the installed package makes), then
 ``PYTHONPATH=. python3 evals/gpu_check.py --model <a copy of all-MiniLM-L6-v2>``; that is how
-``evals/results/gpu_check.csv`` was made (README).
+``evals/results/gpu_check/gpu_check_h200.csv`` was made (README).
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CSV = REPO / "evals" / "results" / "gpu_check.csv"
+RESULTS = REPO / "evals" / "results" / "gpu_check"
 COLUMNS = [
     "section", "kernel", "provider", "config", "dtype", "metric", "value", "p20", "p50", "p80",
-    "baseline", "speedup", "bound", "ok", "device", "torch", "triton", "when",
+    "baseline", "speedup", "bound", "ok", "device", "torch", "triton", "when", "run_date",
 ]
 
 
@@ -69,8 +72,9 @@ class Check:
         except ImportError:
             triton_version = ""
         name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke run)"
+        now = datetime.now(timezone.utc)
         self.common = {"device": name, "torch": torch.__version__, "triton": triton_version,
-                       "when": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+                       "when": now.isoformat(timespec="seconds"), "run_date": now.date().isoformat()}
 
     def over_budget(self) -> bool:
         return time.perf_counter() - self.t0 > self.budget_s
@@ -510,7 +514,8 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("csv", nargs="?", default=str(DEFAULT_CSV), help=f"output CSV (default {DEFAULT_CSV})")
+    parser.add_argument("csv", nargs="?", default=None,
+                        help="output CSV (default evals/results/gpu_check/gpu_check_<machine>.csv)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU + TRITON_INTERPRET=1, tiny shapes: exercises this script without a GPU")
     parser.add_argument("--skip-engine", action="store_true", help="kernels only (no engine or decoder section)")
@@ -535,7 +540,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     sys.path.insert(0, str(REPO))
+    from evals.results_index import device_slug, write_meta
+
     device = "cpu" if args.smoke else "cuda"
+    if args.csv is None:
+        args.csv = str(RESULTS / f"gpu_check_{device_slug(device)}.csv")
     ck = Check(device, args.smoke, args.budget_s)
     dtypes = [torch.float16] if args.smoke else [torch.bfloat16, torch.float16]  # the interpreter lacks bf16 math
     torch.manual_seed(0)
@@ -554,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.perf_counter() - ck.t0:6.1f}s] {name} done in {time.perf_counter() - t:.1f}s", flush=True)
     finally:
         write_csv(ck.rows, Path(args.csv))
+        write_meta(Path(args.csv))
     print_table(ck.rows)
     print(f"\nwrote {len(ck.rows)} rows to {args.csv} in {time.perf_counter() - ck.t0:.0f}s; "
           f"{'SOME CHECKS FAILED' if ck.failed else 'all correctness checks passed'}")

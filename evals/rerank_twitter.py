@@ -12,7 +12,9 @@ pairs go to one ``Engine.score`` call (what ``Engine.rerank`` does per query, ba
 
     python -m evals.rerank_twitter --limit 100        # 100 evenly spaced queries; omit --limit for all 567
 
-Writes ``evals/results/rerank_twitter.csv`` (one row per model x metric) and ``rerank_twitter.md``; prints the table.
+Writes ``evals/results/rerank_twitter/rerank_twitter_<machine>.csv`` (one row per model x metric, with the run's
+``run_date``), ``rerank_twitter_<machine>.md`` and the command in ``<csv>.meta.json``; prints the table. The machine
+is ``lab.ops.probes.machine_slug()`` (``evals.results_index``).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import numpy as np
 import pandas as pd
 
 from evals.data_io import read_jsonl, spread
+from evals.results_index import device_slug, stamp, write_meta
 
 ROOT = Path(__file__).resolve().parent
 DATA = Path(os.environ.get("LAB_EVAL_DATA") or ROOT / "data") / "twitterurlcorpus" / "test.reranking.jsonl.gz"
-RESULTS = ROOT / "results"
+RESULTS = ROOT / "results" / "rerank_twitter"
 INSTRUCTION = "Retrieve tweets that paraphrase the given news headline"  # the custom mteb task's query prompt
 
 
@@ -97,7 +100,7 @@ def engine_scorer(engine, **kw):
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=None, help="evenly spaced queries to use (default: all 567)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder (default evals/results/rerank_twitter)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -129,9 +132,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             rows.append({"model": name, "mode": mode, "metric": metric, "value": res[metric],
                          "queries": len(queries), "pairs": n_pairs, "limit": args.limit, "seconds": res["seconds"],
                          "threads": torch.get_num_threads(), "machine": platform.machine()})
-    df = pd.DataFrame(rows)
+    df = stamp(pd.DataFrame(rows))
     args.out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(args.out / "rerank_twitter.csv", index=False)
+    stem = f"rerank_twitter_{device_slug()}"
+    df.to_csv(args.out / f"{stem}.csv", index=False)
+    write_meta(args.out / f"{stem}.csv")
     table = df.pivot_table(index=["model", "mode"], columns="metric", values="value", sort=False).reset_index()
     table["seconds"] = df.groupby(["model", "mode"], sort=False)["seconds"].first().to_numpy()
     table["pairs/s"] = n_pairs / table["seconds"]
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
           "float32. MAP over each query's full candidate list; MRR@10. LLM prompt: Qwen3-Reranker's system text "
           f"through SmolLM2's chat template, instruction {INSTRUCTION!r}, score = P(yes) over {{yes, no}}.\n\n"
           + markdown_table(table, {"seconds": 1, "pairs/s": 1}) + "\n")
-    (args.out / "rerank_twitter.md").write_text(md)
+    (args.out / f"{stem}.md").write_text(md)
     print()
     print(md)
     return df

@@ -1,10 +1,12 @@
 """Command line: sweep an Engine's knobs over mteb tasks, write the table (CSV + markdown) and a plot.
 
     python -m evals.run --model PATH --tasks STSBenchmark SciFact --sweep pooling=mean,cls \\
-        [--sweep bidirectional=false,true] [--set dtype=float32] [--limit 100] [--out evals/results]
+        [--sweep bidirectional=false,true] [--set dtype=float32] [--limit 100] [--out evals/results/mteb]
 
-Writes ``<out>/<model>.csv`` (every metric), ``<out>/<model>.md`` (main scores x100, variant x task) and, when
-``lab.eval.plots.scores`` exists, ``<out>/<model>.png``. Results are cached by mteb (``--cache``, default
+Writes ``<out>/<model>_<machine>.csv`` (every metric, with the run's ``run_date``), ``<out>/<model>_<machine>.md``
+(main scores x100, variant x task), the command in ``<csv>.meta.json`` and, when ``lab.eval.plots.scores`` exists,
+``<out>/<model>_<machine>.png``; ``<out>`` defaults to ``evals/results/mteb``, the machine is the engine's device's
+(``evals.results_index.device_slug``: the CPU's ``lab.ops.probes.machine_slug()`` or the GPU's name). Results are cached by mteb (``--cache``, default
 ``evals/results/cache`` or ``$LAB_MTEB_CACHE``), so a rerun only evaluates what is missing.
 """
 
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "mteb"
 
 
 def parse_value(text: str) -> Any:
@@ -142,10 +144,14 @@ def main(argv: list[str] | None = None, *, engine=None):
         overwrite=args.overwrite,
         use_task_instructions=args.task_instructions,
     )
+    from evals.results_index import device_slug, stamp, write_meta
+
     args.out.mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[^\w.-]+", "_", model_name(engine).replace("/", "__"))
+    stem += "_" + device_slug(str((getattr(engine, "resolved", None) or {}).get("device", "cpu")))
     csv_path, md_path = args.out / f"{stem}.csv", args.out / f"{stem}.md"
-    df.to_csv(csv_path, index=False)
+    stamp(df).to_csv(csv_path, index=False)
+    write_meta(csv_path)
     table = main_table(df)
     header = f"# {model_name(engine)}: main scores (x100)\n\ntasks: {', '.join(args.tasks)}"
     if args.limit:

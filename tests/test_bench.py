@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -301,7 +303,8 @@ def test_decoder_benchmark_profile_sees_the_cpu_workers(tmp_path):
 
 def test_attention_benchmark_times_every_kernel_at_both_models_shapes(tmp_path):
     """evals/bench_attention.py: one row per model, dtype, length and kernel offered (``matmul`` for the encoder
-    only, ``lab`` where it built), times relative to ``sdpa`` in the same round, the CPU recorded; files written."""
+    only, ``lab`` where it built), times relative to ``sdpa`` in the same round, the CPU recorded; the CSV (with its
+    ``run_date``), the plot and the sidecar written under this machine's name."""
     from lab.kernels import cpu_attention
 
     from lab._repo import import_evals
@@ -316,4 +319,8 @@ def test_attention_benchmark_times_every_kernel_at_both_models_shapes(tmp_path):
     assert df.sequences.tolist()[0] == 8 and df.cpu_model.notna().all()
     bench_attention.main(["--lengths", "7", "--dtypes", "float32", "--tokens", "14", "--rounds", "1",
                           "--out", str(tmp_path)])
-    assert (tmp_path / "bench_attention.csv").exists() and (tmp_path / "bench_attention.png").exists()
+    from lab.ops.probes import machine_slug
+
+    stem = tmp_path / f"bench_attention_{machine_slug()}"
+    assert stem.with_suffix(".png").exists() and Path(f"{stem}.csv.meta.json").exists()
+    assert pd.read_csv(stem.with_suffix(".csv")).run_date.notna().all()

@@ -3,8 +3,8 @@
 The test starts a JupyterLab server over a copy of ``notebooks/`` (the committed notebooks are never touched), opens
 ``01_quickstart.ipynb``, runs all its cells (``LAB_SMOKE=1``: the panel cell is the last), changes the panel's
 pooling dropdown to ``cls``, presses Run and waits until the heatmap image and the stats line differ from the first
-run's. The screenshot goes to ``evals/results/panel.png`` (shown in the README). The server and the browser are shut
-down however the test ends. It needs Chromium and ChromeDriver (Debian's ``chromium`` / ``chromium-driver``, which
+run's. The screenshot goes to ``evals/results/panel/panel.png`` (shown in the README). The server and the browser are
+shut down however the test ends. It needs Chromium and ChromeDriver (Debian's ``chromium`` / ``chromium-driver``, which
 ``.ci/setup`` installs when it can), selenium and jupyterlab; without them it skips and says which is missing.
 """
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.browser
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-SCREENSHOT = ROOT / "evals" / "results" / "panel.png"
+SCREENSHOT = ROOT / "evals" / "results" / "panel" / "panel.png"
 WAIT_S = 300  # 2 cores: JupyterLab's first load, a kernel start and the notebook's cells
 
 

@@ -7,6 +7,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from lab._repo import import_evals
@@ -193,8 +194,11 @@ def test_cli_writes_table_and_markdown(tmp_path):
         engine=eng,
     )
     assert df["main"].sum() == 2
-    assert (tmp_path / "out" / "fake__bag-of-words.csv").is_file()
-    md = (tmp_path / "out" / "fake__bag-of-words.md").read_text()
+    from lab.ops.probes import machine_slug
+
+    stem = tmp_path / "out" / f"fake__bag-of-words_{machine_slug()}"
+    assert pd.read_csv(f"{stem}.csv").run_date.notna().all() and Path(f"{stem}.csv.meta.json").is_file()
+    md = Path(f"{stem}.md").read_text()
     assert "| variant | STSBenchmark.n30 |" in md and "pooling=cls" in md
     assert len(_experiment_folders(tmp_path / "cache", "STSBenchmark.n30.json")) == 2
 
@@ -249,4 +253,6 @@ def test_cli_saves_the_plot_when_lab_plots_exists(tmp_path, monkeypatch):
         ["--model", "unused", "--tasks", "STSBenchmark", "--limit", "20", "--out", str(tmp_path), "--no-cache"],
         engine=FakeEngine(),
     )
-    assert seen and (tmp_path / "fake__bag-of-words.png").stat().st_size > 0
+    from lab.ops.probes import machine_slug
+
+    assert seen and (tmp_path / f"fake__bag-of-words_{machine_slug()}.png").stat().st_size > 0

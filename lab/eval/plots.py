@@ -6,7 +6,7 @@ global figure registry, any backend works (Agg included), a notebook displays th
 
     >>> df = lab.eval.bench.throughput({"engine": eng, "sentence-transformers": base}, texts,
     ...                           sweep={"max_batch_tokens": [1024, 16384]})
-    >>> tokens_per_s_vs_budget(df).savefig("evals/results/throughput.png", dpi=150)
+    >>> tokens_per_s_vs_budget(df).savefig("evals/results/throughput/throughput_budget_<machine>.png", dpi=150)
 """
 
 from __future__ import annotations
