@@ -44,7 +44,7 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 static inline v16 ld(const float *p) { return *(const v16u *)p; }
 static inline void st(float *p, v16 x) { *(v16u *)p = x; }
 /* x in every lane, written out lane by lane: GCC compiles it to a broadcast from memory that an FMA takes as its
- * operand, where `(v16){0} + x` (this kernel's spelling until session 21) cost a scalar add (x + 0 is not x for
+ * operand, where `(v16){0} + x` cost a scalar add (x + 0 is not x for
  * x = -0) and a register broadcast per row in every inner loop: 1.0-1.1x slower at 64-256 tokens */
 static inline v16 bc(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 static inline v16 vsel(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
