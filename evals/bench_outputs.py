@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from evals.bench_embed import load_corpus
+from evals.data_io import load_corpus
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
