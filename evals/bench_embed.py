@@ -39,26 +39,15 @@ import pandas as pd
 import torch
 
 from evals.criteria import meets_speed_target, min_cosine
-from evals.data_io import mixed_corpus, read_jsonl, scifact_text, stsbenchmark_sentences
+from evals.data_io import load_corpus
 from evals.results_index import device_slug, stamp, write_meta
 
 ROOT = Path(__file__).resolve().parent
-DATA, RESULTS = ROOT / "data", ROOT / "results"
+RESULTS = ROOT / "results"
 # issue 15: engine / sentence-transformers on the mixed corpus (at ``evals.criteria.COSINE_TARGET``); float32
 # share of the GEMM roofline
 RATIO_TARGETS = {("mixed", "float32"): 1.45, ("mixed", "bfloat16"): 1.6}
 ROOFLINE_TARGETS = {("stsbenchmark", "float32"): 0.85, ("scifact", "float32"): 0.85}
-
-
-def load_corpus(name: str, scifact_docs: int) -> list[str]:
-    if name == "stsbenchmark":
-        return stsbenchmark_sentences()
-    if name == "scifact":
-        rows = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")[:scifact_docs]
-        return [scifact_text(r) for r in rows]
-    if name == "mixed":  # 660 texts: 400 short sentences and 260 long abstracts, shuffled (fixed seed)
-        return mixed_corpus()
-    raise ValueError(f"unknown corpus {name!r}; valid: stsbenchmark, scifact, mixed")
 
 
 def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact_docs: int) -> pd.DataFrame:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from evals.bench_embed import load_corpus
+from evals.data_io import load_corpus
 from evals.results_index import result_path, stamp, write_meta
 
 RESULTS = Path(__file__).resolve().parent / "results"

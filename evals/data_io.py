@@ -52,3 +52,20 @@ def mixed_corpus() -> list[str]:
     texts = stsbenchmark_sentences()[1000:1400] + [scifact_text(r) for r in docs]
     random.Random(0).shuffle(texts)
     return texts
+
+
+CORPORA = ("stsbenchmark", "scifact", "mixed")
+
+
+def load_corpus(name: str, scifact_docs: int = 1000) -> list[str]:
+    """One of the speed benchmarks' corpora (``CORPORA``): ``stsbenchmark`` (``stsbenchmark_sentences``, short),
+    ``scifact`` (the first ``scifact_docs`` SciFact abstracts, ``scifact_text``, long) or ``mixed``
+    (``mixed_corpus``: 660 texts, short and long, shuffled with a fixed seed)."""
+    if name == "stsbenchmark":
+        return stsbenchmark_sentences()
+    if name == "scifact":
+        rows = read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")[:scifact_docs]
+        return [scifact_text(r) for r in rows]
+    if name == "mixed":
+        return mixed_corpus()
+    raise ValueError(f"unknown corpus {name!r}; valid: {', '.join(CORPORA)}")
