@@ -68,6 +68,7 @@ import pandas as pd
 from evals.criteria import min_cosine
 from evals.data_io import CORPORA, load_corpus, spread
 from evals.peers.worker import decode_array
+from evals.results_index import write_meta
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "bench_peers"
@@ -447,6 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     csv, png = output_paths(out, machine_slug(), args.smoke)
     df.to_csv(csv, index=False)
     plot(df).savefig(png, dpi=120)
+    write_meta(csv)
     cols = ["corpus", "system", "precision_class", "tokens_per_s", "ratio_vs_st_float32", "ratio_vs_fastest_peer",
             "min_cosine_vs_st_float32", "matches", "rss_load_delta_mb", "peak_rss_mb"]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:,.3f}"))

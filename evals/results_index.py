@@ -376,15 +376,23 @@ def render_index(root: Path = RESULTS) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _is_engine(system: str) -> bool:
+    """An Engine row of a peers CSV: ``engine`` or ``engine-<precision>`` (``evals/bench_peers.py``)."""
+    return system in ENGINE_SYSTEMS or system.startswith("engine-")
+
+
 def _peer_best(rows, corpus: str, dtype: str):
     """(fastest peer's name, its tokens/s, the Engine's tokens/s in the same file or None) for one corpus and
-    dtype of a bench_peers CSV; columns it lacks (corpus, dtype) match everything."""
+    precision of a bench_peers CSV (its ``precision_class`` column, else ``dtype``; columns it lacks match
+    everything). Rows flagged ``matches=False`` (vectors unlike sentence-transformers') and GPU rows are left out."""
     def same(r):
-        return r.get("corpus", corpus) == corpus and r.get("dtype", dtype) == dtype
+        cls = r.get("precision_class", r.get("dtype", dtype))
+        return (r.get("corpus", corpus) == corpus and cls == dtype and r.get("device", "cpu") == "cpu"
+                and str(r.get("matches", "True")) != "False")
 
-    peers = [(r["system"], _num(r.get("tokens_per_s"))) for r in rows if same(r) and r["system"] not in ENGINE_SYSTEMS]
+    peers = [(r["system"], _num(r.get("tokens_per_s"))) for r in rows if same(r) and not _is_engine(r["system"])]
     peers = [(s, t) for s, t in peers if t]
-    engine = [_num(r.get("tokens_per_s")) for r in rows if same(r) and r["system"] in ENGINE_SYSTEMS]
+    engine = [_num(r.get("tokens_per_s")) for r in rows if same(r) and _is_engine(r["system"])]
     if not peers:
         return None
     name, tps = max(peers, key=lambda p: p[1])
