@@ -73,7 +73,8 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
         "llm2vec applies one, and the last n tokens are pooled, n = the text tokenized alone without special tokens) "
         "or ``exact`` (the instruction as given, its own tokens not pooled, as sentence-transformers counts a prompt); "
         "``None`` = ``llm2vec`` for a folder with ``llm2vec_config.json`` (an LLM2Vec checkpoint or adapter), else "
-        "``exact``."
+        "``exact`` (sentence-transformers models, encoders and decoders alike). Under ``long_inputs='chunk'`` the "
+        "windows of a split input pool their own text tokens."
     ),
     "template": (
         "a string with one ``{text}`` field (a prompt, e.g. PromptEOL ``'This sentence : \"{text}\" means in one "
