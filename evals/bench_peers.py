@@ -39,7 +39,8 @@ per corpus and system ``texts``, ``tokens`` (real tokens after truncation, from 
 ``ratio_vs_fastest_peer`` (the fastest matching non-Engine system of the same ``precision_class`` and device),
 ``roofline_fraction`` (of the Engine's GEMM roofline for that precision, ``lab.eval.bench.gemm_roofline``),
 ``rss_load_delta_mb`` (resident memory the load added, imports included), ``peak_rss_mb`` (the worker's peak over the
-corpus), ``packages``, ``settings``, ``torch_threads``, the CPU model and flags, load averages before / after the
+corpus), ``weights_mb`` / ``derived_weights_mb`` (Engine rows: the weights and the packed / widened copies its CPU
+plan keeps), ``packages``, ``settings``, ``torch_threads``, the CPU model and flags, load averages before / after the
 corpus, ``run_date``, ``machine`` (``lab.ops.probes.machine_slug``) and ``commit``.
 
 A full run (3 corpora, 8 systems, a warm-up and 5 rounds each) takes about 25 minutes on an idle 2-core VM, two
@@ -291,6 +292,7 @@ def assemble(records: list[dict], loads: dict, machine: dict, *, run_date: str |
             "cpu_model": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"),
             "cpu_count": os.cpu_count(), "loadavg_before": rec["loadavg_before"],
             "loadavg_after": rec["loadavg_after"], "roofline_tokens_per_s": info.get("roofline_tokens_per_s"),
+            "weights_mb": info.get("weights_mb"), "derived_weights_mb": info.get("derived_weights_mb"),
         })
     df = pd.DataFrame(rows)
     if df.empty:

@@ -209,7 +209,8 @@ class FastEmbed:
 
 class EngineSystem:
     """``lab.Engine`` in ``dtype`` on ``device`` (CPU: ``tune_allocator=True``, as ``evals/bench_embed.py``); on the CPU
-    ``info`` also carries the GEMM roofline for its dtype (``lab.eval.bench.gemm_roofline`` under its plan)."""
+    ``info`` also carries the GEMM roofline for its dtype (``lab.eval.bench.gemm_roofline`` under its plan), the
+    weights' size and the size of the copies its plan derives from them (``weights_mb``, ``derived_weights_mb``)."""
 
     def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", attention_backend: str = "auto"):
         _on_repo_path()
@@ -231,6 +232,12 @@ class EngineSystem:
             roof = gemm_roofline(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
                                  dtype=getattr(torch, dtype), plan=self.engine.runner.plan)
             self.info["roofline_tokens_per_s"] = roof["roofline_tokens_per_s"]
+            # the packed / widened weight copies the plan keeps, against the weights themselves (one warm-up call
+            # makes every copy the first call would)
+            self.engine.embed(["a warm-up sentence for the weight layouts"])
+            params = sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
+            self.info["weights_mb"] = params / 2**20
+            self.info["derived_weights_mb"] = self.engine.runner.plan.derived_bytes() / 2**20
 
     def encode(self, texts):
         return self.engine.embed(texts)
