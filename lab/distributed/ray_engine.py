@@ -126,7 +126,10 @@ class EngineActor:
 class RayStats(Stats):
     """``Stats`` of a ``RayEngine`` call: the actors' counters summed, ``seconds`` the call's wall time on the driver
     (``tokens_per_s`` over it), and ``per_actor``, one row per actor: its last pid and node, ``calls``, its counters,
-    the ``seconds`` it was busy and its ``tokens_per_s`` while busy."""
+    the ``seconds`` it was busy and its ``tokens_per_s`` while busy.
+
+        >>> reng.embed(texts); reng.stats.tokens, reng.stats.per_actor[["actor", "tokens", "seconds"]]
+    """
 
     actors: int = 0
     per_actor: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PER_ACTOR), repr=False,
@@ -139,7 +142,11 @@ class RayStats(Stats):
 @dataclass
 class ChunkResult:
     """One chunk embedded by one actor: its rows in the chunk's order, the Engine's stats of that call, which actor
-    (index, process, node) ran it and for how long (seconds inside the actor)."""
+    (index, process, node) ran it and for how long (seconds inside the actor).
+
+        >>> for res in reng.map_chunks([("a", texts[:100], None), ("b", texts[100:], None)]):
+        ...     print(res.key, res.embeddings.shape, res.actor, res.seconds)
+    """
 
     key: object
     embeddings: np.ndarray
@@ -152,6 +159,10 @@ class ChunkResult:
 
 class RayEngine:
     """``num_actors`` Engines on a Ray cluster, used like one Engine.
+
+        >>> reng = RayEngine(path, num_actors=2, threads_per_actor=1, pooling="mean")
+        >>> E = reng.embed(texts)               # Engine.embed's rows, in input order
+        >>> reng.configure(pooling="cls"); reng.close()
 
     Args:
         model_path: a model folder every node can read at this path (a shared filesystem, or a copy on each node).
@@ -395,6 +406,9 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
                   show_progress: bool = True, on_shard: Callable[[dict], object] | None = None) -> pd.DataFrame:
     """Embed a corpus into Parquet shards of ``(id, embedding)`` on Ray actors; resumable.
 
+        >>> summary = embed_dataset(path, "corpus.jsonl", "out/", num_actors=2, knobs={"dtype": "bfloat16"})
+        >>> ids, E = read_embeddings("out/")
+
     Args:
         model_path: a model folder (actors are started for this job and stopped after it), or a ``RayEngine``
             whose actors and knobs to use (then ``knobs``, ``num_actors``, ``threads_per_actor``, ``address`` are
@@ -476,7 +490,11 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
 def split_by_tokens(lengths, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous ``(start, stop)`` ranges covering ``range(len(lengths))`` whose token sums are as equal
     as cuts between texts allow: each cut is the one nearest its share, so a range's sum is within the longest
-    text of ``sum / parts``. Ranges are empty when there are fewer texts than parts."""
+    text of ``sum / parts``. Ranges are empty when there are fewer texts than parts.
+
+        >>> split_by_tokens([5, 1, 1, 1, 1, 1], 2)
+        [(0, 1), (1, 6)]
+    """
     lengths = np.asarray(lengths, dtype=np.float64)
     n = len(lengths)
     cum = np.concatenate([[0.0], np.cumsum(lengths)])  # cum[i]: tokens before text i

@@ -439,6 +439,8 @@ def read_shard(out_dir: Path, shard: int, record: dict) -> tuple[list, np.ndarra
 def read_embeddings(out_dir) -> tuple[list, np.ndarray]:
     """``(ids, embeddings (n, dim) float32)`` of every shard the manifest lists as finished, in source order.
 
+        >>> ids, E = read_embeddings("out/")     # the out_dir of embed_dataset
+
     Each shard is checked as ``read_shard`` says (its file's SHA-256 and ids as recorded), and the manifest as
     ``read_manifest`` says: a ``ValueError`` names the shard file or entry that does not match."""
     out_dir = Path(out_dir)

@@ -31,7 +31,11 @@ class Stats:
     ``max_length``; ``tokens`` are the tokens served, ``tokens_computed`` those run through the model (fewer when
     the prefix cache computed a shared instruction prefix, ``shared_prefix`` tokens long, once); ``chunks`` counts
     the pieces of the KV-cache path (chunked prefill / prefix cache) and ``state_bytes`` the most it held across
-    steps (hidden states + one layer's K/V of the inputs in flight, plus the shared prefix's K/V; 0 elsewhere)."""
+    steps (hidden states + one layer's K/V of the inputs in flight, plus the shared prefix's K/V; 0 elsewhere).
+
+        >>> eng.embed(texts); s = eng.stats
+        >>> s.tokens, s.padded_tokens, s.tokens_per_s
+    """
 
     sequences: int = 0
     tokens: int = 0
@@ -69,6 +73,7 @@ class Stats:
         return total
 
     def to_dict(self) -> dict:
+        """Every field by name (a plain dict, e.g. for a DataFrame row)."""
         return asdict(self)
 
     def __str__(self) -> str:

@@ -81,6 +81,10 @@ def _change(method):
 class Engine:
     """A prefill-only engine over one model folder. Every knob but ``model`` and ``device`` is live.
 
+        >>> eng = Engine(path, pooling="mean")              # a local model folder or a .gguf file
+        >>> E = eng.embed(["a text", "another"])            # (2, dim) float32, input order
+        >>> eng.configure(pooling="cls", truncate_dim=128)   # live, no weight reload
+
     Args:
         model: a local model folder (transformers / sentence-transformers layout) or a ``.gguf`` file; or a PEFT
             adapter folder whose ``base_model_name_or_path`` is a local folder (that base loads, the adapter first

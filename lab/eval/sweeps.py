@@ -83,6 +83,9 @@ def evaluate(
 ) -> pd.DataFrame:
     """Evaluate ``engine`` on ``tasks`` for every variant of ``sweep``; see the module docstring.
 
+        >>> df = evaluate(eng, ["STSBenchmark"], sweep={"pooling": ["mean", "cls"]})
+        >>> df[df.main][["variant", "task", "score"]]
+
     Args:
         tasks: task names (local data first, see ``evals.tasks.get_tasks``) or mteb task objects, or one of them.
         sweep: ``{knob: [values]}``; each combination is applied with ``engine.configure`` and the knobs are
