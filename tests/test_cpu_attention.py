@@ -121,7 +121,7 @@ def test_unbuildable_machine_falls_back(tmp_path, monkeypatch):
     assert "compiling lab.kernels.cpu_attention failed" in cpu_attention.unavailable_reason()
     assert "no such thing" in cpu_attention.unavailable_reason()
     probe = probes.attention_probe(torch.float32, 4, 32, 1)
-    assert list(probe.candidates) == ["sdpa", "matmul"]
+    assert list(probe.candidates) == ["sdpa", "matmul", "bmm"]
     meta = AttnMeta.from_lengths([3, 9], causal=False)
     q, k, v = (torch.randn(12, 4, 32) for _ in range(3))
     assert torch.equal(attention(q, k, v, meta, 0, kernel="lab"), attention(q, k, v, meta, 0))

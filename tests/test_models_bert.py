@@ -19,7 +19,7 @@ TEXTS = ["a", "hello world", "the quick brown fox jumps over the lazy dog", "", 
          "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"]
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "matmul", "lab"])  # the CPU ``attention_kernel`` choice, in the plan
+@pytest.mark.parametrize("kernel", ["sdpa", "matmul", "lab", "bmm"])  # the CPU ``attention_kernel`` choice, in the plan
 @pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta"])
 def test_packed_forward_matches_transformers(tmp_path, minilm_path, kind, kernel, monkeypatch):
     from lab.kernels import cpu_attention

@@ -24,8 +24,14 @@ BACKENDS = ("auto", "torch", "triton")
 # or within 4 % of it at every length; 2^21 ran up to 1.5x slower (64 tokens).
 MATMUL_SCORES = 1 << 20
 # the torch backend's CPU attention kernels (``attention(..., kernel=)``, a probe's choice): torch's fused kernel,
-# scores / softmax / weighted sum as three ops, prefill-lab's own compiled kernel (``lab.kernels.cpu_attention``)
-KERNELS = ("sdpa", "matmul", "lab")
+# scores / softmax / weighted sum as three ops, prefill-lab's own compiled kernel (``lab.kernels.cpu_attention``),
+# the two products as batched GEMMs over head-major copies (``bmm_attention``)
+KERNELS = ("sdpa", "matmul", "lab", "bmm")
+# Scores per group of sequences on the ``bmm`` kernel's path (``bmm_attention``), as ``MATMUL_SCORES``: a group's
+# scores and weights (2 MiB each in bfloat16) stay in L2. On one AMD EPYC, one thread, MiniLM's 12 heads of 32 in
+# bfloat16 over the 660 texts of the mixed benchmark corpus, whole runs of equal lengths as one group each (up to
+# 40 MiB of scores) ran 3x slower than groups of 2^20 scores.
+BMM_SCORES = 1 << 20
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -94,7 +100,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     steps without a cached prefix: ``sdpa``, torch's fused kernel; ``matmul``, scores, softmax and weighted sum in
     groups of ``MATMUL_SCORES`` scores (``lab.kernels.reference.varlen_attention``); ``lab``, prefill-lab's own CPU
     kernel (``lab.kernels.cpu_attention``; inputs it does not take, or a machine where it did not build, run
-    ``sdpa``).
+    ``sdpa``); ``bmm``, the two products as batched GEMMs over head-major copies, in groups of ``BMM_SCORES`` scores
+    (``bmm_attention``).
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; valid: {', '.join(KERNELS)}")
@@ -114,6 +121,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     if k_ops is _TORCH_OPS:
         if kernel == "lab" and not kw and cpu_attention.supports(q, k) and cpu_attention.available():
             return cpu_attention.varlen_attention(q, k, v, meta.cu_seqlens, meta.causal)
+        if kernel == "bmm" and not kw:
+            return bmm_attention(q, k, v, meta.seqlens, meta.causal, causal_block=causal_block)
         if causal_block:
             kw["causal_block"] = causal_block
         if kernel == "matmul":
@@ -121,6 +130,75 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     return k_ops.varlen_attention(
         q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=meta.causal, seqlens=meta.seqlens, **kw
     )
+
+
+def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool, *,
+                  scale: float | None = None, max_scores: int = BMM_SCORES,
+                  causal_block: int | None = None) -> torch.Tensor:
+    """Varlen attention as two batched GEMMs per group of equal-length sequences (the ``bmm`` kernel): q ``(T, Hq,
+    D)``, k/v ``(T, Hkv, D)``, ``seqlens`` the packed sequences' lengths, no cached prefix -> ``(T, Hq, D)``.
+
+    Consecutive sequences of one length form a run (the length-sorted scheduler makes them); a run is cut into groups
+    of at most ``max_scores`` scores (at least one sequence). A group's queries, keys and values are copied once
+    into head-major ``(n * Hkv, ., D)`` tensors, the ``Hq / Hkv`` query heads sharing a key/value head stacked along
+    the query axis (no copy of the keys per query head). Then ``torch.baddbmm`` computes ``scale * Q K^T`` (plus the
+    causal mask as an additive ``-inf`` bias), ``torch.softmax`` the weights and ``torch.bmm`` their sum of the
+    values: on CPU, oneDNN's batched GEMMs, in bfloat16 its native kernels (AVX512-BF16 or AMX where the CPU has
+    them; exact products, float32 accumulation), and the softmax's arithmetic in float32 (torch's CPU softmax widens
+    bfloat16). The group's output is copied into the packed ``(T, Hq, D)`` result. In bfloat16 the scores are
+    rounded to bfloat16 once (the scale applied to the float32 sums) and so are the weights, as torch's fused kernel
+    rounds them before its second product; so, like ``matmul``, an encoder's path only
+    (``lab.ops.probes.attention_probe``).
+
+    A sequence with more scores than ``max_scores`` (``Hq * L * L``) takes ``lab.kernels.reference.varlen_attention``
+    (torch's fused kernel, or its query blocks of ``causal_block`` for a long causal sequence): its memory does not
+    grow with the square of the length."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if sum(seqlens) != t:
+        raise ValueError(f"seqlens add up to {sum(seqlens)} tokens, but q holds {t}")
+    rep, scale = hq // hkv, d**-0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    s, i = 0, 0
+    while i < len(seqlens):
+        length, j = seqlens[i], i + 1
+        while j < len(seqlens) and seqlens[j] == length:
+            j += 1
+        e = s + (j - i) * length
+        if length and hq * length * length > max_scores:
+            n = j - i
+            cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32)
+            out[s:e] = reference.varlen_attention(q[s:e], k[s:e], v[s:e], cu, length, causal=causal, scale=scale,
+                                                  seqlens=[length] * n, causal_block=causal_block)
+        elif length:
+            bias = None
+            if causal:  # (rep * L, L): query row r of a stacked head is position r % L
+                bias = torch.full((length, length), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+                bias = bias.repeat(rep, 1)
+            group = max(1, max_scores // (hq * length * length))
+            for gs in range(s, e, group * length):
+                ge = min(e, gs + group * length)
+                _bmm_group(q[gs:ge], k[gs:ge], v[gs:ge], out[gs:ge], length, rep, scale, bias)
+        s, i = e, j
+    return out
+
+
+def _bmm_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, length: int, rep: int,
+               scale: float, bias: torch.Tensor | None) -> None:
+    """``bmm_attention`` on ``n`` packed sequences of ``length`` tokens (q ``(n * L, Hq, D)``, k/v ``(n * L, Hkv,
+    D)``), written into ``out`` (like q)."""
+    n, hkv, d = q.shape[0] // length, k.shape[1], q.shape[2]
+    qh = q.view(n, length, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(n * hkv, rep * length, d)
+    kh, vh = (x.view(n, length, hkv, d).transpose(1, 2).reshape(n * hkv, length, d) for x in (k, v))
+    if bias is None:
+        scores = torch.baddbmm(qh.new_empty(n * hkv, rep * length, length), qh, kh.transpose(1, 2), beta=0,
+                               alpha=scale)
+    else:
+        scores = torch.baddbmm(bias, qh, kh.transpose(1, 2), alpha=scale)
+    o = torch.bmm(torch.softmax(scores, dim=-1), vh)  # (n * Hkv, rep * L, D)
+    out.view(n, length, hkv, rep, d).copy_(o.view(n, hkv, rep, length, d).permute(0, 3, 1, 2, 4))
 
 
 def visible_keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> torch.Tensor:

@@ -45,7 +45,7 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
     "f32_gemm": ("blas", "onednn"),
     "f32_weights": ("packed", "plain"),
     "bf16_weights": ("packed", "plain"),
-    "attention_kernel": ("sdpa", "matmul", "lab"),  # lab.ops.attention
+    "attention_kernel": ("sdpa", "matmul", "lab", "bmm"),  # lab.ops.attention
     "bert_qkv": ("split", "stacked"),  # lab.models.bert
     "bert_ffn": ("blocks", "fused"),
     "add_layer_norm": ("torch", "lab"),
@@ -291,16 +291,18 @@ ATTENTION_PROBE_LENGTHS = (224, 64, 64, 24, 24, 24, 24) + (8,) * 8
 
 def attention_probe(dtype: torch.dtype, heads: int, d: int, threads: int, *, kv_heads: int | None = None,
                     causal: bool = False, causal_block: int | None = None,
-                    kernels: tuple[str, ...] = ("sdpa", "matmul", "lab")) -> Probe:
+                    kernels: tuple[str, ...] = ("sdpa", "matmul", "lab", "bmm")) -> Probe:
     """The attention kernel (``lab.ops.attention.KERNELS``) on one step of ``ATTENTION_PROBE_LENGTHS``, through
     ``lab.ops.attention.attention`` as a layer calls it: torch's fused kernel (``sdpa``, the default), scores, softmax
     and weighted sum as three ops (``matmul``: ``lab.kernels.reference._matmul_attention``), prefill-lab's own CPU
-    kernel (``lab``: ``lab.kernels.cpu_attention``, offered where it built on this machine and takes the shapes).
+    kernel (``lab``: ``lab.kernels.cpu_attention``, offered where it built on this machine and takes the shapes), the
+    two products as batched GEMMs over head-major copies (``bmm``: ``lab.ops.attention.bmm_attention``; oneDNN's
+    bfloat16 kernels, AMX where the CPU has it).
 
-    ``matmul`` is for encoders only: it rounds the scores to the inputs' dtype, and decoder LLMs' attention logits
-    are large and sharp (SmolLM2 bidirectional in bfloat16, 48 mixed texts: the worst embedding's cosine to the
-    float32 engine fell from 0.981 with the fused kernel to 0.939, while MiniLM's stayed within ~1e-5). A probe
-    times speed only, so decoders pass ``kernels=("sdpa", "lab")``. ``lab`` keeps the scores, the softmax and the
+    ``matmul`` and ``bmm`` are for encoders only: they round the scores to the inputs' dtype, and decoder LLMs'
+    attention logits are large and sharp (SmolLM2 bidirectional in bfloat16, 48 mixed texts: the worst embedding's
+    cosine to the float32 engine fell from 0.981 with the fused kernel to 0.939 with ``matmul``, while MiniLM's
+    stayed within ~1e-5). A probe times speed only, so decoders pass ``kernels=("sdpa", "lab")``. ``lab`` keeps the scores, the softmax and the
     weighted sum in float32 (bfloat16 scores are exact sums of exact products): SmolLM2 bidirectional in bfloat16,
     240 mixed texts against the float32 engine, median cosine 0.99994 with either kernel, 5th percentile 0.991 /
     0.990 (``lab`` / fused); that mode's worst texts are fragile under any rounding change (0.877 / 0.915).
