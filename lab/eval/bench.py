@@ -188,7 +188,8 @@ def attention_seconds(lengths: list[int], heads: int, head_dim: int, *, dtype: t
                       threads: int | None = None, run_cap: int = 16, repeats: int = 3, kernel: str = "sdpa") -> float:
     """Seconds one bidirectional attention layer takes over sequences of these ``lengths`` in one of the engine's
     CPU kernels (``kernel``, an engine's ``attention_kernel``: ``sdpa``, torch's fused kernel; ``matmul``, the three-op
-    path of ``lab.kernels.reference.varlen_attention``; ``lab``, ``lab.kernels.cpu_attention``, one thread) on
+    path of ``lab.kernels.reference.varlen_attention``; ``bmm``, ``lab.ops.attention.bmm_attention``, batched GEMMs
+    over groups of equal-length sequences; ``lab``, ``lab.kernels.cpu_attention``, one thread) on
     ``threads`` intra-op threads (default: the current count; an engine's CPU worker runs with
     ``torch.get_num_threads() // workers``), called through ``lab.ops.attention.attention`` as a layer calls it.
 
