@@ -10,7 +10,9 @@ cannot be built (no C compiler), the probe does not pick it.
 The library is built once per machine with the first C compiler found (``$CC``, ``cc``, ``gcc``, ``clang``) at
 ``-O3 -march=native`` and cached under ``$LAB_KERNEL_CACHE`` (default ``~/.cache/prefill-lab/kernels``), keyed by
 the source, the compiler and the CPU's flags, so a cache shared between machines never hands one CPU another's
-build. ``available()`` says whether it loaded and, if not, why (``unavailable_reason()``).
+build. ``available()`` says whether it loaded and, if not, why (``unavailable_reason()``). ``use_build`` runs
+every caller in the process on another build for the length of a block (the tests run the engine on the portable
+and AVX2 builds through it).
 
     >>> if available():
     ...     out = varlen_attention(q, k, v, cu_seqlens, causal=False)   # q (T, Hq, D), k/v (T, Hkv, D)
@@ -18,6 +20,7 @@ build. ``available()`` says whether it loaded and, if not, why (``unavailable_re
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -25,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -128,6 +132,29 @@ def bind(path: str | os.PathLike) -> ctypes.CDLL:
     lib.lab_rope_pairs.restype = i32  # lab.kernels.cpu_rope
     lib.lab_rope_pairs.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i32, i32]
     return lib
+
+
+@contextlib.contextmanager
+def use_build(lib: ctypes.CDLL) -> Iterator[ctypes.CDLL]:
+    """Inside the block, every caller that takes this machine's build (the engine's layers and probes,
+    ``cpu_norms``, ``cpu_rope``, ``available()``) gets ``lib`` instead: another build of ``cpu_attention.c``
+    (``bind(build(arch=[]))``, the portable one; ``arch=["-mavx2", "-mfma"]``, an AVX2 machine's), or any object with
+    its functions. The build in force before (or the reason there was none) comes back after the block. It swaps
+    the process's library: use it while no other thread runs these kernels.
+
+        >>> with use_build(bind(build(arch=[]))):
+        ...     Engine(path, cpu_paths={"attention_kernel": "lab"}).embed(texts)
+    """
+    global _LIB, _REASON
+    _load()
+    with _LOCK:
+        saved = _LIB, _REASON
+        _LIB, _REASON = lib, None
+    try:
+        yield lib
+    finally:
+        with _LOCK:
+            _LIB, _REASON = saved
 
 
 def native_bf16() -> bool:
