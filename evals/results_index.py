@@ -400,8 +400,10 @@ def _peer_best(rows, corpus: str, dtype: str):
 
 
 def render_speed(root: Path = RESULTS, base: Path | None = None) -> str:
-    """The README speed block's body: one table per machine with a ``bench_embed`` run; links relative to ``base``
-    (the README's folder; default the repository root above ``root``)."""
+    """The README speed block's body: one table per machine with a ``bench_embed`` run (its CPU and flags in the
+    heading, a row per corpus, float32 and bfloat16 side by side); the ratio to the fastest peer of the same
+    precision where a ``bench_peers`` run of that machine exists. Links relative to ``base`` (the README's folder;
+    default the repository root above ``root``)."""
     root = Path(root)
     base = Path(base) if base is not None else root.parent.parent
     out = []
@@ -416,25 +418,31 @@ def render_speed(root: Path = RESULTS, base: Path | None = None) -> str:
         peers_path = root / "bench_peers" / f"bench_peers_{slug}.csv"
         peers = read_rows(peers_path) if peers_path.exists() else None
         rel = Path(os.path.relpath(csv_path, base)).as_posix()
-        out += [f"**{slug}** ([{csv_path.name}]({rel}), {when})", ""]
-        head = "| CPU | flags | corpus | dtype | Engine tokens/s | vs sentence-transformers |"
-        rule = "|---|---|---|---|---:|---:|"
-        if peers is not None:
-            head += " vs fastest peer |"
-            rule += "---|"
+        first = engine[0]
+        out += [f"**{slug}**: {_cell(first.get('cpu_model', '-'))} ({_cell(first.get('cpu_flags', '-'))}); "
+                f"[{csv_path.name}]({rel}), {when}", ""]
+        dtypes = list(dict.fromkeys(r["dtype"] for r in engine))
+        head, rule = "| corpus |", "|---|"
+        for d in dtypes:
+            head += f" {d} tokens/s | vs sentence-transformers |" + (" vs fastest peer |" if peers is not None else "")
+            rule += "---:|---:|" + ("---|" if peers is not None else "")
         out += [head, rule]
-        for r in engine:
-            ratio = _num(r.get("ratio_vs_sentence_transformers"))
-            line = (f"| {_cell(r.get('cpu_model', '-'))} | {_cell(r.get('cpu_flags', '-'))} | {r['corpus']} | "
-                    f"{r['dtype']} | {_num(r['tokens_per_s']):,.0f} | "
-                    f"{f'{ratio:.2f}x' if ratio is not None else '-'} |")
-            if peers is not None:
-                best = _peer_best(peers, r["corpus"], r["dtype"])
-                if best:
-                    name, tps, own = best
-                    line += f" {(own or _num(r['tokens_per_s'])) / tps:.2f}x ({_cell(name)}) |"
-                else:
-                    line += " - |"
+        for corpus in dict.fromkeys(r["corpus"] for r in engine):
+            line = f"| {corpus} |"
+            for d in dtypes:
+                r = next((x for x in engine if x["corpus"] == corpus and x["dtype"] == d), None)
+                if r is None:
+                    line += " - | - |" + (" - |" if peers is not None else "")
+                    continue
+                ratio = _num(r.get("ratio_vs_sentence_transformers"))
+                line += f" {_num(r['tokens_per_s']):,.0f} | {f'{ratio:.2f}x' if ratio is not None else '-'} |"
+                if peers is not None:
+                    best = _peer_best(peers, corpus, d)
+                    if best and best[2]:
+                        name, tps, own = best
+                        line += f" {own / tps:.2f}x ({_cell(name)}) |"
+                    else:
+                        line += " - |"
             out.append(line)
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"

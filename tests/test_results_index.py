@@ -122,7 +122,7 @@ def test_generator_on_a_temporary_folder(tmp_path):
     ri.write(root, readme)
     text = readme.read_text()
     assert "old" not in text and text.endswith(f"{ri.SPEED_END}\n\nafter\n")
-    assert "| Test CPU 9000 | avx2 fma | mixed | float32 | 3,000 | 1.50x |" in text
+    assert "**test-cpu-9000**: Test CPU 9000 (avx2 fma)" in text and "| mixed | 3,000 | 1.50x |" in text
     assert "evals/results/bench_embed/bench_embed_test-cpu-9000.csv" in text and "fastest peer" not in text
     assert ri.main(["--results", str(root), "--readme", str(readme), "--check"]) == 0
 
