@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+API = Path(__file__).resolve().parent / "API.md"  # the API table, linked from README.md
 # the packages whose public names the API block lists: lab itself, then every subpackage with an ``__all__``
 PACKAGES = ("lab", "lab.engine", "lab.runtime", "lab.ops", "lab.models", "lab.outputs", "lab.adapt", "lab.eval",
             "lab.distributed", "lab.kernels")
@@ -131,26 +132,33 @@ def render(text: str, blocks: dict[str, Callable[[], str]] = BLOCKS) -> str:
     return text
 
 
-def stale(readme: Path = README) -> list[str]:
-    """The names of the blocks ``main`` would rewrite in ``readme`` (empty when every block is current)."""
-    text = readme.read_text(encoding="utf-8")
-    return [name for name in BLOCKS
-            if markers(name)[0] in text and render(text, {name: BLOCKS[name]}) != text]
+def stale(readme: Path | None = None) -> list[str]:
+    """The blocks ``main`` would rewrite (empty when every block is current): ``readme``'s, or by default those of
+    README.md and lab/API.md (the latter named ``API.md:<block>``)."""
+    out = []
+    for path in ([readme] if readme is not None else [README, API]):
+        text = path.read_text(encoding="utf-8")
+        prefix = "" if path == README or readme is not None else f"{path.name}:"
+        out += [prefix + name for name in BLOCKS
+                if markers(name)[0] in text and render(text, {name: BLOCKS[name]}) != text]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Rewrite the generated blocks of README.md (knobs, cpu-paths, api).")
+    parser = argparse.ArgumentParser(description="Rewrite the generated blocks of README.md (knobs, cpu-paths) and "
+                                                 "lab/API.md (api).")
     parser.add_argument("--check", action="store_true", help="exit 1 when a block is stale; write nothing")
-    parser.add_argument("--readme", type=Path, default=README)
+    parser.add_argument("--readme", type=Path, default=None, help="one file to process (default: both)")
     args = parser.parse_args(argv)
+    paths = [args.readme] if args.readme is not None else [README, API]
     old = stale(args.readme)
     if args.check:
         if old:
-            print(f"{args.readme}: stale blocks {', '.join(old)}; run python -m lab._readme", file=sys.stderr)
+            print(f"stale blocks {', '.join(old)}; run python -m lab._readme", file=sys.stderr)
         return 1 if old else 0
-    text = args.readme.read_text(encoding="utf-8")
-    args.readme.write_text(render(text), encoding="utf-8")
-    print(f"{args.readme}: rewrote {', '.join(old) or 'nothing (all blocks current)'}")
+    for path in paths:
+        path.write_text(render(path.read_text(encoding="utf-8")), encoding="utf-8")
+    print(f"rewrote {', '.join(old) or 'nothing (all blocks current)'}")
     return 0
 
 
