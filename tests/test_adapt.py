@@ -52,7 +52,10 @@ def test_mntp_writes_a_peft_folder_that_peft_loads(base, tmp_path):
     assert list(log["step"]) == [1, 2, 3, 4] and np.isfinite(log["loss"]).all()
     assert not (out / "checkpoint").exists()  # removed once the adapter is final
     ref = AutoModelForCausalLM.from_pretrained(base).eval()
-    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(out)).merge_and_unload()
+    # keys in the bare model's scope (llm2vec's): peft loads the adapter onto the ForCausalLM's inner model
+    assert all(k.startswith("base_model.model.layers.") for k in _weights(out))
+    merged = AutoModelForCausalLM.from_pretrained(base)
+    merged.model = PeftModel.from_pretrained(merged.model, str(out)).merge_and_unload()
     x = torch.tensor([[5, 9, 30, 7]])
     assert not torch.allclose(ref(x).logits, merged.eval()(x).logits)  # the adapter changed the model
 

@@ -403,3 +403,77 @@ def test_transformers_fallback_refuses_adapters(tmp_path, minilm_path):
         eng.configure(adapters=[ad])
     assert eng.knobs["adapters"] == () and eng.resolved["adapters"] == []
     np.testing.assert_array_equal(eng.embed(TEXTS), before)
+
+
+# ------------------------------------------------------------------------------------- key scope: rescope
+def _keys(folder) -> dict[str, torch.Tensor]:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    f = Path(folder) / "adapter_model.safetensors"
+    return load_file(str(f)) if f.exists() else torch.load(Path(folder) / "adapter_model.bin", weights_only=True)
+
+
+def test_rescope_writes_the_bare_model_scope_peft_over_automodel_loads(llama, tmp_path):
+    """An adapter saved from the ForCausalLM (``base_model.model.model.layers...``) misses every key in peft over
+    ``AutoModel`` (llm2vec's wrapping: ``lora_B`` stays zero, peft only warns); ``rescope`` renames the keys (and
+    ``rank_pattern`` / ``alpha_pattern``), tensors untouched, and then peft loads it and equals the Engine."""
+    from peft import PeftModel
+    from transformers import AutoModel
+
+    from lab.adapt import rescope
+    from lab.adapt.adapters import is_bare_scope
+
+    causal = make_adapter(llama, tmp_path / "causal", seed=12, rank_pattern={"model.layers.0.self_attn.q_proj": 2},
+                          alpha_pattern={"model.layers.1.mlp.down_proj": 3})
+    assert not is_bare_scope(causal)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PeftModel.from_pretrained(AutoModel.from_pretrained(llama), causal)
+    assert any("missing adapter keys" in str(w.message).lower() for w in caught)
+
+    out = rescope(causal, tmp_path / "bare")
+    assert out == tmp_path / "bare" and is_bare_scope(out)
+    src, dst = _keys(causal), _keys(out)
+    assert {k.replace("base_model.model.model.", "base_model.model.", 1): v for k, v in src.items()}.keys() == dst.keys()
+    for k, v in src.items():
+        w = dst[k.replace("base_model.model.model.", "base_model.model.", 1)]
+        assert torch.equal(v, w) and v.dtype == w.dtype
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["rank_pattern"] == {"layers.0.self_attn.q_proj": 2}
+    assert cfg["alpha_pattern"] == {"layers.1.mlp.down_proj": 3}
+    assert (out / "README.md").exists()  # the folder's other files are copied
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ref = peft_merged(llama, [(str(out), False)], auto="AutoModel")
+    assert not any("missing adapter keys" in str(w.message).lower() for w in caught)
+    eng = Engine(llama, adapters=[str(out)], pooling="mean")
+    assert_parity(eng, ref, "llama rescoped (AutoModel keys)")
+    texts = shuffled()  # both scopes merge alike in the Engine
+    np.testing.assert_array_equal(eng.embed(texts), Engine(llama, adapters=[causal], pooling="mean").embed(texts))
+
+    with pytest.raises(FileExistsError, match="already holds an adapter"):
+        rescope(causal, out)
+    inplace = tmp_path / "inplace"
+    shutil.copytree(causal, inplace)
+    torch.save(_keys(inplace), inplace / "adapter_model.bin")  # a pickle weights file stays a pickle file
+    (inplace / "adapter_model.safetensors").unlink()
+    assert rescope(inplace) == inplace and is_bare_scope(inplace)
+    assert not (inplace / "adapter_model.safetensors").exists() and _keys(inplace).keys() == dst.keys()
+    rescope(inplace)  # already bare: unchanged
+    assert _keys(inplace).keys() == dst.keys()
+
+
+def test_training_on_top_of_either_scope_is_the_same(llama, tmp_path):
+    """``simcse(adapters=[...])`` merges an earlier adapter in either scope alike (bit-identical runs)."""
+    from lab.adapt import rescope, simcse
+    from lab.adapt.train import LoraSpec
+
+    causal = make_adapter(llama, tmp_path / "causal", seed=13)
+    bare = rescope(causal, tmp_path / "bare")
+    kw = {"steps": 1, "batch_size": 3, "lora": LoraSpec(r=2, alpha=4.0), "show_progress": False, "dtype": "float32"}
+    a = simcse(llama, TEXTS, tmp_path / "on-causal", adapters=[causal], **kw).path
+    b = simcse(llama, TEXTS, tmp_path / "on-bare", adapters=[str(bare)], **kw).path
+    ka, kb = _keys(a), _keys(b)
+    assert ka.keys() == kb.keys() and all(torch.equal(ka[k], kb[k]) for k in ka)

@@ -1,13 +1,19 @@
 """Adapters: PEFT LoRA folders merged live into an engine's weights (``adapters``) and LLM2Vec-style training that
 writes them (``train``: MNTP, unsupervised SimCSE through transformers + peft).
 
-    >>> from lab.adapt import mntp, simcse
+The folders ``mntp`` / ``simcse`` write load in llm2vec and in peft over the bare model
+(``PeftModel.from_pretrained(AutoModel.from_pretrained(base), folder)``); ``rescope`` rewrites an adapter saved
+from a ``*ForCausalLM`` (keys ``base_model.model.model.layers...``) to that scope.
+
+    >>> from lab.adapt import mntp, simcse, rescope
     >>> mntp(base, texts, "runs/mntp", steps=300)
+    >>> rescope("old/mntp", "runs/mntp-bare")
 """
 
 from __future__ import annotations
 
 from lab._lazy import exports
 
-__all__ = ["AdaptRun", "LoraSpec", "mntp", "simcse"]
-__getattr__ = exports(globals(), {name: "lab.adapt.train" for name in __all__})
+__all__ = ["AdaptRun", "LoraSpec", "mntp", "rescope", "simcse"]
+__getattr__ = exports(globals(), {**{name: "lab.adapt.train" for name in ("AdaptRun", "LoraSpec", "mntp", "simcse")},
+                                  "rescope": "lab.adapt.adapters"})

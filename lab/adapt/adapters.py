@@ -9,6 +9,13 @@ gate/up), so each model class says where every transformers Linear lives in its 
 checkpoint prefixes from a name (``hf_module_name``). Several adapters merge in order, each on top of the last (as llm2vec stacks its MNTP and
 SimCSE adapters): ``W = ((W0 + d1) + d2) ...``, all in float32 from the runner's float32 master copy.
 
+Keys are read in either scope peft saves: the bare model's (``base_model.model.layers.N...``: saved from
+``AutoModel``, what llm2vec and ``lab.adapt`` write) and a head class's (``base_model.model.model.layers.N...``: saved
+from a ``*ForCausalLM``); ``rescope`` rewrites the second to the first. A folder with ``llm2vec_config.json`` beside
+the adapter gives knob defaults (``LoraAdapter.llm2vec``). ``Engine(folder)`` on an adapter folder (alone, or
+LLM2Vec's ``-mntp`` layout: ``config.json`` + tokenizer + adapter, no weights) loads the base its
+``adapter_config.json`` names (``resolve_base``) with the adapter first.
+
 Everything is read and checked before any weight changes, so a bad adapter raises and leaves the model as it was:
 ``adapter_config.json``'s values (types, ``r`` > 0, finite ``lora_alpha``), the weights file (readable, every tensor
 finite) and, after the merge in float32, every merged weight (finite).
@@ -35,7 +42,7 @@ from pathlib import Path
 import torch
 
 from lab.models.checks import check_finite
-from lab.models.loading import load_pickle_weights
+from lab.models.loading import has_model_weights, load_pickle_weights, read_llm2vec_config
 
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -78,6 +85,8 @@ class LoraAdapter:
     config: dict
     digest: str  # sha256 of adapter_config.json and the weights file
     modules: list[LoraModule] = field(default_factory=list)
+    # knob defaults from the folder's llm2vec_config.json (``lab.models.loading.read_llm2vec_config``); {} without
+    llm2vec: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -98,34 +107,185 @@ def adapter_name(path: str | os.PathLike) -> str:
 
 
 def is_adapter_folder(path: str | os.PathLike) -> bool:
-    """A folder holding a PEFT adapter and no model of its own (``adapter_config.json``, no ``config.json``)."""
+    """A folder holding a PEFT adapter and no model weights of its own: ``adapter_config.json`` and no
+    ``config.json``, or ``adapter_config.json`` beside a ``config.json`` and tokenizer but no weights (LLM2Vec's
+    published ``-mntp`` layout)."""
     p = Path(path).expanduser()
-    return p.is_dir() and (p / ADAPTER_CONFIG).is_file() and not (p / "config.json").exists()
+    return p.is_dir() and (p / ADAPTER_CONFIG).is_file() and not has_model_weights(p)
 
 
 def split_adapter_model(model: str, adapters: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
-    """``Engine(model=<adapter-only folder>)``: the base folder its config names, with the adapter put first in
-    ``adapters``. Other paths come back unchanged. Raises ``ValueError`` when the base is not a local folder."""
-    if not is_adapter_folder(model):
-        return model, adapters
-    config = _read_config(Path(model).expanduser())
+    """``Engine(model=<adapter folder>)``: the base folder its ``adapter_config.json`` names
+    (``base_model_name_or_path``, found by ``resolve_base``), with the adapter put first in ``adapters``. A base
+    that is itself such a folder resolves in turn (an LLM2Vec ``-supervised`` adapter naming its ``-mntp`` folder).
+    Other paths come back unchanged. Raises ``ValueError`` naming the base when it is not found locally."""
+    seen: set[Path] = set()
+    while is_adapter_folder(model):
+        p = Path(model).expanduser().resolve()
+        if p in seen:
+            raise ValueError(f"{str(model)!r}: the adapters' base_model_name_or_path entries form a cycle "
+                             f"({', '.join(str(s) for s in seen)}); point one of them at the base model folder")
+        seen.add(p)
+        base = resolve_base(model)
+        _check_same_family(Path(model).expanduser(), base)
+        model, adapters = str(base), (str(model), *adapters)
+    return model, adapters
+
+
+def resolve_base(adapter: str | os.PathLike) -> Path:
+    """The local folder of an adapter's ``base_model_name_or_path``. An absolute (or ``~``) path is taken as it is;
+    a relative one is looked up next to the adapter folder first (``../Llama-3-8B`` beside ``-mntp``), then from
+    the current directory (where transformers and peft look); a hub id (``org/name``) that neither holds is taken
+    from the local Hugging Face cache when it was downloaded there. Nothing is downloaded: a base found nowhere
+    raises ``ValueError`` naming it and the fix."""
+    p = Path(adapter).expanduser()
+    config = _read_config(p)
     base = config.get("base_model_name_or_path")
-    fix = f"Engine(base_folder, adapters=[{str(model)!r}])"
-    if not base:
-        raise ValueError(f"{str(model)!r} holds only a LoRA adapter and its adapter_config.json names no base model "
+    fix = f"Engine(base_folder, adapters=[{str(adapter)!r}])"
+    if not base or not isinstance(base, str):
+        raise ValueError(f"{str(adapter)!r} holds only a LoRA adapter and its adapter_config.json names no base model "
                          f"(base_model_name_or_path); pass the base model folder with the adapter: {fix}")
-    if not Path(base).expanduser().is_dir():
-        hub = " (it looks like a Hugging Face hub id)" if _looks_like_hub_id(base) else ""
-        raise ValueError(
-            f"{str(model)!r} holds only a LoRA adapter; its base {base!r} is not a local folder{hub}, and the engine "
-            f"loads local folders only (offline). Download the base model and pass its folder with the adapter: {fix}"
-        )
-    return base, (str(model), *adapters)
+    b = Path(base).expanduser()
+    tried = [b] if b.is_absolute() else [p / b, Path.cwd() / b]
+    for cand in tried:
+        if cand.is_dir():
+            return cand.resolve()
+    cached = _hub_cache_folder(base) if _looks_like_hub_id(base) else None
+    if cached is not None:
+        return cached
+    hub = (" (it looks like a Hugging Face hub id, and the local Hugging Face cache does not hold it)"
+           if _looks_like_hub_id(base) else "")
+    raise ValueError(
+        f"{str(adapter)!r} holds only a LoRA adapter; its base {base!r} (base_model_name_or_path in "
+        f"{p / ADAPTER_CONFIG}) is not a local folder{hub}; looked in {', '.join(str(t) for t in tried)}. The engine "
+        f"loads local folders only (offline). Download the base model and either set base_model_name_or_path to its "
+        f"folder (absolute, or relative to the adapter folder) or pass its folder with the adapter: {fix}"
+    )
+
+
+def _hub_cache_folder(repo_id: str) -> Path | None:
+    """``repo_id``'s snapshot in the local Hugging Face cache (a model folder with ``config.json``), else None.
+    Offline: only what is cached is looked at."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 (not cached, or no huggingface_hub: not found)
+        return None
+    return folder if (folder / "config.json").is_file() else None
+
+
+def _check_same_family(adapter: Path, base: Path) -> None:
+    """An adapter folder with its own ``config.json`` (LLM2Vec's ``-mntp`` layout) must describe its base's kind of
+    model: a ``model_type`` that differs from the base's means the base is the wrong folder."""
+    if not (adapter / "config.json").is_file() or not (base / "config.json").is_file():
+        return
+    try:
+        mine = json.loads((adapter / "config.json").read_text()).get("model_type")
+        theirs = json.loads((base / "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError):
+        return
+    if mine and theirs and mine != theirs:
+        raise ValueError(f"{str(adapter)!r} describes a {mine!r} model (config.json) but its base {str(base)!r} is a "
+                         f"{theirs!r} model; point base_model_name_or_path in {adapter / ADAPTER_CONFIG} at the base "
+                         "model it was trained on")
 
 
 def _looks_like_hub_id(name: str) -> bool:
     """``name`` or ``org/name``: no leading ``/`` ``.`` ``~``, at most one slash."""
     return not name.startswith(("/", ".", "~")) and name.count("/") <= 1 and "\\" not in name
+
+
+# ------------------------------------------------------------------------------------------ key scope, rescope
+# The prefix a *ForCausalLM / *ForMaskedLM puts before its bare model's modules (the class's ``base_model_prefix``).
+# An adapter saved from the head class has keys ``base_model.model.model.layers.N...``; one saved from the bare model
+# (``AutoModel``: what llm2vec wraps and writes) ``base_model.model.layers.N...``. The bare models of the families we
+# run have no top-level module of these names.
+HEAD_PREFIXES = ("model.", "transformer.", "bert.", "roberta.", "xlm-roberta.")
+
+
+def bare_module_name(module: str) -> str:
+    """A module name in the bare model's scope: ``model.layers.0.self_attn.q_proj`` -> ``layers.0.self_attn.q_proj``
+    (names already in that scope come back unchanged)."""
+    for prefix in HEAD_PREFIXES:
+        if module.startswith(prefix) and len(module) > len(prefix):
+            return module[len(prefix):]
+    return module
+
+
+def bare_key(key: str) -> str:
+    """A PEFT state-dict key in the bare model's scope (``base_model.model.`` kept, the head class's prefix gone)."""
+    if not key.startswith(PEFT_PREFIX):
+        return key
+    return PEFT_PREFIX + bare_module_name(key[len(PEFT_PREFIX):])
+
+
+def bare_config(config: dict) -> dict:
+    """``adapter_config.json`` with ``rank_pattern`` / ``alpha_pattern`` keys in the bare model's scope (peft matches
+    them against module names, so a full name saved from the head class would match nothing there)."""
+    out = dict(config)
+    for key in ("rank_pattern", "alpha_pattern"):
+        if isinstance(config.get(key), dict):
+            out[key] = {bare_module_name(k): v for k, v in config[key].items()}
+    return out
+
+
+def adapter_keys(path: str | os.PathLike) -> list[str]:
+    """The tensor names of an adapter folder's weights file (safetensors: from its header)."""
+    p = Path(path).expanduser()
+    st = p / WEIGHT_FILES[0]
+    if st.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(st), framework="pt") as f:
+            return list(f.keys())
+    return list(_read_weights(p)[0])
+
+
+def is_bare_scope(path: str | os.PathLike) -> bool:
+    """Whether an adapter folder's keys are in the bare model's scope (as llm2vec and ``PeftModel.from_pretrained(
+    AutoModel.from_pretrained(base), folder)`` expect) rather than a head class's."""
+    return all(bare_key(k) == k for k in adapter_keys(path))
+
+
+def rescope(src: str | os.PathLike, dst: str | os.PathLike | None = None) -> Path:
+    """Rewrite an adapter folder's keys to the bare model's scope: ``base_model.model.model.layers.N...`` (saved
+    from a ``*ForCausalLM``) -> ``base_model.model.layers.N...``, the scope llm2vec and peft over ``AutoModel``
+    load (with the other scope peft only warns "Found missing adapter keys" and leaves every ``lora_B`` at zero).
+    The tensors are written unchanged (same values and dtypes, same file format); ``rank_pattern`` /
+    ``alpha_pattern`` keys follow. ``dst=None`` rewrites ``src`` in place; otherwise ``dst`` (which must not hold an
+    adapter already) gets the rewritten adapter and copies of the folder's other files. Returns the folder written.
+    Both scopes merge alike in the Engine."""
+    import shutil
+
+    s = Path(src).expanduser()
+    config = _read_config(s)
+    sd, _ = _read_weights(s)
+    renamed = {bare_key(k): v for k, v in sd.items()}
+    if len(renamed) != len(sd):
+        raise ValueError(f"{str(s)!r} holds keys in both scopes for one module (e.g. both "
+                         "base_model.model.model.layers... and base_model.model.layers...); it cannot be rescoped")
+    out = s if dst is None else Path(dst).expanduser()
+    if out != s:
+        if (out / ADAPTER_CONFIG).exists():
+            raise FileExistsError(f"{str(out)!r} already holds an adapter; pass an empty or new folder as dst")
+        out.mkdir(parents=True, exist_ok=True)
+        for f in s.iterdir():
+            if f.is_file() and f.name not in (ADAPTER_CONFIG, *WEIGHT_FILES):
+                shutil.copy2(f, out / f.name)
+    weights = next(s / n for n in WEIGHT_FILES if (s / n).is_file())
+    tmp = out / (weights.name + ".tmp")
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in renamed.items()}, str(tmp), metadata={"format": "pt"})
+    else:
+        torch.save(renamed, tmp)
+    cfg_tmp = out / (ADAPTER_CONFIG + ".tmp")
+    cfg_tmp.write_text(json.dumps(bare_config(config), indent=2, sort_keys=True))
+    os.replace(tmp, out / weights.name)
+    os.replace(cfg_tmp, out / ADAPTER_CONFIG)
+    return out
 
 
 def read_adapter(path: str | os.PathLike) -> LoraAdapter:
@@ -153,7 +313,8 @@ def read_adapter(path: str | os.PathLike) -> LoraAdapter:
         warnings.warn(f"{where}: fan_in_fan_out is set to True but the target modules are torch.nn.Linear; "
                       "setting fan_in_fan_out to False (as peft does)", stacklevel=3)
     sd, digest = _read_weights(p)
-    return LoraAdapter(path=p, config=config, digest=digest, modules=_lora_modules(sd, config, where))
+    return LoraAdapter(path=p, config=config, digest=digest, modules=_lora_modules(sd, config, where),
+                       llm2vec=read_llm2vec_config(p))
 
 
 def _read_config(p: Path) -> dict:

@@ -11,7 +11,12 @@ LLM2Vec (BehnamGhader et al., 2024) turns a decoder's attention bidirectional an
 
 Training runs through transformers + peft on padded batches, with the texts bucketed by length so little padding
 is computed; LoRA sits on the attention and MLP projections. The result is always a standard PEFT LoRA folder
-(``adapter_config.json`` + ``adapter_model.safetensors``) that peft and ``lab.Engine(adapters=[...])`` both load.
+(``adapter_config.json`` + ``adapter_model.safetensors``) with its keys in the bare model's scope
+(``base_model.model.layers.N...``): the scope llm2vec (``LLM2Vec.from_pretrained(base, folder)``) and peft over
+``AutoModel.from_pretrained(base)`` load, and ``lab.Engine(adapters=[...])`` reads (it also reads the
+``*ForCausalLM`` scope; ``lab.adapt.rescope`` converts such folders). ``llm2vec_config.json`` beside it holds
+llm2vec's encoder settings (``LLM2VEC_CONFIG``: mean pooling, max_length 512, instructions not pooled), which
+llm2vec and the Engine read as defaults.
 Each run writes ``train_log.csv`` (one row per step), ``loss.png`` and ``train_config.json`` beside the adapter,
 keeps a checkpoint every ``save_every`` steps (``resume=True`` continues from it, bit for bit the same run), and
 is deterministic for a seed. Training needs peft, the ``adapt`` extra (``pip install 'prefill-lab[adapt]'``); an
@@ -40,6 +45,7 @@ import numpy as np
 import torch
 
 from lab._extras import require
+from lab.adapt.adapters import bare_config, bare_key, is_bare_scope
 
 # LoRA targets: Llama-family names for the attention and MLP projections (what llm2vec adapts)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -247,10 +253,14 @@ def _load(base: Path, adapters, bidirectional: bool, lora: LoraSpec, dev: torch.
     tok = AutoTokenizer.from_pretrained(str(base), local_files_only=True, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, local_files_only=True,
                                                  attention_dropout=attention_dropout, trust_remote_code=False)
+    inner = model.base_model_prefix  # the bare model's attribute ("model"): bare-scope adapters load onto it
     for a in adapters:
         if not (Path(a) / "adapter_config.json").exists():
             raise FileNotFoundError(f"{str(a)!r} holds no PEFT adapter (no adapter_config.json)")
-        model = lib.PeftModel.from_pretrained(model, str(a)).merge_and_unload()
+        if is_bare_scope(a):
+            setattr(model, inner, lib.PeftModel.from_pretrained(getattr(model, inner), str(a)).merge_and_unload())
+        else:  # saved from the *ForCausalLM (keys base_model.model.model.layers...)
+            model = lib.PeftModel.from_pretrained(model, str(a)).merge_and_unload()
     set_bidirectional(model, bidirectional)
     cfg = lib.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                      target_modules=list(lora.target_modules), bias="none")
@@ -399,8 +409,16 @@ def _choose_dtype(dtype: str, dev: torch.device, one_loss: Callable, params) -> 
 
 
 # ------------------------------------------------------------------------------------------ files: adapter, log
-def _save_adapter(model, out: Path, lora: LoraSpec) -> None:
-    """The standard PEFT layout: ``adapter_config.json`` + ``adapter_model.safetensors`` (in ``save_dtype``)."""
+# llm2vec_config.json beside a finished adapter: the keys llm2vec's LLM2Vec.save writes and from_pretrained reads.
+# Mean pooling (what SimCSE trains, llm2vec's default), llm2vec's default inference lengths, instructions not pooled.
+LLM2VEC_CONFIG = {"pooling_mode": "mean", "max_length": 512, "doc_max_length": 400, "skip_instruction": True}
+
+
+def _save_adapter(model, out: Path, lora: LoraSpec, *, bare: bool = True) -> None:
+    """The standard PEFT layout: ``adapter_config.json`` + ``adapter_model.safetensors`` (in ``save_dtype``).
+    ``bare``: keys in the bare model's scope (``base_model.model.layers.N...``, what llm2vec and peft over
+    ``AutoModel`` load) and ``llm2vec_config.json`` beside them; ``False`` keeps the training model's
+    ``*ForCausalLM`` scope (checkpoints, which ``set_peft_model_state_dict`` reads back into that model)."""
     from safetensors.torch import save_file
 
     tmp = out / ".adapter.tmp"
@@ -409,8 +427,13 @@ def _save_adapter(model, out: Path, lora: LoraSpec) -> None:
     model.peft_config["default"].save_pretrained(str(tmp))
     sd = peft().get_peft_model_state_dict(model)
     dt = getattr(torch, lora.save_dtype)
-    save_file({k: v.detach().to("cpu", dt).contiguous() for k, v in sd.items()}, str(tmp / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    rename = bare_key if bare else str
+    save_file({rename(k): v.detach().to("cpu", dt).contiguous() for k, v in sd.items()},
+              str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if bare:
+        cfg = tmp / "adapter_config.json"
+        cfg.write_text(json.dumps(bare_config(json.loads(cfg.read_text())), indent=2, sort_keys=True))
+        (tmp / "llm2vec_config.json").write_text(json.dumps(LLM2VEC_CONFIG, indent=4))
     for f in tmp.iterdir():
         os.replace(f, out / f.name)
     tmp.rmdir()
@@ -423,7 +446,7 @@ def _save_checkpoint(ckpt: Path, model, opt, sched, step: int, rows: list[dict],
     tmp = ckpt.with_name(CHECKPOINT + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _save_adapter(model, tmp, LoraSpec(**{**asdict(lora), "save_dtype": "float32"}))
+    _save_adapter(model, tmp, LoraSpec(**{**asdict(lora), "save_dtype": "float32"}), bare=False)
     torch.save({"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "torch_rng": torch.get_rng_state()}, tmp / "trainer_state.pt")
     pd.DataFrame(rows).to_csv(tmp / LOG_FILE, index=False)

@@ -87,8 +87,11 @@ class Engine:
 
     Args:
         model: a local model folder (transformers / sentence-transformers layout) or a ``.gguf`` file; or a PEFT
-            adapter folder whose ``base_model_name_or_path`` is a local folder (that base loads, the adapter first
-            in ``adapters``).
+            adapter folder without model weights (adapter alone, or LLM2Vec's ``-mntp`` layout with ``config.json``
+            and tokenizer) whose ``base_model_name_or_path`` is found locally (``lab.adapt.adapters.resolve_base``:
+            absolute, relative to the adapter folder or the current directory, or in the Hugging Face cache): that
+            base loads, the adapter first in ``adapters``. ``llm2vec_config.json`` in the model folder or an adapter
+            folder sets knob defaults (``model_defaults``).
         tune_allocator: on a CPU device, apply ``lab.runtime.allocator``'s glibc malloc settings to the whole
             process: large freed activations stay in the heap, so packed steps stop page-faulting on fresh memory,
             but the process keeps its peak heap until it exits and the settings cannot be undone. ``None`` (the
@@ -344,9 +347,17 @@ class Engine:
         return self._causal_for(self._knobs)
 
     @property
+    def model_defaults(self) -> dict:
+        """Knob defaults from ``llm2vec_config.json`` (``lab.models.loading.read_llm2vec_config``): the last merged
+        adapter folder's that has one, else the model folder's; ``None``-valued knobs resolve to them."""
+        return next((dict(a.llm2vec) for a in reversed(self._adapters) if a.llm2vec), dict(self.spec.llm2vec))
+
+    @property
     def pooling(self) -> str:
         if self._knobs.pooling is not None:
             return self._knobs.pooling
+        if "pooling" in self.model_defaults:
+            return self.model_defaults["pooling"]
         if self.spec.pooling is not None:
             return self.spec.pooling
         return "lasttoken" if self.is_decoder else "mean"
@@ -383,7 +394,7 @@ class Engine:
     def max_length(self) -> int:
         if self._knobs.max_length is not None:
             return self._knobs.max_length
-        limits = [self.spec.max_seq_length]
+        limits = [self.model_defaults.get("max_length", self.spec.max_seq_length)]
         tok_max = getattr(self.tokenizer, "model_max_length", None)
         if tok_max and tok_max < 1_000_000:
             limits.append(tok_max)
@@ -436,11 +447,12 @@ class Engine:
 
     @property
     def include_instruction(self) -> bool:
-        """Whether instruction tokens are pooled: the knob, else the model's Pooling config (``include_prompt``,
-        as ``SentenceTransformer.encode(prompt=...)`` pools them), else ``False`` (llm2vec's embed mask)."""
+        """Whether instruction tokens are pooled: the knob, else ``llm2vec_config.json``'s ``skip_instruction``
+        negated (``model_defaults``), else the model's Pooling config (``include_prompt``, as
+        ``SentenceTransformer.encode(prompt=...)`` pools them), else ``False`` (llm2vec's embed mask)."""
         if self._knobs.include_instruction is not None:
             return self._knobs.include_instruction
-        return bool(self.spec.include_prompt)
+        return bool(self.model_defaults.get("include_instruction", self.spec.include_prompt))
 
     @_call
     def tokenize(self, texts: list[str], *, instruction=_UNSET, prompt_name: str | None = None) -> list[Request]:

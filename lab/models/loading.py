@@ -78,6 +78,8 @@ class ModelSpec:
     # relu|log1p_relu}; None without one
     splade: dict[str, str] | None = None
     multi_vector: MultiVectorSpec | None = None  # a sentence-transformers MultiVectorEncoder (ColBERT) folder
+    # knob name -> default from the folder's llm2vec_config.json (``read_llm2vec_config``); empty without one
+    llm2vec: dict = field(default_factory=dict)
     # the checkpoint's tensors without their data: name -> (shape, file), from the safetensors headers (a pickle
     # file's: memory-mapped)
     tensors: dict[str, tuple[tuple[int, ...], Path]] = field(default_factory=dict, repr=False)
@@ -129,7 +131,68 @@ def read_folder(path: str | os.PathLike) -> ModelSpec:
     if spec.architecture in REGISTRY:
         check_against_checkpoint(config, spec.tensors, _describe_files(spec), cfg_file)
     _read_sentence_transformers(p, spec)
+    spec.llm2vec = read_llm2vec_config(p)
     return spec
+
+
+LLM2VEC_CONFIG = "llm2vec_config.json"
+# llm2vec's pooling_mode -> our knob defaults. ``eos_token``: llm2vec appends the EOS token and pools it (our
+# ``lasttoken`` appends EOS on decoders by default); ``last_token``: the last token as it is, nothing appended;
+# ``bos_token``: the BOS token's state, the first token when the tokenizer adds one (our ``cls``).
+LLM2VEC_POOLING = {
+    "mean": {"pooling": "mean"},
+    "weighted_mean": {"pooling": "weightedmean"},
+    "eos_token": {"pooling": "eos_token"},  # the last token after llm2vec's EOS text (lab.engine.framing)
+    "last_token": {"pooling": "lasttoken"},  # llm2vec appends no EOS: the llm2vec rule's append_eos default
+    "bos_token": {"pooling": "cls"},
+}
+# llm2vec_config.json keys with no knob: ``doc_max_length`` (llm2vec cuts a long text to about that many tokens by
+# dropping words before tokenizing; our ``max_length`` cuts tokens)
+_LLM2VEC_UNMAPPED = ("doc_max_length",)
+
+
+def read_llm2vec_config(folder: str | os.PathLike) -> dict:
+    """Knob defaults from ``folder``'s ``llm2vec_config.json`` (what ``LLM2Vec.save`` writes and
+    ``LLM2Vec.from_pretrained`` reads): ``pooling_mode`` -> ``pooling`` (``LLM2VEC_POOLING``), ``max_length`` -> ``max_length``, ``skip_instruction`` -> ``include_instruction`` (its
+    negation). ``{}`` without the file. A value of the wrong type or an unknown pooling mode raises ``ValueError``
+    naming the file and the key; keys without a knob (``doc_max_length``) and unknown keys are left out (unknown
+    ones with a warning)."""
+    f = Path(folder).expanduser() / LLM2VEC_CONFIG
+    if not f.is_file():
+        return {}
+    cfg = _read_json(f, dict, "a JSON object of LLM2Vec settings (pooling_mode, max_length, skip_instruction)")
+    out: dict = {}
+    mode = cfg.get("pooling_mode")
+    if mode is not None:
+        if mode not in LLM2VEC_POOLING:
+            raise ValueError(f"{f}: pooling_mode {mode!r} is not one llm2vec defines; valid: "
+                             f"{', '.join(LLM2VEC_POOLING)}")
+        out.update(LLM2VEC_POOLING[mode])
+    length = cfg.get("max_length")
+    if length is not None:
+        if not is_int(length) or length < 1:
+            raise ValueError(f"{f}: max_length must be a positive integer (tokens), got {length!r}")
+        out["max_length"] = int(length)
+    skip = cfg.get("skip_instruction")
+    if skip is not None:
+        if not isinstance(skip, bool):
+            raise ValueError(f"{f}: skip_instruction must be true or false, got {skip!r}")
+        out["include_instruction"] = not skip
+    unknown = sorted(set(cfg) - {"pooling_mode", "max_length", "skip_instruction", *_LLM2VEC_UNMAPPED})
+    if unknown:
+        warnings.warn(f"{f}: key(s) {', '.join(unknown)} are not llm2vec settings this engine reads (pooling_mode, "
+                      "max_length, skip_instruction); they are ignored", stacklevel=3)
+    return out
+
+
+MODEL_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json")
+
+
+def has_model_weights(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a model's own weights (the files ``read_folder`` reads, or a ``.gguf``)."""
+    p = Path(folder).expanduser()
+    return any((p / f).is_file() for f in MODEL_WEIGHT_FILES) or any(p.glob("*.gguf"))
 
 
 # weight files of a model folder that are not the model's weights (read by other loaders)
