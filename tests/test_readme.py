@@ -20,7 +20,6 @@ SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s+(.+?)\s*-->")
 FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 # public names whose docstrings lack an example and live in files outside this change's reach (lab/adapt is edited
 # elsewhere); each still has to be a public name, and any other name without an example fails
-PENDING_EXAMPLES = {"lab.adapt.AdaptRun", "lab.adapt.LoraSpec", "lab.adapt.mntp", "lab.adapt.simcse"}
 JOURNAL = re.compile(r"\bsessions?\b|\bthis stop\b|\bfirst version\b|\bpreviously\b|_s\d+\b|\brerun\b", re.IGNORECASE)
 
 
@@ -102,8 +101,7 @@ def test_public_names_have_docstrings_with_examples():
     """Every name of ``lab.__all__`` and the subpackages' ``__all__`` has a docstring with a ``>>>`` example."""
     names = {f"{package}.{name}": obj for package, name, obj in _readme.public_names()}
     missing = {n for n, obj in names.items() if ">>>" not in (obj.__doc__ or "")}
-    assert missing - PENDING_EXAMPLES == set(), f"public names without a docstring example: {sorted(missing)}"
-    assert PENDING_EXAMPLES <= set(names), "a pending name is no longer public: drop it from PENDING_EXAMPLES"
+    assert missing == set(), f"public names without a docstring example: {sorted(missing)}"
 
 
 @pytest.mark.parametrize("doc", [README, EVALS_README], ids=lambda p: str(p.relative_to(ROOT)))

@@ -255,7 +255,10 @@ def rescope(src: str | os.PathLike, dst: str | os.PathLike | None = None) -> Pat
     The tensors are written unchanged (same values and dtypes, same file format); ``rank_pattern`` /
     ``alpha_pattern`` keys follow. ``dst=None`` rewrites ``src`` in place; otherwise ``dst`` (which must not hold an
     adapter already) gets the rewritten adapter and copies of the folder's other files. Returns the folder written.
-    Both scopes merge alike in the Engine."""
+    Both scopes merge alike in the Engine.
+
+        >>> rescope("runs/mntp", "runs/mntp-bare")       # a copy llm2vec / PeftModel over AutoModel load fully
+    """
     import shutil
 
     s = Path(src).expanduser()

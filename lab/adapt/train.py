@@ -55,7 +55,10 @@ LOG_FILE = "train_log.csv"
 
 @dataclass
 class LoraSpec:
-    """The LoRA that is trained: rank, alpha, dropout, target modules, and the dtype the adapter is stored in."""
+    """The LoRA that is trained: rank, alpha, dropout, target modules, and the dtype the adapter is stored in.
+
+        >>> run = mntp(base, texts, "runs/mntp", steps=200, lora=LoraSpec(r=16, alpha=32.0, save_dtype="bfloat16"))
+    """
 
     r: int = 8
     alpha: float = 16.0
@@ -66,7 +69,10 @@ class LoraSpec:
 
 @dataclass
 class AdaptRun:
-    """What one ``mntp`` / ``simcse`` call did. ``log`` has one row per step (step, loss, lr, tokens, seconds)."""
+    """What one ``mntp`` / ``simcse`` call did. ``log`` has one row per step (step, loss, lr, tokens, seconds).
+
+        >>> run = simcse(base, texts, "runs/simcse", steps=250); run.final_loss, run.path, run.log.loss.iloc[-1]
+    """
 
     path: Path
     objective: str
@@ -91,6 +97,8 @@ def mntp(base: str | os.PathLike, texts: Sequence[str], out_dir: str | os.PathLi
          seed: int = 0, save_every: int = 50, resume: bool = False, device: str = "auto", dtype: str = "auto",
          show_progress: bool = True) -> AdaptRun:
     """Masked next-token prediction with bidirectional attention; writes a PEFT LoRA folder to ``out_dir``.
+
+        >>> run = mntp("models/smollm2", texts, "runs/mntp", steps=200)     # then Engine(..., adapters=[run.path])
 
     Args:
         base: a local decoder model folder (Llama / Mistral / Qwen2 / Qwen3 family, with an LM head or tied one).
@@ -121,6 +129,8 @@ def simcse(base: str | os.PathLike, texts: Sequence[str], out_dir: str | os.Path
     Two dropout passes of each batch (``attention_dropout`` in every attention, plus the LoRA dropout) give two
     views per text; the loss is cross-entropy over the batch's cosine similarities / ``temperature``, positives on
     the diagonal. ``bidirectional=False`` trains the causal model (LLM2Vec's control). Other arguments as ``mntp``.
+
+        >>> run = simcse("models/smollm2", texts, "runs/simcse", adapters=["runs/mntp"], steps=250)
     """
     return _train("simcse", base, texts, out_dir, steps=steps, batch_size=batch_size, lr=lr, max_length=max_length,
                   adapters=adapters, lora=lora, warmup=warmup, seed=seed, save_every=save_every, resume=resume,
