@@ -419,8 +419,9 @@ def render_speed(root: Path = RESULTS, base: Path | None = None) -> str:
         peers = read_rows(peers_path) if peers_path.exists() else None
         rel = Path(os.path.relpath(csv_path, base)).as_posix()
         first = engine[0]
-        out += [f"**{slug}**: {_cell(first.get('cpu_model', '-'))} ({_cell(first.get('cpu_flags', '-'))}); "
-                f"[{csv_path.name}]({rel}), {when}", ""]
+        heading = (f"**{slug}**: {_cell(first.get('cpu_model', '-'))} ({_cell(first.get('cpu_flags', '-'))}); "
+                   f"[{csv_path.name}]({rel}), {when}")
+        out += [heading, ""]
         dtypes = list(dict.fromkeys(r["dtype"] for r in engine))
         head, rule = "| corpus |", "|---|"
         for d in dtypes:

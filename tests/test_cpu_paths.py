@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import cosine_rows
+from lab.kernels import cpu_attention
 from tiny_models import KINDS, tiny_config, tiny_llama
 
 from lab import Engine
-from lab.kernels import cpu_attention
 from lab.models import model_class
 from lab.ops.probes import CANDIDATES, cpu_info, env_name
 

@@ -14,6 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
+
 from lab import Engine
 from tests.test_engine_decoder import hf_hidden
 from tests.tiny_models import _CORPUS, tiny_llama
