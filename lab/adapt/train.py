@@ -268,7 +268,7 @@ def _load(base: Path, adapters, bidirectional: bool, lora: LoraSpec, dev: torch.
         if not (Path(a) / "adapter_config.json").exists():
             raise FileNotFoundError(f"{str(a)!r} holds no PEFT adapter (no adapter_config.json)")
         if is_bare_scope(a):
-            setattr(model, inner, lib.PeftModel.from_pretrained(getattr(model, inner), str(a)).merge_and_unload())
+            setattr(model, inner, lib.PeftModel.from_pretrained(model.base_model, str(a)).merge_and_unload())
         else:  # saved from the *ForCausalLM (keys base_model.model.model.layers...)
             model = lib.PeftModel.from_pretrained(model, str(a)).merge_and_unload()
     set_bidirectional(model, bidirectional)
