@@ -323,3 +323,18 @@ def test_mntp_config_of_another_family_is_refused(base, tmp_path):
     (mntp_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"describes a 'mistral' model.*is a 'llama' model"):
         Engine(str(mntp_dir))
+
+
+def test_parity_script_writes_a_transformers4_copy_the_engine_reads_alike(base, tmp_path):
+    """``evals/llm2vec_parity.py``'s base folder for the llm2vec venv (``rope_theta`` in config.json, BPE merges as
+    strings, weights linked) is the same model and tokenizer to the Engine."""
+    from evals.llm2vec_parity import transformers4_copy
+
+    copy = transformers4_copy(base, tmp_path / "t4")
+    cfg = json.loads((copy / "config.json").read_text())
+    assert cfg["rope_theta"] == 10000.0 and "rope_parameters" not in cfg
+    merges = json.loads((copy / "tokenizer.json").read_text())["model"]["merges"]
+    assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
+    assert (copy / "model.safetensors").is_symlink()
+    np.testing.assert_array_equal(Engine(str(copy), pooling="mean").embed(TEXTS),
+                                  Engine(str(base), pooling="mean").embed(TEXTS))

@@ -263,12 +263,11 @@ def _load(base: Path, adapters, bidirectional: bool, lora: LoraSpec, dev: torch.
     tok = AutoTokenizer.from_pretrained(str(base), local_files_only=True, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, local_files_only=True,
                                                  attention_dropout=attention_dropout, trust_remote_code=False)
-    inner = model.base_model_prefix  # the bare model's attribute ("model"): bare-scope adapters load onto it
     for a in adapters:
         if not (Path(a) / "adapter_config.json").exists():
             raise FileNotFoundError(f"{str(a)!r} holds no PEFT adapter (no adapter_config.json)")
-        if is_bare_scope(a):
-            setattr(model, inner, lib.PeftModel.from_pretrained(model.base_model, str(a)).merge_and_unload())
+        if is_bare_scope(a):  # saved from the bare model: loaded onto the ForCausalLM's inner one (``model``)
+            model.model = lib.PeftModel.from_pretrained(model.model, str(a)).merge_and_unload()
         else:  # saved from the *ForCausalLM (keys base_model.model.model.layers...)
             model = lib.PeftModel.from_pretrained(model, str(a)).merge_and_unload()
     set_bidirectional(model, bidirectional)
