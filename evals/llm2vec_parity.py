@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     table = pd.DataFrame(rows)
     csv = args.out / f"llm2vec_parity_{slug}.csv"
     table.to_csv(csv, index=False)
+    from evals.results_index import write_meta
+
+    write_meta(csv)  # the date and command for evals/results/README.md
     write_md(table, args.out / f"llm2vec_parity_{slug}.md", slug)
     print(f"wrote {csv}")
     return 0
