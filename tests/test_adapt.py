@@ -197,8 +197,9 @@ def test_llm2vec_study_runs_in_smoke_mode(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_committed_study_adapters_load_in_peft_and_the_engine_alike():
-    """The study's committed adapters (float16 PEFT folders written by ``lab.adapt``) stacked as llm2vec does: the
-    Engine (bidirectional, mean pooling) equals transformers + peft merging them in order (cosine >= 0.9999)."""
+    """The study's committed adapters (float16 PEFT folders in the bare-model scope) stacked as llm2vec does: the
+    Engine (bidirectional, mean pooling) equals transformers + peft merging them in order onto the bare model, with
+    no missing keys (cosine >= 0.9999)."""
     from pathlib import Path
 
     from peft import PeftModel
@@ -214,8 +215,8 @@ def test_committed_study_adapters_load_in_peft_and_the_engine_alike():
     eng = Engine(str(base), adapters=adapters, bidirectional=True, pooling="mean", normalize=False, dtype="float32")
     ours = eng.embed(texts)
     ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    for a in adapters:
-        ref = PeftModel.from_pretrained(ref, a).merge_and_unload()
+    for a in adapters:  # bare-model scope (llm2vec's): onto the causal LM's inner model
+        ref.model = PeftModel.from_pretrained(ref.model, a).merge_and_unload()
     set_bidirectional(ref, True)
     tok = AutoTokenizer.from_pretrained(base)
     with torch.no_grad():
