@@ -11,10 +11,11 @@ Engine runs here. Both read the same folders, laid out as LLM2Vec's published ch
   Engine: ``Engine(mntp_folder, ...)``);
 - a SimCSE adapter stacked on it (llm2vec: ``peft_model_name_or_path``; the Engine: ``adapters=[...]``).
 
-The adapters are the study's committed ones (``evals/results/llm2vec/{mntp,mntp_simcse}``, written by
-``lab.adapt`` in the ``*ForCausalLM`` key scope) converted with ``lab.adapt.rescope`` into a temporary folder; the
-``control`` variant loads them unconverted, to show what llm2vec does with the other scope (peft warns "Found
-missing adapter keys" and leaves every ``lora_B`` at zero). Every variant: mean pooling, max_length 512,
+The adapters are the study's committed ones (``evals/results/llm2vec/{mntp,mntp_simcse}``), passed through
+``lab.adapt.rescope`` into a temporary folder (a no-op for folders already in the bare-model scope); the ``control``
+variant loads the folders as they are, which shows what llm2vec does with the ``*ForCausalLM`` scope only for
+adapters saved in it (peft warns "Found missing adapter keys" and leaves every ``lora_B`` at zero): the committed
+results were measured with the study's adapters in that scope. Every variant: mean pooling, max_length 512,
 instructions not pooled (llm2vec's ``skip_instruction``), float32, no normalization; inputs are llm2vec's
 ``[[instruction, text]]`` pairs (``""`` without an instruction). A variant is a ``Variant`` row (its folders, its
 attention, an instruction, and extra Engine knobs), so rows with an instruction are one more entry in ``VARIANTS``.
