@@ -84,6 +84,9 @@ VARIANTS = [
     Variant("bidirectional + MNTP", model="mntp"),
     Variant("bidirectional + MNTP + SimCSE", model="mntp", peft="simcse"),
     Variant("control: MNTP + SimCSE in the ForCausalLM scope", model="mntp", peft="simcse", scope="causal"),
+    # llm2vec's instruction handling: its embed mask is the Engine's instruction_pooling="llm2vec"
+    Variant("bidirectional + MNTP + SimCSE, instruction", model="mntp", peft="simcse",
+            instruction="Retrieve semantically similar text: ", knobs={"instruction_pooling": "llm2vec"}),
 ]
 
 
@@ -222,14 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the llm2vec reference environment")
     ap.add_argument("--sentences", type=int, default=300)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--variants", nargs="+", default=None, help="run only these variants (names as in VARIANTS)")
     args = ap.parse_args(argv)
+    chosen = [v for v in VARIANTS if args.variants is None or v.name in args.variants]
+    if not chosen:
+        raise SystemExit(f"no variant named {args.variants}; valid: {[v.name for v in VARIANTS]}")
     py = ensure_venv(args.venv)
     texts = sentences(args.sentences)
     rows = []
     with tempfile.TemporaryDirectory(prefix="llm2vec-parity-") as tmp:
         work = Path(tmp)
         folders = build_folders(work)
-        for v in VARIANTS:
+        for v in chosen:
             theirs, report = run_llm2vec(py, v, folders, texts, work)
             ours, engine_s, eng = run_engine(v, folders, texts)
             cos = cosines(ours, theirs)
