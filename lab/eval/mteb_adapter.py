@@ -207,6 +207,8 @@ def result_knobs(engine) -> dict[str, Any]:
         knobs["adapters"] = list(getattr(engine, "adapter_ids", None) or knobs["adapters"])
     else:
         knobs.pop("adapters", None)  # no adapters: the base model's experiment name, as before the knob existed
+    if knobs.get("instruction_pooling") == "exact":  # the rule before the knob existed: named as before
+        knobs.pop("instruction_pooling")
     return {k: v for k, v in sorted(knobs.items()) if k not in SCHEDULING_KNOBS and v is not None}
 
 
