@@ -20,7 +20,7 @@ SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s+(.+?)\s*-->")
 FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 # public names whose docstrings lack an example and live in files outside this change's reach (lab/adapt is edited
 # elsewhere); each still has to be a public name, and any other name without an example fails
-JOURNAL = re.compile(r"\bsessions?\b|\bthis stop\b|\bfirst version\b|\bpreviously\b|_s\d+\b|\brerun\b", re.IGNORECASE)
+JOURNAL = re.compile(r"\bsessions?\b|\bthis\s+stop\b|\bfirst version\b|\bpreviously\b|_s\d+\b|\brerun\b", re.IGNORECASE)
 
 
 def snippets(text: str) -> list[tuple[int, str, str | None]]:
