@@ -8,19 +8,13 @@ import random
 
 import pytest
 import torch
+from kernel_utils import cu_from
 from lab.kernels.reference import varlen_attention, varlen_attention_naive
 
 from lab.ops import attention as ops_attention
 from lab.ops import probes
 from lab.ops.attention import KERNELS, attention, bmm_attention
 from lab.ops.batch import AttnMeta, KVStep
-
-
-def _cu(lens):
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -38,9 +32,9 @@ def test_matches_oracle(causal, hq, hkv, dtype, tol, budget, d):
     lens[:8] = sorted(lens[:8], reverse=True)  # some runs of equal lengths, some lone lengths
     t = sum(lens)
     q, k, v = (torch.randn(t, h, d, dtype=dtype) for h in (hq, hkv, hkv))
-    exact = varlen_attention_naive(q.float(), k.float(), v.float(), _cu(lens), causal=causal)
+    exact = varlen_attention_naive(q.float(), k.float(), v.float(), cu_from(lens), causal=causal)
     got = bmm_attention(q, k, v, lens, causal, max_scores=budget)
-    fused = varlen_attention(q, k, v, _cu(lens), max(lens), causal=causal)
+    fused = varlen_attention(q, k, v, cu_from(lens), max(lens), causal=causal)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
     rms = [(x.float() - exact).pow(2).mean().sqrt() for x in (got, fused)]
@@ -82,9 +76,9 @@ def test_long_causal_sequence_over_the_budget_takes_the_query_blocks():
     lens = [100, 6, 6]
     q, k, v = (torch.randn(sum(lens), 2, 16) for _ in range(3))
     got = bmm_attention(q, k, v, lens, True, max_scores=1000, causal_block=16)
-    blocks = varlen_attention(q[:100], k[:100], v[:100], _cu([100]), 100, causal=True, causal_block=16)
+    blocks = varlen_attention(q[:100], k[:100], v[:100], cu_from([100]), 100, causal=True, causal_block=16)
     assert torch.equal(got[:100], blocks)
-    exact = varlen_attention_naive(q, k, v, _cu(lens), causal=True)
+    exact = varlen_attention_naive(q, k, v, cu_from(lens), causal=True)
     torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5)
 
 
@@ -107,7 +101,7 @@ def test_layers_reach_it_through_attention(monkeypatch):
     assert calls == [1] and "bmm" in KERNELS
     torch.testing.assert_close(got, attention(q, k, v, meta, 0, kernel="sdpa"), atol=1e-5, rtol=1e-5)
     kp, vp = torch.randn(4, 4, 32), torch.randn(4, 4, 32)
-    kv = KVStep(num_layers=1, cu_prefix=_cu([1, 1, 1, 1]), prefix_lens=[1, 1, 1, 1], prefix_k=[kp], prefix_v=[vp])
+    kv = KVStep(num_layers=1, cu_prefix=cu_from([1, 1, 1, 1]), prefix_lens=[1, 1, 1, 1], prefix_k=[kp], prefix_v=[vp])
     pmeta = AttnMeta.from_lengths([3, 9, 9, 1], causal=False, kv=kv)
     assert torch.equal(attention(q, k, v, pmeta, 0, kernel="bmm"), attention(q, k, v, pmeta, 0, kernel="sdpa"))
     assert calls == [1]

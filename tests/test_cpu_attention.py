@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from kernel_utils import cu_from
 from lab.kernels import cpu_attention
 from lab.kernels.reference import varlen_attention, varlen_attention_naive
 
@@ -18,10 +19,6 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(),
                                 reason=f"cpu_attention did not build here: {cpu_attention.unavailable_reason()}")
 
 LENGTHS = [1, 2, 15, 16, 17, 31, 33, 4, 100, 257, 3]  # around the kernel's 16-key vectors and 4-query blocks
-
-
-def _cu(lens):
-    return torch.tensor([0] + lens).cumsum(0).to(torch.int32)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -37,10 +34,10 @@ def test_matches_oracle_in_every_build(c_builds, causal, hq, hkv, d, dtype):
     t = sum(lens)
     q = torch.randn(t, hq, d, dtype=dtype) * 2
     k, v = (torch.randn(t, hkv, d, dtype=dtype) * 2 for _ in range(2))
-    exact = varlen_attention_naive(q.float(), k.float(), v.float(), _cu(lens), causal=causal)
-    fused = varlen_attention(q, k, v, _cu(lens), max(lens), causal=causal)
+    exact = varlen_attention_naive(q.float(), k.float(), v.float(), cu_from(lens), causal=causal)
+    fused = varlen_attention(q, k, v, cu_from(lens), max(lens), causal=causal)
     for name, lib in c_builds.items():
-        got = cpu_attention.varlen_attention(q, k, v, _cu(lens), causal, lib=lib)
+        got = cpu_attention.varlen_attention(q, k, v, cu_from(lens), causal, lib=lib)
         assert got.dtype == dtype and got.shape == q.shape, name
         if dtype == torch.float32:
             torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5, msg=name)
@@ -57,12 +54,12 @@ def test_strided_views_and_empty_sequences():
     t = sum(lens)
     qkv = torch.randn(t, 3, 6, 32)
     q, k, v = qkv.unbind(1)
-    got = cpu_attention.varlen_attention(q, k, v, _cu(lens), False)
+    got = cpu_attention.varlen_attention(q, k, v, cu_from(lens), False)
     assert torch.equal(got, cpu_attention.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                                           _cu(lens), False))
-    torch.testing.assert_close(got, varlen_attention_naive(q, k, v, _cu(lens), causal=False), atol=1e-5, rtol=1e-5)
-    half = cpu_attention.varlen_attention(q, k, v, _cu(lens), True, softmax_scale=0.05)
-    want = varlen_attention_naive(q, k, v, _cu(lens), causal=True, scale=0.05)
+                                                           cu_from(lens), False))
+    torch.testing.assert_close(got, varlen_attention_naive(q, k, v, cu_from(lens), causal=False), atol=1e-5, rtol=1e-5)
+    half = cpu_attention.varlen_attention(q, k, v, cu_from(lens), True, softmax_scale=0.05)
+    want = varlen_attention_naive(q, k, v, cu_from(lens), causal=True, scale=0.05)
     torch.testing.assert_close(half, want, atol=1e-5, rtol=1e-5)
 
 
@@ -72,7 +69,7 @@ def test_threads_share_nothing():
     jobs = []
     for n in (3, 7):
         lens = [n * i + 1 for i in range(12)]
-        jobs.append([torch.randn(sum(lens), 4, 32, generator=rng) for _ in range(3)] + [_cu(lens)])
+        jobs.append([torch.randn(sum(lens), 4, 32, generator=rng) for _ in range(3)] + [cu_from(lens)])
     alone = [cpu_attention.varlen_attention(q, k, v, cu, False) for q, k, v, cu in jobs * 2]
     with ThreadPoolExecutor(2) as pool:
         both = list(pool.map(lambda j: cpu_attention.varlen_attention(j[0], j[1], j[2], j[3], False), jobs * 2))
@@ -91,13 +88,13 @@ def test_bad_input_names_the_problem():
     q = torch.randn(6, 2, 32)
     with pytest.raises(ValueError, match="multiple of 16"):
         cpu_attention.varlen_attention(torch.randn(6, 2, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8),
-                                       _cu([6]), False)
+                                       cu_from([6]), False)
     with pytest.raises(ValueError, match="float32/bfloat16"):
-        cpu_attention.varlen_attention(q.half(), q.half(), q.half(), _cu([6]), False)
+        cpu_attention.varlen_attention(q.half(), q.half(), q.half(), cu_from([6]), False)
     with pytest.raises(ValueError, match="Hq a multiple of Hkv"):
-        cpu_attention.varlen_attention(torch.randn(6, 3, 32), q, q, _cu([6]), False)
+        cpu_attention.varlen_attention(torch.randn(6, 3, 32), q, q, cu_from([6]), False)
     with pytest.raises(ValueError, match="rise from 0 to the 6 packed tokens"):
-        cpu_attention.varlen_attention(q, q, q, _cu([4]), False)
+        cpu_attention.varlen_attention(q, q, q, cu_from([4]), False)
     with pytest.raises(ValueError, match="rise from 0"):
         cpu_attention.varlen_attention(q, q, q, torch.tensor([0, 4, 2, 6]), False)
 

@@ -7,14 +7,8 @@ import random
 
 import pytest
 import torch
+from kernel_utils import cu_from
 from lab.kernels.reference import _runs, varlen_attention, varlen_attention_naive
-
-
-def _cu(lens):
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -27,8 +21,9 @@ def test_ragged_batches_match_oracle(causal, heads):
             lens.sort(reverse=True)  # the scheduler's order: equal lengths form runs
         t = sum(lens)
         q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
-        got = varlen_attention(q, k, v, _cu(lens), max(lens), causal=causal)
-        torch.testing.assert_close(got, varlen_attention_naive(q, k, v, _cu(lens), causal=causal), atol=1e-5, rtol=1e-5)
+        cu = cu_from(lens)
+        got = varlen_attention(q, k, v, cu, max(lens), causal=causal)
+        torch.testing.assert_close(got, varlen_attention_naive(q, k, v, cu, causal=causal), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -40,8 +35,9 @@ def test_prefix_matches_oracle(causal, hq, hkv, dtype, tol):
     t, p = sum(lens), sum(plens)
     q, k, v = (torch.randn(t, h, 8, dtype=dtype) for h in (hq, hkv, hkv))
     kp, vp = torch.randn(p, hkv, 8, dtype=dtype), torch.randn(p, hkv, 8, dtype=dtype)
-    got = varlen_attention(q, k, v, _cu(lens), 7, causal=causal, k_prefix=kp, v_prefix=vp, cu_prefix=_cu(plens))
-    want = varlen_attention_naive(q, k, v, _cu(lens), causal=causal, k_prefix=kp, v_prefix=vp, cu_prefix=_cu(plens))
+    cu, cu_prefix = cu_from(lens), cu_from(plens)
+    got = varlen_attention(q, k, v, cu, 7, causal=causal, k_prefix=kp, v_prefix=vp, cu_prefix=cu_prefix)
+    want = varlen_attention_naive(q, k, v, cu, causal=causal, k_prefix=kp, v_prefix=vp, cu_prefix=cu_prefix)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -62,14 +58,14 @@ def test_causal_blocks_match_oracle(hq, hkv, dtype, tol, lens):
     lens = random.sample(lens, len(lens))
     t = sum(lens)
     q, k, v = (torch.randn(t, h, 16, dtype=dtype) for h in (hq, hkv, hkv))
-    exact = varlen_attention_naive(q.float(), k.float(), v.float(), _cu(lens), causal=True)
-    got = varlen_attention(q, k, v, _cu(lens), max(lens), causal=True, causal_block=64)
-    whole = varlen_attention(q, k, v, _cu(lens), max(lens), causal=True)
+    exact = varlen_attention_naive(q.float(), k.float(), v.float(), cu_from(lens), causal=True)
+    got = varlen_attention(q, k, v, cu_from(lens), max(lens), causal=True, causal_block=64)
+    whole = varlen_attention(q, k, v, cu_from(lens), max(lens), causal=True)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
     assert (got.float() - exact).abs().max() <= 1.5 * (whole.float() - exact).abs().max() + 1e-6
-    bidir = varlen_attention(q, k, v, _cu(lens), max(lens), causal=False, causal_block=64)
-    assert torch.equal(bidir, varlen_attention(q, k, v, _cu(lens), max(lens), causal=False))
+    bidir = varlen_attention(q, k, v, cu_from(lens), max(lens), causal=False, causal_block=64)
+    assert torch.equal(bidir, varlen_attention(q, k, v, cu_from(lens), max(lens), causal=False))
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -89,9 +85,9 @@ def test_matmul_attention_matches_oracle(causal, hq, hkv, dtype, tol, budget):
     lens[:8] = sorted(lens[:8], reverse=True)  # some runs of equal lengths, some lone lengths
     t = sum(lens)
     q, k, v = (torch.randn(t, h, 16, dtype=dtype) for h in (hq, hkv, hkv))
-    exact = varlen_attention_naive(q.float(), k.float(), v.float(), _cu(lens), causal=causal)
-    got = varlen_attention(q, k, v, _cu(lens), max(lens), causal=causal, matmul_scores=budget)
-    fused = varlen_attention(q, k, v, _cu(lens), max(lens), causal=causal)
+    exact = varlen_attention_naive(q.float(), k.float(), v.float(), cu_from(lens), causal=causal)
+    got = varlen_attention(q, k, v, cu_from(lens), max(lens), causal=causal, matmul_scores=budget)
+    fused = varlen_attention(q, k, v, cu_from(lens), max(lens), causal=causal)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), exact, atol=tol, rtol=tol)
     rms = [(x.float() - exact).pow(2).mean().sqrt() for x in (got, fused)]
@@ -101,12 +97,12 @@ def test_matmul_attention_matches_oracle(causal, hq, hkv, dtype, tol, budget):
     assert over  # every budget leaves the 200-token sequence to the fused kernel
     for s, n in over:
         assert torch.equal(got[s : s + n], fused[s : s + n])
-    both = varlen_attention(q, k, v, _cu(lens), max(lens), causal=causal, matmul_scores=budget, causal_block=32)
+    both = varlen_attention(q, k, v, cu_from(lens), max(lens), causal=causal, matmul_scores=budget, causal_block=32)
     torch.testing.assert_close(both.float(), exact, atol=tol, rtol=tol)
     if causal:
         s = starts[lens.index(100)]
         rows = slice(s, s + 100)
-        blocks = varlen_attention(q[rows], k[rows], v[rows], _cu([100]), 100, causal=True, causal_block=32)
+        blocks = varlen_attention(q[rows], k[rows], v[rows], cu_from([100]), 100, causal=True, causal_block=32)
         assert torch.equal(both[rows], blocks)
 
 
@@ -114,6 +110,7 @@ def test_matmul_attention_returns_the_packed_layout_for_one_run():
     """A step that is one run of equal lengths returns the (n, L, H, D) memory the kernel wrote, laid out as the
     packed ``(T, H, D)`` input, as the fused kernel's path does."""
     q, k, v = (torch.randn(3 * 5, 4, 8) for _ in range(3))
-    got = varlen_attention(q, k, v, _cu([5, 5, 5]), 5, causal=False, matmul_scores=1 << 20)
+    got = varlen_attention(q, k, v, cu_from([5, 5, 5]), 5, causal=False, matmul_scores=1 << 20)
     assert got.shape == q.shape and got.is_contiguous()
-    torch.testing.assert_close(got, varlen_attention_naive(q, k, v, _cu([5, 5, 5]), causal=False), atol=1e-5, rtol=1e-5)
+    want = varlen_attention_naive(q, k, v, cu_from([5, 5, 5]), causal=False)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
