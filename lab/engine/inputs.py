@@ -236,7 +236,7 @@ class InputProcessor:
         if f.template is not None:
             offsets = self._offsets(fulls)
             for i, ((_, begin, end), x, off, a) in enumerate(zip(spans, ids, offsets, appended)):
-                inside = [j for j, (a, b) in enumerate(off) if b > a and a < end and b > begin]
+                inside = [j for j, (lo, hi) in enumerate(off) if hi > lo and lo < end and hi > begin]
                 if not inside:  # an empty text: the whole input after its instruction
                     starts.append(0 if include_instruction else self._instruction_tokens(per_item[i], f))
                     ends.append(None)
@@ -249,14 +249,16 @@ class InputProcessor:
                         "text, or use a template whose pooled copy comes first")
                 starts.append(0 if include_instruction else inside[0])
                 ends.append(inside[-1] + 1)
-        else:
-            for (_, part, _), ins, x, a in zip(joined, per_item, ids, appended):
-                if f.rule == "exact":  # per-item instructions, token-exact
-                    starts.append(0 if include_instruction or not ins else self.instruction_length(ins))
-                    ends.append(None)
-                    continue
-                n = len(self.tokenizer(part, add_special_tokens=False, truncation=True, max_length=self.max_length,
-                                       verbose=False)["input_ids"]) if part else 0
+        elif f.rule == "exact":  # per-item instructions, token-exact
+            for ins in per_item:
+                starts.append(0 if include_instruction or not ins else self.instruction_length(ins))
+                ends.append(None)
+        else:  # llm2vec: the last n tokens, n = the text part's tokens alone (one batched call for all parts)
+            parts = [part for _, part, _ in joined]
+            counts = self.tokenizer(parts, add_special_tokens=False, truncation=True, max_length=self.max_length,
+                                    return_attention_mask=False, verbose=False)["input_ids"] if parts else []
+            for part_ids, x, a in zip(counts, ids, appended):
+                n = len(part_ids)
                 starts.append(0 if include_instruction or n == 0 else max(len(x) - int(a) - n, 0))
                 ends.append(len(x) - 1 if a else None)  # the EOS appended here is not llm2vec's: not pooled
         return [
