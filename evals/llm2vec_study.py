@@ -166,11 +166,23 @@ def training_texts() -> tuple[list[str], dict]:
         pick = rng.sample(clean, TEXT_MIX[name])
         seen.update(_key(s) for s in pick)
         texts += pick
-        counts.update({f"{name} texts": len(pool), f"{name} distinct": len(distinct),
-                       f"{name} in evaluation files": len(distinct) - len(clean), f"{name} drawn": len(pick)})
+        label, unit = {"twentynewsgroups": ("20NG", "sentences"), "banking77": ("Banking77", "utterances")}[name]
+        counts.update({f"{label} {unit}": len(pool), f"{label} distinct": len(distinct),
+                       f"{label} in evaluation files": len(distinct) - len(clean), f"{label} drawn": len(pick)})
     rng.shuffle(texts)
     counts["kept"] = len(texts)
     return texts, counts
+
+
+def texts_sha1(texts) -> str:
+    """The text fingerprint ``lab.adapt`` writes into ``train_config.json`` (``texts_sha1``): SHA-1 of the texts,
+    each followed by a NUL byte, first 16 hex digits."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for t in texts:
+        h.update(t.encode("utf-8", "surrogatepass") + b"\0")
+    return h.hexdigest()[:16]
 
 
 # the recipe: the same SimCSE budget for both SimCSE variants
@@ -198,6 +210,9 @@ VARIANTS = {
     "causal + SimCSE": {"bidirectional": False, "adapters": ("causal_simcse",), "heldout": True},
 }
 
+# the Engine every variant runs on (the variants' knobs are set on it)
+ENGINE = {"pooling": "mean", "normalize": True, "dtype": "float32"}
+
 # the evaluation sets (test pairs with gold scores): task -> files under evals/data, their rows concatenated
 SETS = {"STSBenchmark": ("stsbenchmark/test",), "STS12": ("sts12/test",), "STS14": ("sts14/test",),
         "STS16": ("sts16/test",), "SICK-R": ("sickr/train", "sickr/trial", "sickr/test")}
@@ -213,7 +228,6 @@ def train(base: Path, out: Path, seed: int, needed=None) -> dict[str, float]:
     """The adapters in ``needed`` (default all) and those they build on: skipped when finished on the same text and
     recipe, resumed when interrupted. Returns seconds per adapter trained."""
     from lab.adapt import LoraSpec, mntp, simcse
-    from lab.adapt.train import _texts_hash
 
     needed = set(ADAPTERS if needed is None else needed)
     for name in list(ADAPTERS)[::-1]:
@@ -232,7 +246,7 @@ def train(base: Path, out: Path, seed: int, needed=None) -> dict[str, float]:
         recipe = RECIPE[objective]
         if (d / "adapter_config.json").exists():
             saved = json.loads((d / "train_config.json").read_text())
-            want = {"texts_sha1": _texts_hash(texts), "seed": seed, **recipe}
+            want = {"texts_sha1": texts_sha1(texts), "seed": seed, **recipe}
             stale = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
             if stale:
                 raise ValueError(f"{d} was trained on other text or another recipe ({stale}: saved, wanted); "
@@ -275,20 +289,29 @@ class Scorer:
     """Spearman x100 of cosine vs gold (MTEB's STS main score) for one variant at one layer, on several sets at once:
     each distinct sentence is embedded once.
 
-    Every score carries a ``key``: a hash of everything it depends on (the base model's weight files, the adapters'
-    weight and config files, the knobs, the layer, the set's data files and ``limit``, and the source of ``lab`` and
-    ``kernels``). A score whose key is in ``earlier`` (rows of an earlier results table) is taken from there instead
-    of computed, so a variant the training text does not touch (the base model, causal or bidirectional) is scored
-    once, and any change to the model, the code or the data scores it again.
+    Every score carries a ``key``: a hash of everything it depends on (the base model's files, the adapters' weight
+    and config files, the Engine's arguments and knobs, the layer, the set's data files and ``limit``, the source of
+    ``lab`` and ``kernels``, of this scoring code and of the Spearman it uses, and the torch version). A score whose
+    key is in ``earlier`` (rows of an earlier results table) is taken from there instead of computed, so a variant
+    the training text does not touch (the base model, causal or bidirectional) is scored once, and any change to the
+    model, the code or the data scores it again.
     """
 
     def __init__(self, eng, base: Path, limit: int | None, earlier=None):
         import hashlib
+        import inspect
+
+        import torch
+
+        from evals import causal_vs_bidirectional, data_io
 
         self.eng, self.limit = eng, limit
         self.earlier = {} if earlier is None or "key" not in earlier else {
             k: r for k, r in zip(earlier["key"], earlier.to_dict("records"))}
-        h = hashlib.sha1()
+        h = hashlib.sha1(repr((ENGINE, torch.__version__)).encode())
+        for fn in (Scorer.key, Scorer.score, load_sets, causal_vs_bidirectional.spearman, causal_vs_bidirectional.ranks,
+                   causal_vs_bidirectional.pearson, data_io.read_jsonl, data_io.spread):
+            h.update(inspect.getsource(fn).encode())
         for f in sorted(p for p in base.iterdir() if p.suffix in (".safetensors", ".json", ".gguf", ".bin")):
             h.update(f"{f.name}:{_file_hash(f)}".encode())
         for f in sorted([*(ROOT / "lab").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]):
@@ -383,7 +406,7 @@ def plots(results, layers, out: Path, compared=None) -> None:
 
     sts = results[results.task == "STSBenchmark"].set_index("variant")["spearman_x100"]
     names = list(sts.index)[::-1]
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
     y = np.arange(len(names))
     if compared is not None:
         old = compared[compared.task == "STSBenchmark"].set_index("variant")["spearman_x100"]
@@ -396,14 +419,15 @@ def plots(results, layers, out: Path, compared=None) -> None:
     ax.set(xlabel="STSBenchmark test, Spearman x100 (mean pooling)",
            title="SmolLM2-135M-Instruct, LLM2Vec variants, by training text")
     ax.set_xlim(0, max(60, sts.max() + 10))
-    ax.legend(frameon=False, loc="lower right", fontsize=8)
+    ax.legend(frameon=False, loc="upper center", bbox_to_anchor=(0.4, -0.16), ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "variants.png", dpi=120)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     for name, g in layers.groupby("variant", sort=False):
-        ax.plot(g["layer"], g["spearman_x100"], marker="o", label=f"{name} ({TEXTS[1]})")
+        trained = bool(VARIANTS.get(name, {}).get("adapters"))
+        ax.plot(g["layer"], g["spearman_x100"], marker="o", label=f"{name} ({TEXTS[1]})" if trained else name)
     if compared is not None and "layers" in compared.attrs:
         for name, g in compared.attrs["layers"].groupby("variant", sort=False):
             if "base" not in name:  # the base model does not depend on the training text
@@ -529,7 +553,8 @@ def write_readme(results, layers, out: Path, counts: dict, seconds: dict, comman
     lines += [f"| {r.variant} | {r.layer} | {_fmt(old.get((r.variant, r.layer)))} | {r.spearman_x100:.2f} |"
               for r in layers.itertuples()]
     lines += ["", ("Training time per adapter (from each `train_log.csv`: the sum of its step times, and the median "
-              "step x steps, which discounts steps slowed by other work on the machine):"), "",
+              "step x steps, which discounts steps slowed by other work on the machine; both depend on that load "
+              "and on the torch threads, which each `train_config.json` records under `machine`):"), "",
               "| adapter | steps | seconds (sum) | seconds (median step x steps) |", "|---|---:|---:|---:|"]
     for name in ADAPTERS:
         f = out / name / "train_log.csv"
@@ -593,7 +618,7 @@ def main(argv=None) -> int:
     seconds = train(base, args.out, args.seed, {a for n in names for a in VARIANTS[n]["adapters"]})
     print(f"training done after {time.perf_counter() - t0:.0f} s", flush=True)
 
-    eng = Engine(str(base), pooling="mean", normalize=True, dtype="float32")
+    eng = Engine(str(base), **ENGINE)
     keyed = [d for d in (_read_csv(args.out / "results.csv"), _read_csv(args.out / "layers.csv"))
              if d is not None and "key" in d]
     scorer = Scorer(eng, base, args.limit, pd.concat(keyed) if keyed else None)
