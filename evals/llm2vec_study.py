@@ -1,30 +1,39 @@
 """LLM2Vec on SmolLM2-135M-Instruct: what bidirectional attention buys once the model is trained to use it.
 
-Five variants of one decoder, all with mean pooling (LLM2Vec's choice), evaluated on STSBenchmark test through
-``lab.evaluate`` (Spearman x100 of cosine similarity, MTEB's main score):
+Seven variants of one decoder (``VARIANTS``), scored on STSBenchmark test (Spearman x100 of cosine similarity,
+MTEB's STS main score): five with mean pooling (LLM2Vec's choice)
 
     causal base . bidirectional base . bidirectional + MNTP . bidirectional + MNTP + SimCSE . causal + SimCSE
 
-The two SimCSE runs have the same budget (steps, batch, learning rate, data); causal + SimCSE is the control that
-asks whether the gain comes from the attention or from the training. Training text: the sentences of the
-STSBenchmark *train* split, scores unused, minus every sentence that also occurs in an evaluation set (STSBenchmark
-test and dev, STS12/14/16, SICK-R). A layer sweep (Spearman vs layer, ``Engine(layer=k)``) follows for the causal
-base and the best adapted variant. With ``--heldout`` the held-out STS sets (STS12, STS14, STS16, SICK-R; never
-trained on) are scored for the causal base and the two SimCSE variants, each distinct sentence embedded once.
+and the two training-free causal baselines papers put beside LLM2Vec, through the Engine's ``template`` knob: echo
+embeddings (the text twice, mean over the second copy; Springer et al. 2024) and PromptEOL (the text in a one-word
+prompt, the last token). Each variant's cost is recorded as tokens/s and texts/s of its embedding calls.
+
+The two SimCSE adapters have the same budget (steps, batch, learning rate, text); causal + SimCSE is the control that
+asks whether the gain comes from the attention or from the training. Training text (``training_texts``): sentences
+of 20 Newsgroups *train* posts and Banking77 *train* utterances, so no STS-family set is a source; every text that
+also occurs in an evaluation file under ``evals/data`` is removed all the same. A layer sweep (Spearman vs layer,
+``Engine(layer=k)``) follows for the causal base and the best adapted variant. With ``--heldout`` the held-out STS
+sets (STS12, STS14, STS16, SICK-R) are scored too, for the variants marked ``heldout``. Each distinct sentence is
+embedded once per variant and layer (``Scorer``); a score whose inputs (model, adapters, knobs, data, ``lab``
+source) are unchanged since the last run is read back from ``results.csv`` / ``layers.csv`` instead.
 
 Writes into ``--out`` (default ``evals/results/llm2vec``): the adapters as PEFT folders ``mntp/``,
 ``mntp_simcse/``, ``causal_simcse/`` (each with its ``train_log.csv``, ``loss.png``, ``train_config.json``),
 ``results.csv`` (variant x task), ``layers.csv``, ``variants.png``, ``layers.png``, ``losses.png`` and
-``README.md`` with the tables and the command. A finished adapter is reused, an interrupted one resumed, so a
-re-run only does what is missing.
+``README.md`` with the tables and the command, side by side with the same study trained on STSBenchmark-train text
+(``results_stsb_train_text.csv``, ``layers_stsb_train_text.csv``; see ``COMPARED``). A finished adapter is reused
+(when its text and recipe match), an interrupted one resumed, so a second call only does what is missing.
 
     python evals/llm2vec_study.py --heldout           # the whole study, then the held-out sets
+    python evals/llm2vec_study.py --heldout --variants "causal base"      # one variant (trains only what it needs)
     LAB_SMOKE=1 python evals/llm2vec_study.py --out /tmp/llm2vec-smoke     # a few steps, small subsets
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -41,28 +50,143 @@ from evals.data_io import read_jsonl  # after the path set-up: this runs as a sc
 DATA = ROOT / "evals" / "data"
 DEFAULT_OUT = ROOT / "evals" / "results" / "llm2vec"
 SMOKE = os.environ.get("LAB_SMOKE") == "1"
-# every file whose sentences are evaluated somewhere: none of them is trained on
-EVAL_FILES = ("stsbenchmark/test.jsonl.gz", "stsbenchmark/validation.jsonl.gz", "sts12/test.jsonl.gz",
-              "sts14/test.jsonl.gz", "sts16/test.jsonl.gz", "sickr/train.jsonl.gz", "sickr/trial.jsonl.gz",
-              "sickr/test.jsonl.gz")
+# every file whose text is evaluated somewhere (or is a split of an evaluated set): none of it is trained on. All of
+# evals/data's JSON-lines files except the two training sources below.
+TRAIN_SOURCES = {"twentynewsgroups": "twentynewsgroups/train.full.jsonl.gz", "banking77": "banking77/train.jsonl.gz"}
+# the training-text mix: sentences of 20 Newsgroups train posts and Banking77 train utterances, sampled with TEXT_SEED
+TEXT_MIX = {"twentynewsgroups": 4000, "banking77": 1000}
+TEXT_SEED = 0
+SENTENCE_WORDS = (6, 30)  # a kept newsgroup sentence has this many words (inclusive) ...
+SENTENCE_CHARS = (30, 200)  # ... and this many characters
 HELD_OUT = ("STS12", "STS14", "STS16", "SICK-R")
+
+_QUOTE = re.compile(r"^\s*(>|\||:|\}|#)")  # a quoted line of an earlier post (or a comment-like line)
+_ATTRIBUTION = re.compile(r"(\bwrites?:|\bwrote:|\bsays?:|^\s*In article\b|^\s*In <)", re.IGNORECASE)
+_HEADER = re.compile(r"^[A-Za-z][A-Za-z-]{1,30}:\s")  # "Archive-name: ...", "Subject: ..." inside a body
+_RULE = re.compile(r"^\s*(--|[-=_*~+#]{3,})\s*$")  # "--" opens a signature; a rule of symbols ends the prose
+_NET = re.compile(r"://|www\.|@|\b[\w-]+\.(com|edu|org|gov|net|uk|de)\b|\\", re.IGNORECASE)
+_SPLIT = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(]?[A-Z])")
+_ABBREV = {"mr.", "mrs.", "ms.", "dr.", "st.", "vs.", "jr.", "sr.", "prof.", "no.", "e.g.", "i.e.", "fig.", "vol."}
 
 
 def _key(s: str) -> str:
     return " ".join(s.lower().split())
 
 
+def post_sentences(body: str) -> list[str]:
+    """The sentences of one newsgroup post body, by a simple rule-based splitter.
+
+    Lines are read up to the signature (a line ``--``) or the first rule of symbols (``----``, ``====``); quoted
+    lines (``>``, ``|``, ``:``, ``}``, ``#``), attribution lines ("In article ...", "... writes:"), header-like lines
+    ("Archive-name: ...") and table lines (a run of 3+ spaces inside) are dropped. The remaining lines are joined into
+    paragraphs (a blank or dropped line ends one), and a paragraph is split after ``.``, ``!`` or ``?`` when the next
+    word starts with a capital letter. A sentence is kept when it starts with a capital letter, ends with ``.``,
+    ``!`` or ``?`` (not after an abbreviation such as "Mr."), has ``SENTENCE_WORDS`` words and ``SENTENCE_CHARS``
+    characters, holds no URL, e-mail address, host name or backslash, and is at least 80 % letters and spaces.
+    """
+    paragraphs, cur = [], []
+    for line in body.splitlines():
+        if _RULE.match(line):
+            break
+        bad = (_QUOTE.match(line) or _ATTRIBUTION.search(line) or _HEADER.match(line)
+               or re.search(r"\S\s{3,}\S", line))
+        if bad or not line.strip():
+            if cur:
+                paragraphs.append(" ".join(cur))
+            cur = []
+        else:
+            cur.append(line.strip())
+    if cur:
+        paragraphs.append(" ".join(cur))
+    out = []
+    for p in paragraphs:
+        for s in _SPLIT.split(" ".join(p.split())):
+            words = s.split()
+            if not (SENTENCE_WORDS[0] <= len(words) <= SENTENCE_WORDS[1]
+                    and SENTENCE_CHARS[0] <= len(s) <= SENTENCE_CHARS[1]):
+                continue
+            if not (s[0].isupper() and s[-1] in ".!?") or words[-1].lower() in _ABBREV or _NET.search(s):
+                continue
+            if sum(c.isalpha() or c == " " for c in s) < 0.8 * len(s):
+                continue
+            out.append(s)
+    return out
+
+
+def evaluation_files() -> list[Path]:
+    """Every JSON-lines file under ``evals/data`` except the two training sources: all splits of STSBenchmark,
+    STS12/14/16, SICK-R, the test files of Banking77, TwentyNewsgroups and TwitterURLCorpus, SciFact's corpus and
+    queries."""
+    train = {DATA / f for f in TRAIN_SOURCES.values()}
+    files = sorted(p for p in DATA.rglob("*") if p.name.endswith((".jsonl", ".jsonl.gz")) and p not in train)
+    if not files:
+        raise FileNotFoundError(f"no evaluation files (*.jsonl, *.jsonl.gz) under {DATA}")
+    return files
+
+
+def _strings(v):
+    if isinstance(v, str):
+        yield v
+    elif isinstance(v, list):
+        for x in v:
+            yield from _strings(x)
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _strings(x)
+
+
+def evaluation_keys() -> set[str]:
+    """Case- and space-folded text of every evaluation file: each string field of each row (lists and nested
+    fields included) and each sentence of it as ``post_sentences`` cuts it."""
+    keys = set()
+    for f in evaluation_files():
+        for r in read_jsonl(f):
+            for s in _strings(r):
+                keys.add(_key(s))
+                keys.update(_key(x) for x in post_sentences(s))
+    return keys
+
+
 def training_texts() -> tuple[list[str], dict]:
-    """Distinct STSBenchmark train sentences that occur in no evaluation file (compared case- and space-folded)."""
-    seen = set()
-    for f in EVAL_FILES:
-        for r in read_jsonl(DATA / f):
-            seen.update((_key(r["sentence1"]), _key(r["sentence2"])))
-    rows = read_jsonl(DATA / "stsbenchmark" / "train.jsonl.gz")
-    distinct = list(dict.fromkeys(s for r in rows for s in (r["sentence1"], r["sentence2"])))
-    keep = [s for s in distinct if _key(s) not in seen and s.strip()]
-    return keep, {"train_sentences": len(distinct), "dropped_in_eval_sets": len(distinct) - len(keep),
-                  "kept": len(keep)}
+    """The training text: ``TEXT_MIX`` sentences drawn (seed ``TEXT_SEED``) from the distinct sentences of the
+    20 Newsgroups *train* posts (``post_sentences``) and the distinct Banking77 *train* utterances, after every
+    text that occurs in an evaluation file (``evaluation_keys``, compared case- and space-folded) is removed; the two
+    sources shuffled together. No STS-family set is a source, so the text is clean by construction; the removal
+    makes sure of it. Returns the texts and the counts of each step."""
+    import random
+
+    held = evaluation_keys()
+    posts = read_jsonl(DATA / TRAIN_SOURCES["twentynewsgroups"])
+    pools = {"twentynewsgroups": [s for p in posts for s in post_sentences(p["body"])],
+             "banking77": [" ".join(r["text"].split()) for r in read_jsonl(DATA / TRAIN_SOURCES["banking77"])]}
+    rng = random.Random(TEXT_SEED)
+    texts, counts, seen = [], {"20NG train posts": len(posts)}, set()
+    for name, pool in pools.items():
+        distinct = list({_key(s): s for s in pool[::-1]}.values())  # one spelling of each
+        distinct.sort(key=lambda s: _key(s))  # an order that does not depend on the dict's
+        clean = [s for s in distinct if _key(s) not in held and _key(s) not in seen]
+        if len(clean) < TEXT_MIX[name]:
+            raise ValueError(f"{name}: {len(clean)} clean texts, fewer than TEXT_MIX[{name!r}] = {TEXT_MIX[name]}")
+        pick = rng.sample(clean, TEXT_MIX[name])
+        seen.update(_key(s) for s in pick)
+        texts += pick
+        label, unit = {"twentynewsgroups": ("20NG", "sentences"), "banking77": ("Banking77", "utterances")}[name]
+        counts.update({f"{label} {unit}": len(pool), f"{label} distinct": len(distinct),
+                       f"{label} in evaluation files": len(distinct) - len(clean), f"{label} drawn": len(pick)})
+    rng.shuffle(texts)
+    counts["kept"] = len(texts)
+    return texts, counts
+
+
+def texts_sha1(texts) -> str:
+    """The text fingerprint ``lab.adapt`` writes into ``train_config.json`` (``texts_sha1``): SHA-1 of the texts,
+    each followed by a NUL byte, first 16 hex digits."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for t in texts:
+        h.update(t.encode("utf-8", "surrogatepass") + b"\0")
+    return h.hexdigest()[:16]
 
 
 # the recipe: the same SimCSE budget for both SimCSE variants
@@ -75,197 +199,416 @@ RECIPE = {
 if SMOKE:
     RECIPE["mntp"]["steps"] = RECIPE["simcse"]["steps"] = 3
 
+# the adapters, in training order: name -> (objective, adapters it is trained on top of, bidirectional)
+ADAPTERS = {"mntp": ("mntp", (), True), "mntp_simcse": ("simcse", ("mntp",), True),
+            "causal_simcse": ("simcse", (), False)}
+
+# the variants: name -> Engine knobs, ``adapters`` naming folders of ``ADAPTERS`` (stacked in order); a variant with
+# ``"heldout": True`` is also scored on the held-out sets (``--heldout``). A new variant is a new line here; any
+# Engine knob may be set (mean pooling is the Engine's, for all).
+VARIANTS = {
+    "causal base": {"bidirectional": False, "adapters": (), "heldout": True},
+    "bidirectional base": {"bidirectional": True, "adapters": ()},
+    "bidirectional + MNTP": {"bidirectional": True, "adapters": ("mntp",)},
+    "bidirectional + MNTP + SimCSE": {"bidirectional": True, "adapters": ("mntp", "mntp_simcse"), "heldout": True},
+    "causal + SimCSE": {"bidirectional": False, "adapters": ("causal_simcse",), "heldout": True},
+}
+
+# the causal baselines' templates (the Engine's ``template`` knob): echo pools the second copy of the text (mean),
+# PromptEOL the prompt's last token
+ECHO = "Rewrite the sentence: {text}, rewritten sentence: {text}"
+PROMPT_EOL = 'This sentence : "{text}" means in one word:"'
+VARIANTS["causal echo"] = {"bidirectional": False, "adapters": (), "template": ECHO, "heldout": True}
+VARIANTS["causal PromptEOL"] = {"bidirectional": False, "adapters": (), "template": PROMPT_EOL,
+                                "pooling": "lasttoken", "append_eos": False, "heldout": True}
+
+# the Engine every variant runs on; every variant sets the knobs of ``RESET`` (to these values unless it names them)
+ENGINE = {"pooling": "mean", "normalize": True, "dtype": "float32"}
+RESET = {"pooling": ENGINE["pooling"], "template": None, "append_eos": None}
+
+# the evaluation sets (test pairs with gold scores): task -> files under evals/data, their rows concatenated
+SETS = {"STSBenchmark": ("stsbenchmark/test",), "STS12": ("sts12/test",), "STS14": ("sts14/test",),
+        "STS16": ("sts16/test",), "SICK-R": ("sickr/train", "sickr/trial", "sickr/test")}
+
 
 def variants(out: Path) -> dict[str, dict]:
-    """Variant name -> knobs (mean pooling everywhere)."""
-    m, ms, cs = str(out / "mntp"), str(out / "mntp_simcse"), str(out / "causal_simcse")
-    return {
-        "causal base": {"bidirectional": False, "adapters": ()},
-        "bidirectional base": {"bidirectional": True, "adapters": ()},
-        "bidirectional + MNTP": {"bidirectional": True, "adapters": (m,)},
-        "bidirectional + MNTP + SimCSE": {"bidirectional": True, "adapters": (m, ms)},
-        "causal + SimCSE": {"bidirectional": False, "adapters": (cs,)},
-    }
+    """Variant name -> the Engine knobs it sets (adapter names resolved to folders under ``out``; the knobs of
+    ``RESET`` it does not name at their defaults, so no variant inherits another's)."""
+    return {name: {k: (tuple(str(out / a) for a in v) if k == "adapters" else v)
+                   for k, v in {**RESET, **spec}.items() if k != "heldout"} for name, spec in VARIANTS.items()}
 
 
-def train(base: Path, out: Path, seed: int) -> dict[str, float]:
-    """The three adapters (skipped when finished, resumed when interrupted); returns seconds per run."""
+def train(base: Path, out: Path, seed: int, needed=None) -> dict[str, float]:
+    """The adapters in ``needed`` (default all) and those they build on: skipped when finished on the same text and
+    recipe, resumed when interrupted. Returns seconds per adapter trained."""
     from lab.adapt import LoraSpec, mntp, simcse
 
+    needed = set(ADAPTERS if needed is None else needed)
+    for name in list(ADAPTERS)[::-1]:
+        if name in needed:
+            needed.update(ADAPTERS[name][1])
+    if not needed:
+        return {}
     texts, counts = training_texts()
     print(f"training text: {counts}", flush=True)
     lora = LoraSpec(**RECIPE["lora"])
-    runs = [
-        ("mntp", lambda d, r: mntp(base, texts, d, lora=lora, seed=seed, resume=r, **RECIPE["mntp"])),
-        ("mntp_simcse", lambda d, r: simcse(base, texts, d, adapters=[out / "mntp"], bidirectional=True,
-                                            lora=lora, seed=seed, resume=r, **RECIPE["simcse"])),
-        ("causal_simcse", lambda d, r: simcse(base, texts, d, bidirectional=False, lora=lora, seed=seed,
-                                              resume=r, **RECIPE["simcse"])),
-    ]
     seconds = {}
-    for name, run in runs:
-        d = out / name
-        if (d / "adapter_config.json").exists():
-            print(f"{name}: finished earlier, reused", flush=True)
+    for name, (objective, below, bidirectional) in ADAPTERS.items():
+        if name not in needed:
             continue
+        d = out / name
+        recipe = RECIPE[objective]
+        if (d / "adapter_config.json").exists():
+            saved = json.loads((d / "train_config.json").read_text())
+            want = {"texts_sha1": texts_sha1(texts), "seed": seed, **recipe}
+            stale = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+            if stale:
+                raise ValueError(f"{d} was trained on other text or another recipe ({stale}: saved, wanted); "
+                                 f"delete the folder to train it again")
+            print(f"{name}: finished, reused", flush=True)
+            continue
+        fit = mntp if objective == "mntp" else simcse
+        kw = {} if objective == "mntp" else {"bidirectional": bidirectional}
         t0 = time.perf_counter()
-        res = run(d, (d / "checkpoint").exists())
+        res = fit(base, texts, d, adapters=[out / a for a in below], lora=lora, seed=seed,
+                  resume=(d / "checkpoint").exists(), **kw, **recipe)
         seconds[name] = time.perf_counter() - t0
         print(f"{name}: {res.steps} steps ({res.dtype}) in {seconds[name]:.0f} s, final loss {res.final_loss:.3f}",
               flush=True)
     return seconds
 
 
-def evaluate_variants(eng, out: Path, tasks: list[str], names: list[str], limit: int | None):
-    """One row per (variant, task): Spearman x100 via ``lab.evaluate`` (no result cache: fresh numbers)."""
-    import pandas as pd
+def load_sets(tasks, limit: int | None) -> dict[str, list[dict]]:
+    """Task -> its pairs (``limit`` evenly spaced ones per task, all when None)."""
+    from evals.data_io import spread
 
-    from evals.tasks import get_tasks
-    from lab import evaluate
+    sets = {}
+    for task in tasks:
+        rows = [r for f in SETS[task] for r in read_jsonl(DATA / f"{f}.jsonl.gz")]
+        sets[task] = [rows[i] for i in spread(len(rows), limit)]
+    return sets
+
+
+def _file_hash(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Scorer:
+    """Spearman x100 of cosine vs gold (MTEB's STS main score) for one variant at one layer, on several sets at once:
+    each distinct sentence is embedded once.
+
+    Every score carries a ``key``: a hash of everything it depends on (the base model's files, the adapters' weight
+    and config files, the Engine's arguments and knobs, the layer, the set's data files and ``limit``, the source of
+    ``lab`` and ``kernels``, of this scoring code and of the Spearman it uses, and the torch version). A score whose
+    key is in ``earlier`` (rows of an earlier results table) is taken from there instead of computed, so a variant
+    the training text does not touch (the base model, causal or bidirectional) is scored once, and any change to the
+    model, the code or the data scores it again.
+    """
+
+    def __init__(self, eng, base: Path, limit: int | None, earlier=None):
+        import hashlib
+        import inspect
+
+        import torch
+
+        from evals import causal_vs_bidirectional, data_io
+
+        self.eng, self.limit = eng, limit
+        self.earlier = {} if earlier is None or "key" not in earlier else {
+            k: r for k, r in zip(earlier["key"], earlier.to_dict("records"))}
+        h = hashlib.sha1(repr((ENGINE, torch.__version__)).encode())
+        for fn in (Scorer.key, Scorer.score, load_sets, causal_vs_bidirectional.spearman, causal_vs_bidirectional.ranks,
+                   causal_vs_bidirectional.pearson, data_io.read_jsonl, data_io.spread):
+            h.update(inspect.getsource(fn).encode())
+        for f in sorted(p for p in base.iterdir() if p.suffix in (".safetensors", ".json", ".gguf", ".bin")):
+            h.update(f"{f.name}:{_file_hash(f)}".encode())
+        for f in sorted([*(ROOT / "lab").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]):
+            h.update(f"{f.relative_to(ROOT)}:{_file_hash(f)}".encode())
+        self._common = h.hexdigest()
+
+    def key(self, knobs: dict, task: str, layer: int | None) -> str:
+        import hashlib
+
+        parts = [self._common, repr(sorted((k, v) for k, v in knobs.items() if k != "adapters")), repr(layer),
+                 repr(self.limit), *(_file_hash(DATA / f"{f}.jsonl.gz") for f in SETS[task])]
+        for a in knobs.get("adapters", ()):
+            parts += [_file_hash(Path(a) / f) for f in ("adapter_config.json", "adapter_model.safetensors")]
+        return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+    def score(self, knobs: dict, tasks, layer: int | None = None) -> list[dict]:
+        """One row per task: ``task``, ``spearman_x100``, ``seconds``, ``texts`` and ``tokens`` (of the embedding
+        call, shared by the tasks scored together), ``key``, ``reused`` (True when taken from ``earlier``)."""
+        import numpy as np
+
+        from evals.causal_vs_bidirectional import spearman
+
+        keys = {t: self.key(knobs, t, layer) for t in tasks}
+        rows = {t: {**self.earlier[k], "reused": True} for t, k in keys.items() if k in self.earlier}
+        todo = [t for t in tasks if t not in rows]
+        if todo:
+            sets = load_sets(todo, self.limit)
+            sentences = sorted({r[k] for rs in sets.values() for r in rs for k in ("sentence1", "sentence2")})
+            where = {s: i for i, s in enumerate(sentences)}
+            self.eng.configure(**knobs, layer=layer)
+            t0 = time.perf_counter()
+            e = self.eng.embed(sentences, show_progress=False)
+            seconds = time.perf_counter() - t0
+            tokens = self.eng.stats.tokens
+            e = e / np.linalg.norm(e, axis=1, keepdims=True).clip(1e-12)
+            for t, rs in sets.items():
+                a = np.array([where[r["sentence1"]] for r in rs])
+                b = np.array([where[r["sentence2"]] for r in rs])
+                gold = np.array([float(r["score"]) for r in rs])
+                rows[t] = {"spearman_x100": 100 * spearman((e[a] * e[b]).sum(1), gold), "seconds": seconds,
+                           "texts": len(sentences), "tokens": tokens, "reused": False}
+        fields = ("spearman_x100", "seconds", "texts", "tokens", "reused")
+        return [{**{k: rows[t].get(k) for k in fields}, "task": t, "key": keys[t]} for t in tasks]
+
+
+def evaluate_variants(scorer: Scorer, out: Path, names: list[str], heldout: bool):
+    """One row per (variant, task): STSBenchmark test for every variant, the held-out sets too for the variants
+    marked ``heldout`` when ``heldout`` is set."""
+    import pandas as pd
 
     rows = []
     for name in names:
         knobs = variants(out)[name]
-        t0 = time.perf_counter()
-        df = evaluate(eng, get_tasks(tasks, limit=limit), sweep={k: [v] for k, v in knobs.items()}, cache=None,
-                      show_progress=False)
-        for _, r in df[df.main].iterrows():
-            task = re.sub(r"\.n\d+$", "", r["task"])  # a --limit run names the task "<name>.n<limit>"
-            rows.append({"variant": name, "task": task, "spearman_x100": 100 * r["score"],
+        tasks = ["STSBenchmark", *(HELD_OUT if heldout and VARIANTS[name].get("heldout") else ())]
+        for r in scorer.score(knobs, tasks):
+            rows.append({"variant": name, "task": r["task"], "spearman_x100": r["spearman_x100"],
                          "bidirectional": knobs["bidirectional"],
-                         "adapters": "+".join(Path(a).name for a in knobs["adapters"]) or "none",
-                         "seconds": time.perf_counter() - t0})
-            print(f"  {name:32s} {task:13s} {100 * r['score']:6.2f}", flush=True)
+                         "adapters": "+".join(VARIANTS[name]["adapters"]) or "none",
+                         "template": VARIANTS[name].get("template") or "", "pooling": knobs["pooling"],
+                         "seconds": r["seconds"], "texts": r["texts"], "tokens": r["tokens"],
+                         "key": r["key"], "reused": r["reused"]})
+            print(f"  {name:32s} {r['task']:13s} {r['spearman_x100']:6.2f}{'  (reused)' * r['reused']}", flush=True)
     return pd.DataFrame(rows)
 
 
-def held_out(eng, out: Path, names: list[str], limit: int | None):
-    """Spearman x100 on the held-out STS sets, each distinct sentence embedded once per variant (the same cosine
-    Spearman as MTEB's STS main score, without embedding repeated sentences again)."""
-    import numpy as np
-    import pandas as pd
-
-    from evals.causal_vs_bidirectional import spearman
-    from evals.data_io import spread
-
-    files = {"STS12": ["sts12/test"], "STS14": ["sts14/test"], "STS16": ["sts16/test"],
-             "SICK-R": ["sickr/train", "sickr/trial", "sickr/test"]}
-    sets = {}
-    for task, parts in files.items():
-        rows = [r for f in parts for r in read_jsonl(DATA / f"{f}.jsonl.gz")]
-        sets[task] = [rows[i] for i in spread(len(rows), limit)]
-    sentences = sorted({r[k] for rows in sets.values() for r in rows for k in ("sentence1", "sentence2")})
-    where = {s: i for i, s in enumerate(sentences)}
-    out_rows = []
-    for name in names:
-        knobs = variants(out)[name]
-        eng.configure(**knobs)
-        t0 = time.perf_counter()
-        e = eng.embed(sentences, show_progress=False)
-        e = e / np.linalg.norm(e, axis=1, keepdims=True).clip(1e-12)
-        for task, rows in sets.items():
-            a = np.array([where[r["sentence1"]] for r in rows])
-            b = np.array([where[r["sentence2"]] for r in rows])
-            score = 100 * spearman((e[a] * e[b]).sum(1), np.array([float(r["score"]) for r in rows]))
-            out_rows.append({"variant": name, "task": task, "spearman_x100": score,
-                             "bidirectional": knobs["bidirectional"],
-                             "adapters": "+".join(Path(a).name for a in knobs["adapters"]) or "none",
-                             "seconds": time.perf_counter() - t0})
-            print(f"  {name:32s} {task:13s} {score:6.2f}", flush=True)
-    return pd.DataFrame(out_rows)
-
-
-def layer_sweep(eng, out: Path, names: list[str], layers: list[int], limit: int | None):
+def layer_sweep(scorer: Scorer, out: Path, names: list[str], layers: list[int]):
     """Spearman x100 on STSBenchmark test after each of ``layers`` (``Engine(layer=k)``: only k layers run)."""
-    import numpy as np
     import pandas as pd
 
-    from evals.causal_vs_bidirectional import load_pairs, spearman
-
-    pairs = load_pairs(limit)
-    sentences = sorted({p["sentence1"] for p in pairs} | {p["sentence2"] for p in pairs})
-    where = {s: i for i, s in enumerate(sentences)}
-    a = np.array([where[p["sentence1"]] for p in pairs])
-    b = np.array([where[p["sentence2"]] for p in pairs])
-    gold = np.array([float(p["score"]) for p in pairs])
     rows = []
     for name in names:
         for k in layers:
-            eng.configure(**variants(out)[name], layer=k)
-            e = eng.embed(sentences)
-            e = e / np.linalg.norm(e, axis=1, keepdims=True).clip(1e-12)
-            rows.append({"variant": name, "layer": k, "spearman_x100": 100 * spearman((e[a] * e[b]).sum(1), gold),
-                         "seconds": eng.stats.seconds})
-            print(f"  {name:32s} layer {k:2d}: {rows[-1]['spearman_x100']:6.2f}", flush=True)
-    eng.configure(layer=None)
-    return pd.DataFrame(rows)
+            r = scorer.score(variants(out)[name], ["STSBenchmark"], layer=k)[0]
+            rows.append({"variant": name, "layer": k, "spearman_x100": r["spearman_x100"], "seconds": r["seconds"],
+                         "key": r["key"], "reused": r["reused"]})
+            print(f"  {name:32s} layer {k:2d}: {r['spearman_x100']:6.2f}{'  (reused)' * r['reused']}", flush=True)
+    scorer.eng.configure(layer=None)
+    return pd.DataFrame(rows, columns=["variant", "layer", "spearman_x100", "seconds", "key", "reused"])
 
 
-def plots(results, layers, out: Path) -> None:
+# the same study trained on other text, kept for comparison: the distinct sentences of STSBenchmark *train* (scores
+# unused) minus every sentence of STSBenchmark test/dev, STS12/14/16 and SICK-R (4,783 texts). STSBenchmark re-uses
+# STS 2012-2016 sentences, so that text is related to the held-out sets in a way no exact-match filter removes.
+COMPARED = {"results": "results_stsb_train_text.csv", "layers": "layers_stsb_train_text.csv"}
+TEXTS = ("STSB-train text", "20NG + Banking77 text")
+
+
+def plots(results, layers, out: Path, compared=None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
     import pandas as pd
 
     sts = results[results.task == "STSBenchmark"].set_index("variant")["spearman_x100"]
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    colors = ["#888888" if "causal" in v else "#3b75af" for v in sts.index]
-    bars = ax.barh(sts.index[::-1], sts.values[::-1], color=colors[::-1])
-    ax.bar_label(bars, fmt="%.1f", padding=3)
-    ax.set(xlabel="STSBenchmark test, Spearman x100 (mean pooling)", title="SmolLM2-135M-Instruct, LLM2Vec variants")
-    ax.set_xlim(0, max(60, sts.max() + 8))
+    names = list(sts.index)[::-1]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    y = np.arange(len(names))
+    if compared is not None:
+        old = compared[compared.task == "STSBenchmark"].set_index("variant")["spearman_x100"]
+        bars = ax.barh(y + 0.2, [old.get(n, np.nan) for n in names], height=0.4, color="#bbbbbb", label=TEXTS[0])
+        ax.bar_label(bars, fmt="%.1f", padding=3, fontsize=8)
+    bars = ax.barh(y - (0.2 if compared is not None else 0), [sts[n] for n in names],
+                   height=0.4 if compared is not None else 0.8, color="#3b75af", label=TEXTS[1])
+    ax.bar_label(bars, fmt="%.1f", padding=3, fontsize=8)
+    ax.set_yticks(y, names)
+    ax.set(xlabel="STSBenchmark test, Spearman x100 (mean pooling)",
+           title="SmolLM2-135M-Instruct, LLM2Vec variants, by training text")
+    ax.set_xlim(0, max(60, sts.max() + 10))
+    ax.legend(frameon=False, loc="upper center", bbox_to_anchor=(0.4, -0.16), ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "variants.png", dpi=120)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     for name, g in layers.groupby("variant", sort=False):
-        ax.plot(g["layer"], g["spearman_x100"], marker="o", label=name)
+        trained = bool(VARIANTS.get(name, {}).get("adapters"))
+        ax.plot(g["layer"], g["spearman_x100"], marker="o", label=f"{name} ({TEXTS[1]})" if trained else name)
+    if compared is not None and "layers" in compared.attrs:
+        for name, g in compared.attrs["layers"].groupby("variant", sort=False):
+            if "base" not in name:  # the base model does not depend on the training text
+                ax.plot(g["layer"], g["spearman_x100"], marker=".", ls="--", color="#999999",
+                        label=f"{name} ({TEXTS[0]})")
     ax.set(xlabel="layer (0 = embeddings)", ylabel="Spearman x100", title="STSBenchmark test vs layer (mean pooling)")
     ax.grid(alpha=0.3)
-    ax.legend(frameon=False)
+    ax.legend(frameon=False, fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "layers.png", dpi=120)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
-    for name in ("mntp", "mntp_simcse", "causal_simcse"):
+    for name in ADAPTERS:
         f = out / name / "train_log.csv"
         if f.exists():
             log = pd.read_csv(f)
             ax.plot(log["step"], log["loss"].rolling(10, min_periods=1).mean(), label=name)
     ax.set(xlabel="step", ylabel="loss (mean of 10 steps)", title="training loss", yscale="log")
     ax.grid(alpha=0.3)
-    ax.legend(frameon=False)
+    if ax.lines:
+        ax.legend(frameon=False)
     fig.tight_layout()
     fig.savefig(out / "losses.png", dpi=120)
     plt.close(fig)
 
 
-def write_readme(results, layers, out: Path, counts: dict, seconds: dict, command: str, machine: str) -> None:
+def _fmt(v) -> str:
     import pandas as pd
 
-    table = results.pivot_table(index="variant", columns="task", values="spearman_x100", sort=False)
+    return "" if v is None or pd.isna(v) else f"{v:.2f}"
+
+
+# what the study aims for: bidirectional + MNTP + SimCSE over the causal base, in Spearman points
+TARGETS = {"STSBenchmark": 20.0, "STS12": 10.0, "STS14": 10.0, "STS16": 10.0, "SICK-R": 10.0}
+TARGET_VARIANT = "bidirectional + MNTP + SimCSE"
+
+
+def comparison_lines(results, compared) -> list[str]:
+    """Markdown: the scores per training text (a variant without adapters once: it is not trained), the gains over
+    the causal base, the targets, and the best variant per task with its margin over the next."""
+    import pandas as pd
+
+    tasks = list(dict.fromkeys(results.task))
+    new = results.pivot_table(index="variant", columns="task", values="spearman_x100", sort=False)
+    old = (compared.pivot_table(index="variant", columns="task", values="spearman_x100", sort=False)
+           if compared is not None else None)
+
+    def get(table, variant, task):
+        ok = table is not None and variant in table.index and task in table.columns
+        return None if not ok or pd.isna(table.loc[variant, task]) else float(table.loc[variant, task])
+
+    def rows(value, fmt=_fmt):
+        out = []
+        for v in new.index:
+            trained = bool(VARIANTS.get(v, {}).get("adapters"))
+            for label, t in ((TEXTS[0], old), (TEXTS[1], new)) if trained else (("none (not trained)", new),):
+                vals = [value(t, v, k) for k in tasks]
+                if any(x is not None for x in vals):
+                    out.append(f"| {v} | {label} | " + " | ".join(fmt(x) for x in vals) + " |")
+        return out
+
+    head = ["| variant | training text | " + " | ".join(tasks) + " |", "|---|---|" + "---:|" * len(tasks)]
+    lines = [*head, *rows(get)]
+    diffs = [abs(get(old, v, k) - get(new, v, k)) for v in new.index if not VARIANTS.get(v, {}).get("adapters")
+             for k in tasks if get(old, v, k) is not None and get(new, v, k) is not None]
+    if diffs:
+        lines += ["", (f"The untrained variants, scored here and in `{COMPARED['results']}`: largest difference "
+                       f"{max(diffs):.4f} points over {len(diffs)} scores.")]
+
+    def gain(t, v, k):
+        a, b = get(t, v, k), get(t, "causal base", k)
+        return None if a is None or b is None else a - b
+
+    lines += ["", "Gain over the causal base, Spearman points:", "", *head,
+              *[r for r in rows(gain, lambda x: "" if x is None else f"{x:+.2f}")
+                if not r.startswith("| causal base |")]]
+    lines += ["", f"Targets ({TARGET_VARIANT} over the causal base):", ""]
+    for label, t in ((TEXTS[0], old), (TEXTS[1], new)):
+        parts = [f"{k} {g:+.2f} (target +{TARGETS[k]:.0f}: {'met' if g >= TARGETS[k] else 'short'})"
+                 for k in tasks if k in TARGETS and (g := gain(t, TARGET_VARIANT, k)) is not None]
+        if parts:
+            lines.append(f"- {label}: " + ", ".join(parts))
+    lines += ["", f"Best variant per task ({TEXTS[1]}), and its margin over the next best:", ""]
+    for task in tasks:
+        col = new[task].dropna().sort_values(ascending=False)
+        if len(col) > 1:
+            lines.append(f"- {task}: {col.index[0]} {col.iloc[0]:.2f}, {col.iloc[0] - col.iloc[1]:+.2f} over "
+                         f"{col.index[1]} ({col.iloc[1]:.2f})")
+    return lines
+
+
+def write_readme(results, layers, out: Path, counts: dict, seconds: dict, command: str, machine: str,
+                 compared=None) -> None:
+    import pandas as pd
+
     lines = ["# LLM2Vec study: SmolLM2-135M-Instruct, mean pooling", "",
              f"Reproduce: `{command}`", "", f"Machine: {machine}", "",
-             f"Training text: {counts}", "", f"Recipe: `{RECIPE}`", "",
-             ("Spearman x100 (cosine vs gold): STSBenchmark through `lab.evaluate`; the held-out sets (`--heldout`) "
-             "with each distinct sentence embedded once (the same cosine Spearman):"), "",
-             "| variant | " + " | ".join(table.columns) + " |", "|---|" + "---:|" * len(table.columns)]
-    for name, vals in table.iterrows():
-        lines.append(f"| {name} | " + " | ".join("" if pd.isna(v) else f"{v:.2f}" for v in vals) + " |")
-    lines += ["", "Layer sweep (STSBenchmark test):", "", "| variant | layer | Spearman x100 |", "|---|---:|---:|"]
-    lines += [f"| {r.variant} | {r.layer} | {r.spearman_x100:.2f} |" for r in layers.itertuples()]
+             "## Training text", "",
+             (f"`training_texts()` in `evals/llm2vec_study.py`: {TEXT_MIX['twentynewsgroups']:,} sentences of "
+              f"20 Newsgroups *train* posts (`evals/data/twentynewsgroups/train.full.jsonl.gz`, split by "
+              f"`post_sentences`: quotes, attributions, header-like lines, tables and signatures dropped; "
+              f"{SENTENCE_WORDS[0]}-{SENTENCE_WORDS[1]} words, {SENTENCE_CHARS[0]}-{SENTENCE_CHARS[1]} characters; "
+              f"no URL or e-mail address) and {TEXT_MIX['banking77']:,} Banking77 *train* utterances, drawn with "
+              f"seed {TEXT_SEED}. No STS-family set is a source. Every text that also occurs in an evaluation file "
+              f"(all of `evals/data` but the two training sources: every STSBenchmark split, STS12/14/16, SICK-R, "
+              f"the test files of Banking77, TwentyNewsgroups and TwitterURLCorpus, SciFact's corpus and queries; "
+              f"each field and each sentence of it, compared case- and space-folded) is removed before the draw."),
+             "", "Counts: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()), "",
+             (f"Compared with: the same recipe trained on {TEXTS[0]} (`{COMPARED['results']}`, "
+              f"`{COMPARED['layers']}`): the 4,783 distinct sentences of STSBenchmark *train* that occur in no "
+              "STS evaluation file. STSBenchmark is built from STS 2012-2016 sentences, so that text shares sources "
+              "(and near-duplicates) with STS12/14/16; the 20NG + Banking77 text shares none by construction."),
+             "", f"Recipe: `{RECIPE}`", "",
+             "## Scores", "",
+             ("Spearman x100 of cosine similarity vs gold (MTEB's STS main score), each distinct sentence embedded "
+              "once; STSBenchmark = its test split, SICK-R = all 9,927 pairs:"), ""]
+    lines += comparison_lines(results, compared)
+    lines += ["", "## Cost", "", ("Each variant's embedding call over the distinct sentences it scores (STSBenchmark test, "
+              "and the held-out sets where scored), on the machine above; echo runs each text twice, PromptEOL "
+              "wraps it in its prompt:"), "", "| variant | sets | texts | tokens | seconds | tokens/s | texts/s |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for name, g in results.groupby("variant", sort=False):
+        r = g.iloc[0]
+        if "tokens" in g and not pd.isna(r.get("tokens")):
+            lines.append(f"| {name} | {', '.join(g.task)} | {r.texts:,.0f} | {r.tokens:,.0f} | {r.seconds:.1f} | "
+                         f"{r.tokens / r.seconds:,.0f} | {r.texts / r.seconds:,.0f} |")
+    lines += ["", "## Layer sweep (STSBenchmark test)", "",
+              f"| variant | layer | {TEXTS[0]} | {TEXTS[1]} |", "|---|---:|---:|---:|"]
+    old = {} if compared is None or "layers" not in compared.attrs else {
+        (r.variant, r.layer): r.spearman_x100 for r in compared.attrs["layers"].itertuples()}
+    lines += [f"| {r.variant} | {r.layer} | {_fmt(old.get((r.variant, r.layer)))} | {r.spearman_x100:.2f} |"
+              for r in layers.itertuples()]
     lines += ["", ("Training time per adapter (from each `train_log.csv`: the sum of its step times, and the median "
-              "step x steps, which discounts steps slowed by other work on the machine):"), "",
+              "step x steps, which discounts steps slowed by other work on the machine; both depend on that load "
+              "and on the torch threads, which each `train_config.json` records under `machine`):"), "",
               "| adapter | steps | seconds (sum) | seconds (median step x steps) |", "|---|---:|---:|---:|"]
-    for name in ("mntp", "mntp_simcse", "causal_simcse"):
-        log = pd.read_csv(out / name / "train_log.csv")
-        lines.append(f"| {name} | {len(log)} | {log.seconds.sum():.0f} | {log.seconds.median() * len(log):.0f} |")
+    for name in ADAPTERS:
+        f = out / name / "train_log.csv"
+        if f.exists():
+            log = pd.read_csv(f)
+            lines.append(f"| {name} | {len(log)} | {log.seconds.sum():.0f} | {log.seconds.median() * len(log):.0f} |")
     if seconds:
-        lines += ["", "This run trained: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())]
+        lines += ["", "Trained by this command: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())]
     (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def _read_csv(path: Path):
+    import pandas as pd
+
+    return pd.read_csv(path) if path.exists() else None
+
+
+def _merge(fresh, path: Path, on: list[str]):
+    """``fresh`` and the rows of the table at ``path`` (read now) that ``fresh`` has no row for, on columns ``on``;
+    rows of variants no longer in ``VARIANTS`` are dropped."""
+    import pandas as pd
+
+    now = _read_csv(path)
+    if now is None or "key" not in now:
+        return fresh
+    done = set(map(tuple, fresh[on].to_numpy().tolist()))
+    keep = [tuple(r) not in done and r[0] in VARIANTS for r in now[on].to_numpy().tolist()]
+    return pd.concat([fresh, now[keep]], ignore_index=True)
 
 
 def main(argv=None) -> int:
@@ -275,7 +618,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit", type=int, default=60 if SMOKE else None, help="evaluation pairs per task")
     ap.add_argument("--heldout", action="store_true",
-                    help=f"also score {', '.join(HELD_OUT)} (causal base and the two SimCSE variants; ~20 min)")
+                    help=f"also score {', '.join(HELD_OUT)} for the variants marked heldout in VARIANTS")
+    ap.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS), metavar="NAME",
+                    help="score only these variants (and train only the adapters they need), keeping the other "
+                         "rows of results.csv and layers.csv; default: all, and the tables hold only them")
+    ap.add_argument("--sweep", nargs="*", default=None, choices=list(VARIANTS), metavar="NAME",
+                    help="variants of the layer sweep (default: the causal base and the best adapted variant on "
+                         "STSBenchmark, those of them scored now); --sweep alone skips the sweep")
     args = ap.parse_args(argv)
 
     import pandas as pd
@@ -291,33 +640,44 @@ def main(argv=None) -> int:
         args.model = str(smollm2_path())
     base = Path(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
-    seconds = train(base, args.out, args.seed)
+    names = args.variants or list(VARIANTS)
+    seconds = train(base, args.out, args.seed, {a for n in names for a in VARIANTS[n]["adapters"]})
     print(f"training done after {time.perf_counter() - t0:.0f} s", flush=True)
 
-    eng = Engine(str(base), pooling="mean", normalize=True, dtype="float32")
-    names = list(variants(args.out))
-    results = evaluate_variants(eng, args.out, ["STSBenchmark"], names, args.limit)
-    if args.heldout:
-        held = ["causal base", "bidirectional + MNTP + SimCSE", "causal + SimCSE"]
-        results = pd.concat([results, held_out(eng, args.out, held, args.limit)])
-    elif (args.out / "results.csv").exists():  # keep the held-out rows of an earlier --heldout run
-        earlier = pd.read_csv(args.out / "results.csv")
-        results = pd.concat([results, earlier[earlier.task != "STSBenchmark"]])
+    eng = Engine(str(base), **ENGINE)
+    keyed = [d for d in (_read_csv(args.out / "results.csv"), _read_csv(args.out / "layers.csv"))
+             if d is not None and "key" in d]
+    scorer = Scorer(eng, base, args.limit, pd.concat(keyed) if keyed else None)
+    results = evaluate_variants(scorer, args.out, names, args.heldout)
+    if args.variants:  # keep the other rows of the file as it is now (another call may have written it meanwhile)
+        results = _merge(results, args.out / "results.csv", ["variant", "task"])
+    order = {n: i for i, n in enumerate(VARIANTS)}
+    tasks = {t: i for i, t in enumerate(SETS)}
+    results = results.sort_values(["variant", "task"], key=lambda s: s.map(order if s.name == "variant" else tasks))
     results.to_csv(args.out / "results.csv", index=False)
-    sts = results[results.task == "STSBenchmark"].set_index("variant")["spearman_x100"]
-    best = sts.drop(["causal base", "bidirectional base"]).idxmax()
+
+    if args.sweep is None:
+        sts = results[results.task == "STSBenchmark"].set_index("variant")["spearman_x100"]
+        adapted = sts.drop([n for n in sts.index if not VARIANTS[n]["adapters"]])
+        args.sweep = [n for n in ("causal base", *([adapted.idxmax()] if len(adapted) else [])) if n in names]
     n = eng.model.num_layers
     step = 10 if SMOKE else 3
-    layers = layer_sweep(eng, args.out, ["causal base", best], sorted(set(range(0, n + 1, step)) | {n}),
-                         args.limit)
+    layers = layer_sweep(scorer, args.out, args.sweep, sorted(set(range(0, n + 1, step)) | {n}))
+    if args.variants:
+        layers = _merge(layers, args.out / "layers.csv", ["variant", "layer"])
+        layers = layers.sort_values(["variant", "layer"], key=lambda s: s.map(order) if s.name == "variant" else s)
     layers.to_csv(args.out / "layers.csv", index=False)
-    plots(results, layers, args.out)
+
+    compared = _read_csv(args.out / COMPARED["results"])
+    if compared is not None and (args.out / COMPARED["layers"]).exists():
+        compared.attrs["layers"] = pd.read_csv(args.out / COMPARED["layers"])
+    plots(results, layers, args.out, compared)
     counts = training_texts()[1]
     m = machine_info()
     machine = f"{m['cpu']}, {m['cores']} cores, torch {torch.__version__}"
     command = ("python evals/llm2vec_study.py" + (" --heldout" if args.heldout else "")
                + ("" if args.out == DEFAULT_OUT else f" --out {args.out}"))
-    write_readme(results, layers, args.out, counts, seconds, command, machine)
+    write_readme(results, layers, args.out, counts, seconds, command, machine, compared)
     print((args.out / "README.md").read_text())
     print(f"study done in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0

@@ -1,0 +1,109 @@
+"""The LLM2Vec study's training text (``evals/llm2vec_study.py``), on the real data files: it shares no text with any
+evaluation file, is deterministic and is the text the committed adapters were trained on; the newsgroup splitter
+drops quotes, attributions, headers, signatures and URLs."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from evals import llm2vec_study as study
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "evals" / "data"
+
+
+def _fold(s: str) -> str:
+    return " ".join(s.lower().split())
+
+
+def _strings(v):
+    if isinstance(v, str):
+        yield v
+    elif isinstance(v, (list, dict)):
+        for x in v.values() if isinstance(v, dict) else v:
+            yield from _strings(x)
+
+
+@pytest.fixture(scope="module")
+def text():
+    return study.training_texts()
+
+
+def test_training_text_shares_no_sentence_with_any_evaluation_file(text):
+    """Every string of every JSON-lines file under evals/data (bar the two training sources), read here on its own,
+    and every sentence of it: none equals a training text, case- and space-folded."""
+    texts, counts = text
+    sources = {DATA / "twentynewsgroups" / "train.full.jsonl.gz", DATA / "banking77" / "train.jsonl.gz"}
+    files = [p for p in DATA.rglob("*") if p.name.endswith((".jsonl", ".jsonl.gz")) and p not in sources]
+    names = {str(p.relative_to(DATA)) for p in files}
+    for must in ("stsbenchmark/train.jsonl.gz", "stsbenchmark/validation.jsonl.gz", "stsbenchmark/test.jsonl.gz",
+                 "sts12/test.jsonl.gz", "sts14/test.jsonl.gz", "sts16/test.jsonl.gz", "sickr/train.jsonl.gz",
+                 "sickr/trial.jsonl.gz", "sickr/test.jsonl.gz", "banking77/test.jsonl.gz",
+                 "twentynewsgroups/test.subjects.jsonl.gz", "twitterurlcorpus/test.jsonl.gz",
+                 "twitterurlcorpus/test.reranking.jsonl.gz", "scifact/corpus.jsonl.gz", "scifact/queries.test.jsonl"):
+        assert must in names
+    assert sorted(files) == study.evaluation_files()
+    held = set()
+    for f in files:
+        with (gzip.open if f.suffix == ".gz" else open)(f, "rt", encoding="utf-8") as fh:
+            for line in fh:
+                for s in _strings(json.loads(line)) if line.strip() else ():
+                    held.add(_fold(s))
+                    held.update(_fold(x) for x in study.post_sentences(s))
+    assert len(held) > 50_000
+    folded = [_fold(t) for t in texts]
+    assert not set(folded) & held
+    assert len(set(folded)) == len(texts) == counts["kept"] == sum(study.TEXT_MIX.values())
+
+
+def test_training_text_is_the_committed_adapters_text(text):
+    """The text is fixed by its seed: its fingerprint is the one every committed adapter's train_config.json records
+    (the study checks it before reusing an adapter)."""
+    texts, _ = text
+    assert study.training_texts()[0] == texts
+    for name in study.ADAPTERS:
+        config = json.loads((study.DEFAULT_OUT / name / "train_config.json").read_text())
+        assert config["texts_sha1"] == study.texts_sha1(texts), name
+        assert config["texts"] == len(texts)
+
+
+def test_a_finished_adapter_trained_on_other_text_is_refused(tmp_path):
+    """train() reuses a finished adapter only when its train_config.json records this text and recipe."""
+    texts, _ = study.training_texts()
+    d = tmp_path / "mntp"
+    d.mkdir()
+    (d / "adapter_config.json").write_text("{}")
+    config = {"texts_sha1": study.texts_sha1(texts[:-1]), "seed": 0, **study.RECIPE["mntp"]}
+    (d / "train_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="other text or another recipe"):
+        study.train(tmp_path, tmp_path, 0, {"mntp"})
+    config["texts_sha1"] = study.texts_sha1(texts)
+    (d / "train_config.json").write_text(json.dumps(config))
+    assert study.train(tmp_path, tmp_path, 0, {"mntp"}) == {}
+
+
+def test_post_sentences_keeps_prose_only():
+    lines = [
+        "Archive-name: space/faq",
+        "In article <1993Apr5.1@foo.edu> bob@foo.edu writes:",
+        "> The launch was delayed by three weeks because of the weather.",
+        "",
+        "I think the launch was delayed for a different reason entirely. The engineers",
+        "found a crack in the main fuel line during the last inspection! See",
+        "http://example.com for the full report on the inspection results today.",
+        "Mr. Smith said so.",
+        "Name        Mass        Orbit",
+        "Too short.",
+        "",
+        "--",
+        "Bob, whose signature line is long enough to be a sentence by itself.",
+    ]
+    body = "\n".join(lines)
+    assert study.post_sentences(body) == [
+        "I think the launch was delayed for a different reason entirely.",
+        "The engineers found a crack in the main fuel line during the last inspection!",
+    ]
