@@ -16,7 +16,7 @@ its flags, the engine's probed CPU fast paths ``cpu_paths`` and ``malloc_tuning`
 ``lab.runtime.allocator``), the plot ``bench_embed_<machine>.png`` and the command in ``<csv>.meta.json``; the machine
 is ``lab.ops.probes.machine_slug()`` (``evals.results_index``). ``baseline_slowdown``: the baseline's interleaved median over its
 median timed alone before the engine ran on those texts (near 1: the engine did not slow the baseline down).
-Issue 15's targets are columns of the engine's rows (``targets``): ``ratio_target`` / ``meets_ratio_target`` on the
+The targets are columns of the engine's rows (``targets``): ``ratio_target`` / ``meets_ratio_target`` on the
 mixed corpus (the ratio, at a minimum cosine of 0.9999), ``roofline_target`` / ``meets_roofline_target`` for float32
 on STSBenchmark and SciFact.
 

@@ -43,9 +43,9 @@ corpus), ``weights_mb`` / ``derived_weights_mb`` (Engine rows: the weights and t
 plan keeps), ``packages``, ``settings``, ``torch_threads``, the CPU model and flags, load averages before / after the
 corpus, ``run_date``, ``machine`` (``lab.ops.probes.machine_slug``) and ``commit``.
 
-A full run (3 corpora, 8 systems, a warm-up and 5 rounds each) takes about 25 minutes on an idle 2-core VM, two
-thirds of it on SciFact (1000 abstracts cut at 256 tokens); the first run adds about 3 minutes to build the peers'
-venv (a ~1 GB download) and export the model. Run it on an otherwise idle machine: the table records the load
+``--corpora mixed stsbenchmark --repeats 3`` (8 systems, a warm-up and 3 rounds each) took 10 minutes on an idle
+2-core AMD EPYC; SciFact (1000 abstracts cut at 256 tokens) is the longest corpus, so a full run takes several
+times that. The first run adds about 3 minutes to build the peers' venv (a ~1 GB download) and export the model. Run it on an otherwise idle machine: the table records the load
 average, but cannot undo it.
 """
 

@@ -11,11 +11,12 @@ Engine runs here. Both read the same folders, laid out as LLM2Vec's published ch
   Engine: ``Engine(mntp_folder, ...)``);
 - a SimCSE adapter stacked on it (llm2vec: ``peft_model_name_or_path``; the Engine: ``adapters=[...]``).
 
-The adapters are the study's committed ones (``evals/results/llm2vec/{mntp,mntp_simcse}``), passed through
-``lab.adapt.rescope`` into a temporary folder (a no-op for folders already in the bare-model scope); the ``control``
-variant loads the folders as they are, which shows what llm2vec does with the ``*ForCausalLM`` scope only for
-adapters saved in it (peft warns "Found missing adapter keys" and leaves every ``lora_B`` at zero): the committed
-results were measured with the study's adapters in that scope. Every variant: mean pooling, max_length 512,
+The adapters are the study's committed ones (``evals/results/llm2vec/{mntp,mntp_simcse}``, in the bare-model
+scope ``lab.adapt`` writes), passed through ``lab.adapt.rescope`` into a temporary folder (a no-op for folders
+already in that scope); the ``control`` variant loads copies whose keys are put in the ``*ForCausalLM`` scope
+(``causal_scoped``: ``base_model.model.model.layers...``, tensors unchanged), which shows what llm2vec does with
+adapters saved that way (peft warns "Found missing adapter keys" and leaves every ``lora_B`` at zero), while the
+Engine reads both scopes alike. Every variant: mean pooling, max_length 512,
 instructions not pooled (llm2vec's ``skip_instruction``), float32, no normalization; inputs are llm2vec's
 ``[[instruction, text]]`` pairs (``""`` without an instruction). A variant is a ``Variant`` row (its folders, its
 attention, an instruction, and extra Engine knobs), so rows with an instruction are one more entry in ``VARIANTS``.
@@ -65,7 +66,7 @@ ENGINE_KNOBS = {"pooling": "mean", "max_length": 512, "include_instruction": Fal
 @dataclass(frozen=True)
 class Variant:
     """One comparison. ``model``: ``base`` or ``mntp`` (the -mntp folder); ``peft``: ``None`` or ``simcse`` (the
-    adapter stacked on it); ``scope``: ``bare`` (rescoped adapters) or ``causal`` (as committed);
+    adapter stacked on it); ``scope``: ``bare`` (rescoped adapters) or ``causal`` (``causal_scoped`` copies);
     ``instruction``: the instruction of every input (llm2vec's ``[instruction, text]``; the Engine's
     ``instruction=``); ``knobs``: more Engine knobs for this row."""
 
@@ -150,6 +151,21 @@ def mntp_folder(base: Path, adapter: Path, out: Path) -> Path:
     return out
 
 
+def causal_scoped(src: Path, dst: Path) -> Path:
+    """A copy of the adapter folder ``src`` at ``dst`` whose keys are in the ``*ForCausalLM`` scope
+    (``base_model.model.layers...`` -> ``base_model.model.model.layers...``; keys already in it kept), the tensors
+    and the other files unchanged: how an adapter trained on a causal-LM class is saved."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = dst / "adapter_model.safetensors"
+    bare = "base_model.model."
+    sd = load_file(weights)
+    moved = {(k if k.startswith(bare + "model.") else bare + "model." + k[len(bare):]): v for k, v in sd.items()}
+    save_file(moved, weights, metadata={"format": "pt"})
+    return dst
+
+
 def build_folders(work: Path) -> dict[str, Path]:
     """The base, and per scope the -mntp folder and the SimCSE adapter: ``{"base", "mntp:bare", "simcse:bare",
     "mntp:causal", "simcse:causal"}``."""
@@ -162,6 +178,8 @@ def build_folders(work: Path) -> dict[str, Path]:
         m, s = STUDY / "mntp", STUDY / "mntp_simcse"
         if scope == "bare":
             m, s = rescope(m, work / "rescoped" / "mntp"), rescope(s, work / "rescoped" / "mntp_simcse")
+        else:
+            m, s = causal_scoped(m, work / "causal-scope" / "mntp"), causal_scoped(s, work / "causal-scope" / "mntp_simcse")
         folders[f"mntp:{scope}"] = mntp_folder(base, m, work / scope / "SmolLM2-llm2vec-mntp")
         dst = work / scope / "SmolLM2-llm2vec-mntp-simcse"
         shutil.copytree(s, dst)
@@ -272,8 +290,8 @@ def write_md(table, path: Path, slug: str) -> None:
              "Engine's embedding of each. Adapters: the study's MNTP and SimCSE (`evals/results/llm2vec`), rescoped "
              "with `lab.adapt.rescope`; the -mntp folder is the base's config and tokenizer beside the MNTP adapter, "
              "loaded by llm2vec as `LLM2Vec.from_pretrained(mntp, peft_model_name_or_path=simcse)` and by the Engine "
-             "as `Engine(mntp, adapters=[simcse])`. The control row loads the adapters as committed (ForCausalLM key "
-             "scope): llm2vec's peft misses their keys and runs without them.")
+             "as `Engine(mntp, adapters=[simcse])`. The control row loads copies with the keys in the ForCausalLM "
+             "scope (`causal_scoped`, tensors unchanged): llm2vec's peft misses their keys and runs without them.")
     reproduce = (f"Reproduce: `python evals/llm2vec_parity.py` (machine `{slug}`; llm2vec {versions['ref_llm2vec']}, "
                  f"transformers {versions['ref_transformers']}, peft {versions['ref_peft']}, torch "
                  f"{versions['ref_torch']} in the reference venv; torch {versions['torch']} for the Engine)")

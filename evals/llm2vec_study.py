@@ -430,11 +430,12 @@ def plots(results, layers, out: Path, compared=None) -> None:
         bars = ax.barh(y + 0.2, [old.get(n, np.nan) for n in names], height=0.4, color="#bbbbbb", label=TEXTS[0])
         ax.bar_label(bars, fmt="%.1f", padding=3, fontsize=8)
     bars = ax.barh(y - (0.2 if compared is not None else 0), [sts[n] for n in names],
-                   height=0.4 if compared is not None else 0.8, color="#3b75af", label=TEXTS[1])
+                   height=0.4 if compared is not None else 0.8, color="#3b75af",
+                   label=f"{TEXTS[1]} (untrained variants: the base)")
     ax.bar_label(bars, fmt="%.1f", padding=3, fontsize=8)
     ax.set_yticks(y, names)
-    ax.set(xlabel="STSBenchmark test, Spearman x100 (mean pooling)",
-           title="SmolLM2-135M-Instruct, LLM2Vec variants, by training text")
+    ax.set(xlabel="STSBenchmark test, Spearman x100 (PromptEOL: last token; else mean)",
+           title="SmolLM2-135M-Instruct: LLM2Vec variants, causal baselines")
     ax.set_xlim(0, max(60, sts.max() + 10))
     ax.legend(frameon=False, loc="upper center", bbox_to_anchor=(0.4, -0.16), ncol=2, fontsize=8)
     fig.tight_layout()

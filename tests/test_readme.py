@@ -18,8 +18,6 @@ README = ROOT / "README.md"
 EVALS_README = ROOT / "evals" / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s+(.+?)\s*-->")
 FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
-# public names whose docstrings lack an example and live in files outside this change's reach (lab/adapt is edited
-# elsewhere); each still has to be a public name, and any other name without an example fails
 JOURNAL = re.compile(r"\bsessions?\b|\bthis\s+stop\b|\bfirst version\b|\bpreviously\b|_s\d+\b|\brerun\b", re.IGNORECASE)
 
 
