@@ -160,6 +160,7 @@ class Engine:
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
         self._dirty = False  # a configure was interrupted while swapping weights (``_repair``)
         self._adapters: list[LoraAdapter] = []  # merged into the live weights, in order
+        self._folder_facts: tuple | None = None  # (adapters, has llm2vec_config.json, base names): ``_llm2vec_facts``
         if self._knobs.adapters:
             self._adapters, merged = self._merge_adapters(self._knobs.adapters)
             self.runner.weights.set_merged(merged)
@@ -380,12 +381,22 @@ class Engine:
         folder (or adapter) with ``llm2vec_config.json``, else ``exact``."""
         if self._knobs.instruction_pooling is not None:
             return self._knobs.instruction_pooling
-        return "llm2vec" if framing.has_llm2vec_config([self._folder, *self._knobs.adapters]) else "exact"
+        return "llm2vec" if self._llm2vec_facts()[0] else "exact"
+
+    def _llm2vec_facts(self) -> tuple[bool, list[str]]:
+        """Whether the model folder or an adapter folder carries ``llm2vec_config.json``, and the names they give
+        the base (``framing.base_names``): read from the folders once per adapter list, not on every call."""
+        key = self._knobs.adapters
+        if self._folder_facts is None or self._folder_facts[0] != key:
+            folders = [self._folder, *key]
+            self._folder_facts = (key, framing.has_llm2vec_config(folders),
+                                  framing.base_names(folders, self.spec.config))
+        return self._folder_facts[1], self._folder_facts[2]
 
     def _framing(self) -> framing.Framing:
         """How this engine's inputs are framed under the knobs in force (rule, template, chat template, EOS text)."""
         rule = self.instruction_pooling
-        names = framing.base_names([self._folder, *self._knobs.adapters], self.spec.config)
+        names = self._llm2vec_facts()[1]
         eos = framing.eos_text(names, self.spec.config.get("model_type")) if self.pooling == "eos_token" else ""
         return framing.Framing(rule=rule, template=self._knobs.template, eos=eos,
                                chat=framing.chat_template(names) if rule == "llm2vec" else None)
