@@ -14,11 +14,16 @@ import numpy as np
 COSINE_TARGET = 0.9999  # issue 15: the speed targets hold at this minimum cosine against the same-dtype baseline
 
 
-def min_cosine(a, b) -> float:
-    """The smallest row-wise cosine between ``a`` and ``b`` ``(N, D)``, in float64 (a zero row counts as 0)."""
+def row_cosines(a, b) -> np.ndarray:
+    """The row-wise cosines between ``a`` and ``b`` ``(N, D)``, in float64 (a zero row counts as 0)."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     norms = np.clip(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-300, None)
-    return float(((a * b).sum(1) / norms).min())
+    return (a * b).sum(1) / norms
+
+
+def min_cosine(a, b) -> float:
+    """The smallest row-wise cosine between ``a`` and ``b`` ``(N, D)`` (``row_cosines``)."""
+    return float(row_cosines(a, b).min())
 
 
 def meets_speed_target(ratio: float, target: float | None, cos: float) -> bool | None:

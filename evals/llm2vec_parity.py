@@ -50,7 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from evals.data_io import DATA, read_jsonl, spread  # after the path set-up: this runs as a script
+from evals.criteria import row_cosines  # after the path set-up: this runs as a script
+from evals.data_io import DATA, read_jsonl, spread
 
 REF = ROOT / "evals" / "llm2vec_ref"
 OUT = ROOT / "evals" / "results" / "llm2vec_parity"
@@ -227,12 +228,6 @@ def run_engine(v: Variant, folders: dict[str, Path], texts: list[str]):
     return out, time.perf_counter() - t0, eng
 
 
-def cosines(a, b) -> list[float]:
-    import numpy as np
-
-    return list(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).astype(float))
-
-
 def main(argv: list[str] | None = None) -> int:
     import pandas as pd
     import torch
@@ -257,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in chosen:
             theirs, report = run_llm2vec(py, v, folders, texts, work)
             ours, engine_s, eng = run_engine(v, folders, texts)
-            cos = cosines(ours, theirs)
+            cos = row_cosines(ours, theirs).tolist()
             rows.append({
                 "variant": v.name, "model": "-mntp folder" if v.model == "mntp" else "base",
                 "adapters": "+".join(Path(a).name for a in eng.knobs["adapters"]) or "none",
