@@ -45,9 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from evals.data_io import read_jsonl  # after the path set-up: this runs as a script
+from evals.data_io import DATA, read_jsonl  # after the path set-up: this runs as a script
 
-DATA = ROOT / "evals" / "data"
 DEFAULT_OUT = ROOT / "evals" / "results" / "llm2vec"
 SMOKE = os.environ.get("LAB_SMOKE") == "1"
 # every file whose text is evaluated somewhere (or is a split of an evaluated set): none of it is trained on. All of
