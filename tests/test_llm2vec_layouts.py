@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import cosine_rows
 from safetensors import safe_open
 from tiny_models import KINDS, tiny_llama
 
@@ -57,7 +58,7 @@ def peft_reference(base, adapters, texts=TEXTS, *, bidirectional: bool = True) -
 
 
 def min_cos(a: np.ndarray, b: np.ndarray) -> float:
-    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+    return float(cosine_rows(a, b).min())
 
 
 def assert_peft_loads_every_key(base, folder) -> None:
