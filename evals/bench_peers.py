@@ -45,8 +45,8 @@ corpus, ``run_date``, ``machine`` (``lab.ops.probes.machine_slug``) and ``commit
 
 ``--corpora mixed stsbenchmark --repeats 3`` (8 systems, a warm-up and 3 rounds each) took 10 minutes on an idle
 2-core AMD EPYC; SciFact (1000 abstracts cut at 256 tokens) is the longest corpus, so a full run takes several
-times that. The first run adds about 3 minutes to build the peers' venv (a ~1 GB download) and export the model. Run it on an otherwise idle machine: the table records the load
-average, but cannot undo it.
+times that. The first run adds about 3 minutes to build the peers' venv (a ~1 GB download) and export the model.
+Run it on an otherwise idle machine: the table records the load average, but cannot undo it.
 """
 
 from __future__ import annotations

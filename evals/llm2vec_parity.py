@@ -175,12 +175,8 @@ def build_folders(work: Path) -> dict[str, Path]:
 
     base = transformers4_copy(Path(smollm2_path()), work / "SmolLM2-135M-Instruct")
     folders = {"base": base}
-    for scope in ("bare", "causal"):
-        m, s = STUDY / "mntp", STUDY / "mntp_simcse"
-        if scope == "bare":
-            m, s = rescope(m, work / "rescoped" / "mntp"), rescope(s, work / "rescoped" / "mntp_simcse")
-        else:
-            m, s = causal_scoped(m, work / "causal-scope" / "mntp"), causal_scoped(s, work / "causal-scope" / "mntp_simcse")
+    for scope, scoped in (("bare", rescope), ("causal", causal_scoped)):
+        m, s = (scoped(STUDY / name, work / f"{scope}-scope" / name) for name in ("mntp", "mntp_simcse"))
         folders[f"mntp:{scope}"] = mntp_folder(base, m, work / scope / "SmolLM2-llm2vec-mntp")
         dst = work / scope / "SmolLM2-llm2vec-mntp-simcse"
         shutil.copytree(s, dst)
