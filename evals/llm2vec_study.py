@@ -11,19 +11,20 @@ prompt, the last token). Each variant's cost is recorded as tokens/s and texts/s
 
 The two SimCSE adapters have the same budget (steps, batch, learning rate, text); causal + SimCSE is the control that
 asks whether the gain comes from the attention or from the training. Training text (``training_texts``): sentences
-of 20 Newsgroups *train* posts and Banking77 *train* utterances, so no STS-family set is a source; every text that
-also occurs in an evaluation file under ``evals/data`` is removed all the same. A layer sweep (Spearman vs layer,
-``Engine(layer=k)``) follows for the causal base and the best adapted variant. With ``--heldout`` the held-out STS
-sets (STS12, STS14, STS16, SICK-R) are scored too, for the variants marked ``heldout``. Each distinct sentence is
-embedded once per variant and layer (``Scorer``); a score whose inputs (model, adapters, knobs, data, ``lab``
-source) are unchanged since the last run is read back from ``results.csv`` / ``layers.csv`` instead.
+of 20 Newsgroups *train* posts and Banking77 *train* utterances (``TEXT_MIX``), so no STS-family set is a source;
+every text that also occurs in an evaluation file under ``evals/data`` is removed all the same. A layer sweep
+(Spearman vs layer, ``Engine(layer=k)``) follows for the causal base and the best adapted variant. With
+``--heldout`` the held-out STS sets (STS12, STS14, STS16, SICK-R) are scored too, for the variants marked
+``heldout``. Each distinct sentence is embedded once per variant and layer (``Scorer``); a score whose inputs (model,
+adapters, knobs, data, ``lab`` source) are unchanged since the last run is read back from ``results.csv`` /
+``layers.csv`` instead.
 
 Writes into ``--out`` (default ``evals/results/llm2vec``): the adapters as PEFT folders ``mntp/``,
 ``mntp_simcse/``, ``causal_simcse/`` (each with its ``train_log.csv``, ``loss.png``, ``train_config.json``),
 ``results.csv`` (variant x task), ``layers.csv``, ``variants.png``, ``layers.png``, ``losses.png`` and
-``README.md`` with the tables and the command, side by side with the same study trained on STSBenchmark-train text
-(``results_stsb_train_text.csv``, ``layers_stsb_train_text.csv``; see ``COMPARED``). A finished adapter is reused
-(when its text and recipe match), an interrupted one resumed, so a second call only does what is missing.
+``README.md`` with the tables and the command, side by side with the same recipe trained on other text (the
+``results_*.csv`` / ``layers_*.csv`` tables named in ``COMPARED``). A finished adapter is reused (when its text and
+recipe match), an interrupted one resumed, so a second call only does what is missing.
 
     python evals/llm2vec_study.py --heldout           # the whole study, then the held-out sets
     python evals/llm2vec_study.py --heldout --variants "causal base"      # one variant (trains only what it needs)
@@ -52,9 +53,11 @@ SMOKE = os.environ.get("LAB_SMOKE") == "1"
 # every file whose text is evaluated somewhere (or is a split of an evaluated set): none of it is trained on. All of
 # evals/data's JSON-lines files except the two training sources below.
 TRAIN_SOURCES = {"twentynewsgroups": "twentynewsgroups/train.full.jsonl.gz", "banking77": "banking77/train.jsonl.gz"}
-# the training-text mix: sentences of 20 Newsgroups train posts and Banking77 train utterances, sampled with TEXT_SEED
+# the training-text mix: how many texts each source gives (20 Newsgroups train sentences, Banking77 train
+# utterances), sampled with TEXT_SEED; a source left out gives none
 TEXT_MIX = {"twentynewsgroups": 4000, "banking77": 1000}
 TEXT_SEED = 0
+SOURCE_NAMES = {"twentynewsgroups": ("20NG", "sentences"), "banking77": ("Banking77", "utterances")}
 SENTENCE_WORDS = (6, 30)  # a kept newsgroup sentence has this many words (inclusive) ...
 SENTENCE_CHARS = (30, 200)  # ... and this many characters
 HELD_OUT = ("STS12", "STS14", "STS16", "SICK-R")
@@ -146,35 +149,51 @@ def evaluation_keys() -> set[str]:
     return keys
 
 
+def _pool(name: str) -> tuple[list[str], dict]:
+    """The texts of one training source (with repeats) and its counts: the sentences of the 20 Newsgroups *train*
+    posts (``post_sentences``) or the Banking77 *train* utterances (spaces folded)."""
+    rows = read_jsonl(DATA / TRAIN_SOURCES[name])
+    if name == "twentynewsgroups":
+        return [s for p in rows for s in post_sentences(p["body"])], {"20NG train posts": len(rows)}
+    return [" ".join(r["text"].split()) for r in rows], {}
+
+
 def training_texts() -> tuple[list[str], dict]:
-    """The training text: ``TEXT_MIX`` sentences drawn (seed ``TEXT_SEED``) from the distinct sentences of the
-    20 Newsgroups *train* posts (``post_sentences``) and the distinct Banking77 *train* utterances, after every
-    text that occurs in an evaluation file (``evaluation_keys``, compared case- and space-folded) is removed; the two
-    sources shuffled together. No STS-family set is a source, so the text is clean by construction; the removal
-    makes sure of it. Returns the texts and the counts of each step."""
+    """The training text: ``TEXT_MIX`` texts drawn (seed ``TEXT_SEED``) from the distinct texts of each source
+    (``_pool``), after every text that occurs in an evaluation file (``evaluation_keys``, compared case- and
+    space-folded) is removed; the sources shuffled together. No STS-family set is a source, so the text is clean by
+    construction; the removal makes sure of it. Returns the texts and the counts of each step."""
     import random
 
+    unknown = set(TEXT_MIX) - set(TRAIN_SOURCES)
+    if unknown:
+        raise ValueError(f"TEXT_MIX names {sorted(unknown)}: the training sources are {sorted(TRAIN_SOURCES)}")
     held = evaluation_keys()
-    posts = read_jsonl(DATA / TRAIN_SOURCES["twentynewsgroups"])
-    pools = {"twentynewsgroups": [s for p in posts for s in post_sentences(p["body"])],
-             "banking77": [" ".join(r["text"].split()) for r in read_jsonl(DATA / TRAIN_SOURCES["banking77"])]}
     rng = random.Random(TEXT_SEED)
-    texts, counts, seen = [], {"20NG train posts": len(posts)}, set()
-    for name, pool in pools.items():
+    texts, counts, seen = [], {}, set()
+    for name, n in TEXT_MIX.items():
+        pool, first = _pool(name)
+        counts.update(first)
         distinct = list({_key(s): s for s in pool[::-1]}.values())  # one spelling of each
         distinct.sort(key=lambda s: _key(s))  # an order that does not depend on the dict's
         clean = [s for s in distinct if _key(s) not in held and _key(s) not in seen]
-        if len(clean) < TEXT_MIX[name]:
-            raise ValueError(f"{name}: {len(clean)} clean texts, fewer than TEXT_MIX[{name!r}] = {TEXT_MIX[name]}")
-        pick = rng.sample(clean, TEXT_MIX[name])
+        if len(clean) < n:
+            raise ValueError(f"{name}: {len(clean)} clean texts, fewer than TEXT_MIX[{name!r}] = {n}")
+        pick = rng.sample(clean, n)
         seen.update(_key(s) for s in pick)
         texts += pick
-        label, unit = {"twentynewsgroups": ("20NG", "sentences"), "banking77": ("Banking77", "utterances")}[name]
+        label, unit = SOURCE_NAMES[name]
         counts.update({f"{label} {unit}": len(pool), f"{label} distinct": len(distinct),
                        f"{label} in evaluation files": len(distinct) - len(clean), f"{label} drawn": len(pick)})
     rng.shuffle(texts)
     counts["kept"] = len(texts)
     return texts, counts
+
+
+def mix_label(mix: dict) -> str:
+    """A training-text mix in words: ``{"twentynewsgroups": 4000, "banking77": 1000}`` -> ``20NG 4,000 + Banking77
+    1,000``."""
+    return " + ".join(f"{SOURCE_NAMES[k][0]} {n:,}" for k, n in mix.items() if n)
 
 
 def texts_sha1(texts) -> str:
@@ -405,51 +424,77 @@ def layer_sweep(scorer: Scorer, out: Path, names: list[str], layers: list[int]):
     return pd.DataFrame(rows, columns=["variant", "layer", "spearman_x100", "seconds", "key", "reused"])
 
 
-# the same study trained on other text, kept for comparison: the distinct sentences of STSBenchmark *train* (scores
-# unused) minus every sentence of STSBenchmark test/dev, STS12/14/16 and SICK-R (4,783 texts). STSBenchmark re-uses
-# STS 2012-2016 sentences, so that text is related to the held-out sets in a way no exact-match filter removes.
-COMPARED = {"results": "results_stsb_train_text.csv", "layers": "layers_stsb_train_text.csv"}
-TEXTS = ("STSB-train text", "20NG + Banking77 text")
+# the same recipe and seed trained on other text, kept for comparison: label -> (results table, layer-sweep table or
+# None, what the text was), in the output folder: the ``results.csv`` / ``layers.csv`` this script wrote when that
+# text was ``TEXT_MIX`` (for 20NG 4,000 + Banking77 2,500, the scores its run printed).
+COMPARED = {
+    "STSB-train text": (
+        "results_stsb_train_text.csv", "layers_stsb_train_text.csv",
+        ("the 4,783 distinct sentences of STSBenchmark *train* that occur in no STS evaluation file (scores unused). "
+         "STSBenchmark is built from STS 2012-2016 sentences, so that text shares sources (and near-duplicates) with "
+         "STS12/14/16 in a way no exact-match filter removes; the 20NG and Banking77 text shares none by "
+         "construction")),
+    mix_label({"twentynewsgroups": 5000}): (
+        "results_20ng_5000.csv", None,
+        "drawn as above, 20NG sentences only (no Banking77); its layer sweep was not run"),
+    mix_label({"twentynewsgroups": 4000, "banking77": 2500}): (
+        "results_20ng_4000_banking77_2500.csv", None,
+        ("drawn as above; the scores as that run printed them (two decimals): it stopped before the PromptEOL rows "
+         "and the layer sweep")),
+}
 
 
-def plots(results, layers, out: Path, compared=None) -> None:
+# the colours of the earlier training texts in the plots (the current text is blue)
+_EARLIER_COLOURS = ("#bbbbbb", "#e0b07a", "#a8cfa0", "#c9a9d6")
+
+
+def plots(results, layers, out: Path, compared: dict | None = None) -> None:
+    """``variants.png`` (STSBenchmark per variant; a trained variant also with each earlier text of ``compared``,
+    label -> its results table with the layer sweep in ``attrs["layers"]``), ``layers.png`` and ``losses.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.patches
     import matplotlib.pyplot as plt
-    import numpy as np
     import pandas as pd
 
+    compared = compared or {}
+    current = mix_label(TEXT_MIX)
     sts = results[results.task == "STSBenchmark"].set_index("variant")["spearman_x100"]
     names = list(sts.index)[::-1]
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    y = np.arange(len(names))
-    if compared is not None:
-        old = compared[compared.task == "STSBenchmark"].set_index("variant")["spearman_x100"]
-        bars = ax.barh(y + 0.2, [old.get(n, np.nan) for n in names], height=0.4, color="#bbbbbb", label=TEXTS[0])
-        ax.bar_label(bars, fmt="%.1f", padding=3, fontsize=8)
-    bars = ax.barh(y - (0.2 if compared is not None else 0), [sts[n] for n in names],
-                   height=0.4 if compared is not None else 0.8, color="#3b75af",
-                   label=f"{TEXTS[1]} (untrained variants: the base)")
-    ax.bar_label(bars, fmt="%.1f", padding=3, fontsize=8)
-    ax.set_yticks(y, names)
-    ax.set(xlabel="STSBenchmark test, Spearman x100 (PromptEOL: last token; else mean)",
-           title="SmolLM2-135M-Instruct: LLM2Vec variants, causal baselines")
+    trained = {n: bool(VARIANTS.get(n, {}).get("adapters")) for n in names}
+    series = [(label, _EARLIER_COLOURS[i % len(_EARLIER_COLOURS)],
+               df[df.task == "STSBenchmark"].set_index("variant")["spearman_x100"])
+              for i, (label, df) in enumerate(compared.items())]
+    series.append((f"{current} (untrained variants: the base)", "#3b75af", sts))
+    height = 0.84 / len(series)
+    fig, ax = plt.subplots(figsize=(10.5, 1.8 + 0.2 * sum(1 + (len(series) - 1) * trained[n] for n in names)))
+    for y, n in enumerate(names):  # the bars a variant has (every text for a trained one), centred on its row
+        bars = [(score[n], colour) for i, (_, colour, score) in enumerate(series)
+                if n in score.index and (i == len(series) - 1 or trained[n])]
+        for j, (v, colour) in enumerate(bars):
+            b = ax.barh(y + (len(bars) - 1 - 2 * j) * height / 2, v, height=height, color=colour)
+            ax.bar_label(b, fmt="%.1f", padding=3, fontsize=7)
+    ax.set_yticks(range(len(names)), names)
+    ax.set(xlabel="STSBenchmark test, Spearman x100 (PromptEOL: last token; else mean)")
+    ax.set_title("SmolLM2-135M-Instruct: LLM2Vec variants by training text; causal baselines", fontsize=10)
     ax.set_xlim(0, max(60, sts.max() + 10))
-    ax.legend(frameon=False, loc="upper center", bbox_to_anchor=(0.4, -0.16), ncol=2, fontsize=8)
+    ax.legend(handles=[matplotlib.patches.Patch(color=c, label=label) for label, c, _ in series], frameon=False,
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, title="training text", title_fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "variants.png", dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    for name, g in layers.groupby("variant", sort=False):
-        trained = bool(VARIANTS.get(name, {}).get("adapters"))
-        ax.plot(g["layer"], g["spearman_x100"], marker="o", label=f"{name} ({TEXTS[1]})" if trained else name)
-    if compared is not None and "layers" in compared.attrs:
-        for name, g in compared.attrs["layers"].groupby("variant", sort=False):
-            if "base" not in name:  # the base model does not depend on the training text
-                ax.plot(g["layer"], g["spearman_x100"], marker=".", ls="--", color="#999999",
-                        label=f"{name} ({TEXTS[0]})")
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for i, (name, g) in enumerate(layers.groupby("variant", sort=False)):
+        adapted = bool(VARIANTS.get(name, {}).get("adapters"))
+        ax.plot(g["layer"], g["spearman_x100"], marker="o", color=("#333333", "#3b75af", "#c0392b", "#7d3c98")[i % 4],
+                label=f"{name} ({current})" if adapted else name)
+    for i, (label, df) in enumerate(compared.items()):
+        for name, g in df.attrs.get("layers", pd.DataFrame(columns=["variant"])).groupby("variant", sort=False):
+            if VARIANTS.get(name, {}).get("adapters"):  # the base model does not depend on the training text
+                ax.plot(g["layer"], g["spearman_x100"], marker=".", ls="--",
+                        color=_EARLIER_COLOURS[i % len(_EARLIER_COLOURS)], label=f"{name} ({label})")
     ax.set(xlabel="layer (0 = embeddings)", ylabel="Spearman x100", title="STSBenchmark test vs layer (mean pooling)")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=7)
@@ -483,15 +528,21 @@ TARGETS = {"STSBenchmark": 20.0, "STS12": 10.0, "STS14": 10.0, "STS16": 10.0, "S
 TARGET_VARIANT = "bidirectional + MNTP + SimCSE"
 
 
-def comparison_lines(results, compared) -> list[str]:
-    """Markdown: the scores per training text (a variant without adapters once: it is not trained), the gains over
-    the causal base, the targets, and the best variant per task with its margin over the next."""
+def comparison_lines(results, compared: dict | None = None) -> list[str]:
+    """Markdown: the scores per training text (each earlier text of ``compared``, label -> its results table, then
+    ``TEXT_MIX``; a variant without adapters once: it is not trained), the gains over the causal base, the targets
+    per text, and the best variant per task with its margin over the next."""
     import pandas as pd
 
+    compared = compared or {}
+    current = mix_label(TEXT_MIX)
     tasks = list(dict.fromkeys(results.task))
-    new = results.pivot_table(index="variant", columns="task", values="spearman_x100", sort=False)
-    old = (compared.pivot_table(index="variant", columns="task", values="spearman_x100", sort=False)
-           if compared is not None else None)
+
+    def pivot(df):
+        return df.pivot_table(index="variant", columns="task", values="spearman_x100", sort=False)
+
+    new = pivot(results)
+    tables = {**{label: pivot(df) for label, df in compared.items()}, current: new}
 
     def get(table, variant, task):
         ok = table is not None and variant in table.index and task in table.columns
@@ -501,7 +552,7 @@ def comparison_lines(results, compared) -> list[str]:
         out = []
         for v in new.index:
             trained = bool(VARIANTS.get(v, {}).get("adapters"))
-            for label, t in ((TEXTS[0], old), (TEXTS[1], new)) if trained else (("none (not trained)", new),):
+            for label, t in tables.items() if trained else (("none (not trained)", new),):
                 vals = [value(t, v, k) for k in tasks]
                 if any(x is not None for x in vals):
                     out.append(f"| {v} | {label} | " + " | ".join(fmt(x) for x in vals) + " |")
@@ -509,11 +560,13 @@ def comparison_lines(results, compared) -> list[str]:
 
     head = ["| variant | training text | " + " | ".join(tasks) + " |", "|---|---|" + "---:|" * len(tasks)]
     lines = [*head, *rows(get)]
-    diffs = [abs(get(old, v, k) - get(new, v, k)) for v in new.index if not VARIANTS.get(v, {}).get("adapters")
+    diffs = [abs(get(old, v, k) - get(new, v, k)) for old in tables.values() if old is not new
+             for v in new.index if not VARIANTS.get(v, {}).get("adapters")
              for k in tasks if get(old, v, k) is not None and get(new, v, k) is not None]
     if diffs:
-        lines += ["", (f"The untrained variants, scored here and in `{COMPARED['results']}`: largest difference "
-                       f"{max(diffs):.4f} points over {len(diffs)} scores.")]
+        files = ", ".join(f"`{COMPARED[label][0]}`" if label in COMPARED else label for label in compared)
+        lines += ["", (f"The untrained variants, scored here and in {files}: largest difference {max(diffs):.4f} "
+                       f"points over {len(diffs)} scores.")]
 
     def gain(t, v, k):
         a, b = get(t, v, k), get(t, "causal base", k)
@@ -523,12 +576,12 @@ def comparison_lines(results, compared) -> list[str]:
               *[r for r in rows(gain, lambda x: "" if x is None else f"{x:+.2f}")
                 if not r.startswith("| causal base |")]]
     lines += ["", f"Targets ({TARGET_VARIANT} over the causal base):", ""]
-    for label, t in ((TEXTS[0], old), (TEXTS[1], new)):
+    for label, t in tables.items():
         parts = [f"{k} {g:+.2f} (target +{TARGETS[k]:.0f}: {'met' if g >= TARGETS[k] else 'short'})"
                  for k in tasks if k in TARGETS and (g := gain(t, TARGET_VARIANT, k)) is not None]
         if parts:
             lines.append(f"- {label}: " + ", ".join(parts))
-    lines += ["", f"Best variant per task ({TEXTS[1]}), and its margin over the next best:", ""]
+    lines += ["", f"Best variant per task ({current}), and its margin over the next best:", ""]
     for task in tasks:
         col = new[task].dropna().sort_values(ascending=False)
         if len(col) > 1:
@@ -538,27 +591,39 @@ def comparison_lines(results, compared) -> list[str]:
 
 
 def write_readme(results, layers, out: Path, counts: dict, seconds: dict, command: str, machine: str,
-                 compared=None) -> None:
+                 compared: dict | None = None) -> None:
     import pandas as pd
 
+    compared = compared or {}
+    current = mix_label(TEXT_MIX)
+    source = {"twentynewsgroups": (f"sentences of 20 Newsgroups *train* posts "
+                                   f"(`evals/data/{TRAIN_SOURCES['twentynewsgroups']}`, split by `post_sentences`: "
+                                   f"quotes, attributions, header-like lines, tables and signatures dropped; "
+                                   f"{SENTENCE_WORDS[0]}-{SENTENCE_WORDS[1]} words, {SENTENCE_CHARS[0]}-"
+                                   f"{SENTENCE_CHARS[1]} characters; no URL or e-mail address)"),
+              "banking77": f"Banking77 *train* utterances (`evals/data/{TRAIN_SOURCES['banking77']}`)"}
     lines = ["# LLM2Vec study: SmolLM2-135M-Instruct, mean pooling", "",
              f"Reproduce: `{command}`", "", f"Machine: {machine}", "",
              "## Training text", "",
-             (f"`training_texts()` in `evals/llm2vec_study.py`: {TEXT_MIX['twentynewsgroups']:,} sentences of "
-              f"20 Newsgroups *train* posts (`evals/data/twentynewsgroups/train.full.jsonl.gz`, split by "
-              f"`post_sentences`: quotes, attributions, header-like lines, tables and signatures dropped; "
-              f"{SENTENCE_WORDS[0]}-{SENTENCE_WORDS[1]} words, {SENTENCE_CHARS[0]}-{SENTENCE_CHARS[1]} characters; "
-              f"no URL or e-mail address) and {TEXT_MIX['banking77']:,} Banking77 *train* utterances, drawn with "
-              f"seed {TEXT_SEED}. No STS-family set is a source. Every text that also occurs in an evaluation file "
-              f"(all of `evals/data` but the two training sources: every STSBenchmark split, STS12/14/16, SICK-R, "
-              f"the test files of Banking77, TwentyNewsgroups and TwitterURLCorpus, SciFact's corpus and queries; "
-              f"each field and each sentence of it, compared case- and space-folded) is removed before the draw."),
-             "", "Counts: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()), "",
-             (f"Compared with: the same recipe trained on {TEXTS[0]} (`{COMPARED['results']}`, "
-              f"`{COMPARED['layers']}`): the 4,783 distinct sentences of STSBenchmark *train* that occur in no "
-              "STS evaluation file. STSBenchmark is built from STS 2012-2016 sentences, so that text shares sources "
-              "(and near-duplicates) with STS12/14/16; the 20NG + Banking77 text shares none by construction."),
-             "", f"Recipe: `{RECIPE}`", "",
+             (f"`training_texts()` in `evals/llm2vec_study.py` ({current}): "
+              + " and ".join(f"{n:,} {source[k]}" for k, n in TEXT_MIX.items() if n)
+              + f", drawn with seed {TEXT_SEED}. No STS-family set is a source. Every text that also occurs in an "
+              f"evaluation file (all of `evals/data` but the training sources, 20NG train and Banking77 train: every "
+              f"STSBenchmark split, STS12/14/16, SICK-R, the test files of Banking77, TwentyNewsgroups and "
+              f"TwitterURLCorpus, SciFact's corpus and queries; each field and each sentence of it, compared case- "
+              f"and space-folded) is removed before the draw."),
+             "", "Counts: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()), ""]
+    if compared:
+        lines += ["Compared with the same recipe and seed trained on other text (their tables in this folder):", ""]
+        for label in compared:
+            res, lay, what = COMPARED[label]
+            files = ", ".join(f"`{f}`" for f in (res, lay) if f)
+            lines.append(f"- {label} ({files}): {what}.")
+        tries = 1 + sum(label != "STSB-train text" for label in compared)
+        lines += ["", (f"The {tries} clean mixes were compared on the held-out scores below and this study's text "
+                       f"({current}) chosen among them, so its held-out numbers are the pick of {tries} tries, not a "
+                       "fresh test."), ""]
+    lines += [f"Recipe: `{RECIPE}`", "",
              "## Scores", "",
              ("Spearman x100 of cosine similarity vs gold (MTEB's STS main score), each distinct sentence embedded "
               "once; STSBenchmark = its test split, SICK-R = all 9,927 pairs:"), ""]
@@ -572,11 +637,12 @@ def write_readme(results, layers, out: Path, counts: dict, seconds: dict, comman
         if "tokens" in g and not pd.isna(r.get("tokens")):
             lines.append(f"| {name} | {', '.join(g.task)} | {r.texts:,.0f} | {r.tokens:,.0f} | {r.seconds:.1f} | "
                          f"{r.tokens / r.seconds:,.0f} | {r.texts / r.seconds:,.0f} |")
+    swept = {label: {(r.variant, r.layer): r.spearman_x100 for r in df.attrs["layers"].itertuples()}
+             for label, df in compared.items() if "layers" in df.attrs}
     lines += ["", "## Layer sweep (STSBenchmark test)", "",
-              f"| variant | layer | {TEXTS[0]} | {TEXTS[1]} |", "|---|---:|---:|---:|"]
-    old = {} if compared is None or "layers" not in compared.attrs else {
-        (r.variant, r.layer): r.spearman_x100 for r in compared.attrs["layers"].itertuples()}
-    lines += [f"| {r.variant} | {r.layer} | {_fmt(old.get((r.variant, r.layer)))} | {r.spearman_x100:.2f} |"
+              "| variant | layer | " + " | ".join([*swept, current]) + " |", "|---|---:|" + "---:|" * (len(swept) + 1)]
+    lines += [f"| {r.variant} | {r.layer} | " + "".join(f"{_fmt(old.get((r.variant, r.layer)))} | "
+                                                         for old in swept.values()) + f"{r.spearman_x100:.2f} |"
               for r in layers.itertuples()]
     lines += ["", ("Training time per adapter (from each `train_log.csv`: the sum of its step times, and the median "
               "step x steps, which discounts steps slowed by other work on the machine; both depend on that load "
@@ -668,9 +734,12 @@ def main(argv=None) -> int:
         layers = layers.sort_values(["variant", "layer"], key=lambda s: s.map(order) if s.name == "variant" else s)
     layers.to_csv(args.out / "layers.csv", index=False)
 
-    compared = _read_csv(args.out / COMPARED["results"])
-    if compared is not None and (args.out / COMPARED["layers"]).exists():
-        compared.attrs["layers"] = pd.read_csv(args.out / COMPARED["layers"])
+    compared = {}
+    for label, (res, lay, _) in COMPARED.items():
+        if (df := _read_csv(args.out / res)) is not None:
+            if lay and (args.out / lay).exists():
+                df.attrs["layers"] = pd.read_csv(args.out / lay)
+            compared[label] = df
     plots(results, layers, args.out, compared)
     counts = training_texts()[1]
     m = machine_info()

@@ -107,3 +107,46 @@ def test_post_sentences_keeps_prose_only():
         "I think the launch was delayed for a different reason entirely.",
         "The engineers found a crack in the main fuel line during the last inspection!",
     ]
+
+
+def test_an_unknown_training_source_is_refused(monkeypatch):
+    monkeypatch.setattr(study, "TEXT_MIX", {"twentynewsgroups": 10, "wikipedia": 10})
+    with pytest.raises(ValueError, match=r"TEXT_MIX names \['wikipedia'\]"):
+        study.training_texts()
+
+
+def test_mix_label_names_each_source_drawn():
+    assert study.mix_label({"twentynewsgroups": 4000, "banking77": 1000}) == "20NG 4,000 + Banking77 1,000"
+    assert study.mix_label({"twentynewsgroups": 5000, "banking77": 0}) == "20NG 5,000"
+
+
+def test_report_sets_every_training_text_side_by_side():
+    """comparison_lines: a trained variant gets one row per training text (the earlier ones, then ``TEXT_MIX``), an
+    untrained one a single row; each text's target line says met or short from its own gains."""
+    import pandas as pd
+
+    def table(scores):
+        return pd.DataFrame([{"variant": v, "task": t, "spearman_x100": x} for (v, t), x in scores.items()])
+
+    base = {("causal base", t): 40.0 for t in study.TARGETS}
+    current = table({**base, **{(study.TARGET_VARIANT, t): 40.0 + g + 1 for t, g in study.TARGETS.items()},
+                     ("causal echo", "STSBenchmark"): 55.0})
+    short = table({**base, **{(study.TARGET_VARIANT, t): 40.0 + g - 1 for t, g in study.TARGETS.items()}})
+    label = study.mix_label(study.TEXT_MIX)
+    lines = study.comparison_lines(current, {"earlier text": short})
+    rows = [line for line in lines if line.startswith(f"| {study.TARGET_VARIANT} |")]
+    assert [r.split(" | ")[1] for r in rows] == ["earlier text", label] * 2  # scores, then gains
+    assert rows[2].endswith(" | ".join(f"{g - 1:+.2f}" for g in study.TARGETS.values()) + " |")
+    assert sum(line.startswith("| causal echo | none (not trained) |") for line in lines) == 2
+    targets = {line[2:].split(":")[0]: line for line in lines if line.startswith("- ") and "target +" in line}
+    assert targets["earlier text"].count("short") == len(study.TARGETS) and "met" not in targets["earlier text"]
+    assert targets[label].count("met") == len(study.TARGETS) and "short" not in targets[label]
+    assert "largest difference 0.0000 points over 5 scores" in "\n".join(lines)
+
+
+def test_compared_tables_are_committed():
+    """Every earlier training text the study compares with has its tables in the committed results folder."""
+    for label, (results, layers, what) in study.COMPARED.items():
+        assert (study.DEFAULT_OUT / results).exists(), label
+        assert layers is None or (study.DEFAULT_OUT / layers).exists(), label
+        assert what
