@@ -426,9 +426,11 @@ def layer_sweep(scorer: Scorer, out: Path, names: list[str], layers: list[int]):
 
 # the same recipe and seed trained on other text, kept for comparison: label -> (results table, layer-sweep table or
 # None, what the text was), in the output folder: the ``results.csv`` / ``layers.csv`` this script wrote when that
-# text was ``TEXT_MIX`` (for 20NG 4,000 + Banking77 2,500, the scores its run printed).
+# text was ``TEXT_MIX`` (for 20NG 4,000 + Banking77 2,500, the scores its run printed). Every text but
+# ``STSB_TEXT`` is a clean mix of ``TRAIN_SOURCES``.
+STSB_TEXT = "STSB-train text"
 COMPARED = {
-    "STSB-train text": (
+    STSB_TEXT: (
         "results_stsb_train_text.csv", "layers_stsb_train_text.csv",
         ("the 4,783 distinct sentences of STSBenchmark *train* that occur in no STS evaluation file (scores unused). "
          "STSBenchmark is built from STS 2012-2016 sentences, so that text shares sources (and near-duplicates) with "
@@ -619,7 +621,7 @@ def write_readme(results, layers, out: Path, counts: dict, seconds: dict, comman
             res, lay, what = COMPARED[label]
             files = ", ".join(f"`{f}`" for f in (res, lay) if f)
             lines.append(f"- {label} ({files}): {what}.")
-        tries = 1 + sum(label != "STSB-train text" for label in compared)
+        tries = 1 + sum(label != STSB_TEXT for label in compared)
         lines += ["", (f"The {tries} clean mixes were compared on the held-out scores below and this study's text "
                        f"({current}) chosen among them, so its held-out numbers are the pick of {tries} tries, not a "
                        "fresh test."), ""]
