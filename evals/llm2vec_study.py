@@ -17,17 +17,20 @@ every text that also occurs in an evaluation file under ``evals/data`` is remove
 ``--heldout`` the held-out STS sets (STS12, STS14, STS16, SICK-R) are scored too, for the variants marked
 ``heldout``. Each distinct sentence is embedded once per variant and layer (``Scorer``); a score whose inputs (model,
 adapters, knobs, data, ``lab`` source) are unchanged since the last run is read back from ``results.csv`` /
-``layers.csv`` instead.
+``layers.csv`` (of ``--out`` and of the default folder) instead.
 
 Writes into ``--out`` (default ``evals/results/llm2vec``): the adapters as PEFT folders ``mntp/``,
 ``mntp_simcse/``, ``causal_simcse/`` (each with its ``train_log.csv``, ``loss.png``, ``train_config.json``),
 ``results.csv`` (variant x task), ``layers.csv``, ``variants.png``, ``layers.png``, ``losses.png`` and
 ``README.md`` with the tables and the command, side by side with the same recipe trained on other text (the
-``results_*.csv`` / ``layers_*.csv`` tables named in ``COMPARED``). A finished adapter is reused (when its text and
-recipe match), an interrupted one resumed, so a second call only does what is missing.
+``results_*.csv`` / ``layers_*.csv`` tables named in ``COMPARED``) and with the same text and recipe trained with
+other seeds (``seed<N>/``, below: their gains, the mean over seeds and ``seeds.png``). A finished adapter is reused
+(when its text, recipe and seed match), an interrupted one resumed, so a second call only does what is missing.
 
     python evals/llm2vec_study.py --heldout           # the whole study, then the held-out sets
     python evals/llm2vec_study.py --heldout --variants "causal base"      # one variant (trains only what it needs)
+    python evals/llm2vec_study.py --heldout --seed 1 --out evals/results/llm2vec/seed1 --sweep "causal base"
+                                                      # another training seed, reported beside seed 0 by the next run
     LAB_SMOKE=1 python evals/llm2vec_study.py --out /tmp/llm2vec-smoke     # a few steps, small subsets
 """
 
@@ -528,6 +531,7 @@ def _fmt(v) -> str:
 # what the study aims for: bidirectional + MNTP + SimCSE over the causal base, in Spearman points
 TARGETS = {"STSBenchmark": 20.0, "STS12": 10.0, "STS14": 10.0, "STS16": 10.0, "SICK-R": 10.0}
 TARGET_VARIANT = "bidirectional + MNTP + SimCSE"
+CONTROL = "causal + SimCSE"  # the same SimCSE budget with causal attention
 
 
 def comparison_lines(results, compared: dict | None = None) -> list[str]:
@@ -592,8 +596,119 @@ def comparison_lines(results, compared: dict | None = None) -> list[str]:
     return lines
 
 
+# other training seeds of the same text and recipe: a run with ``--seed N --out <study folder>/seed<N>`` leaves its
+# tables in that subfolder (git keeps its tables, logs and README, not its adapter weights: ``.gitignore``)
+_SEED_DIR = re.compile(r"seed(\d+)")
+
+
+def seed_runs(out: Path, seed: int, results) -> dict:
+    """Training seed -> results table: ``results`` (this run's, trained with ``seed``) and the ``results.csv`` of each
+    ``seed<N>/`` subfolder of ``out`` (another seed), in seed order."""
+    import pandas as pd
+
+    runs = {seed: results}
+    for d in out.iterdir():
+        if (m := _SEED_DIR.fullmatch(d.name)) and (d / "results.csv").exists() and int(m.group(1)) != seed:
+            runs[int(m.group(1))] = pd.read_csv(d / "results.csv")
+    return dict(sorted(runs.items()))
+
+
+def _gains(results):
+    """Variant x task table of the gains over the causal base (Spearman points) of the trained variants."""
+    t = results.pivot_table(index="variant", columns="task", values="spearman_x100", sort=False)
+    trained = [v for v in t.index if VARIANTS.get(v, {}).get("adapters")]
+    return t.loc[trained] - t.loc["causal base"] if "causal base" in t.index else t.loc[[]]
+
+
+def seed_lines(runs: dict) -> list[str]:
+    """Markdown: each trained variant's gain over the causal base per training seed (``runs``: seed -> results
+    table), their mean and spread (max - min), and the targets on the mean. Empty for a single seed."""
+    import pandas as pd
+
+    if len(runs) < 2:
+        return []
+    gains = {s: _gains(r) for s, r in runs.items()}
+    tasks = list(dict.fromkeys(t for g in gains.values() for t in g.columns))
+    variants_ = list(dict.fromkeys(v for g in gains.values() for v in g.index))
+    stacked = pd.concat(gains, names=["seed", "variant"]).reindex(columns=tasks)
+    mean = stacked.groupby(level="variant", sort=False).mean()
+    spread = stacked.groupby(level="variant", sort=False).agg(lambda x: x.max() - x.min())
+    seeds = ", ".join(map(str, runs))
+
+    def row(v, label, vals):
+        return f"| {v} | {label} | " + " | ".join("" if pd.isna(x) else f"{x:+.2f}" for x in vals) + " |"
+
+    lines = ["## Across training seeds", "",
+             (f"The same text and recipe trained with seeds {seeds} (LoRA initialisation, masks, dropout and batch "
+              f"order; the text is drawn with seed {TEXT_SEED} in every run). Gain over the causal base, Spearman "
+              f"points, per seed, their mean and their spread (max - min):"), "",
+             "| variant | seed | " + " | ".join(tasks) + " |", "|---|---|" + "---:|" * len(tasks)]
+    for v in variants_:
+        lines += [row(v, str(s), g.reindex(columns=tasks).loc[v]) for s, g in gains.items() if v in g.index]
+        lines += [row(v, f"mean of {len(runs)}", mean.loc[v]), f"| {v} | spread | "
+                  + " | ".join("" if pd.isna(x) else f"{x:.2f}" for x in spread.loc[v]) + " |"]
+    if TARGET_VARIANT in mean.index:
+        parts = [f"{k} {g:+.2f} (target +{TARGETS[k]:.0f}: {'met' if g >= TARGETS[k] else 'short'})"
+                 for k in tasks if k in TARGETS and not pd.isna(g := mean.loc[TARGET_VARIANT, k])]
+        lines += ["", f"Targets on the mean of {len(runs)} seeds ({TARGET_VARIANT} over the causal base): "
+                  + ", ".join(parts)]
+        each = []
+        for s, g in gains.items():
+            short = [f"{k} {x:+.2f}" for k in tasks if k in TARGETS and TARGET_VARIANT in g.index
+                     and k in g.columns and not pd.isna(x := g.loc[TARGET_VARIANT, k]) and x < TARGETS[k]]
+            each.append(f"seed {s} " + (f"short on {', '.join(short)}" if short else "meets every target"))
+        lines += ["", "Each seed on its own: " + "; ".join(each) + "."]
+    if {TARGET_VARIANT, CONTROL} <= set(mean.index):
+        over = stacked.xs(TARGET_VARIANT, level="variant") - stacked.xs(CONTROL, level="variant")
+        parts = [f"{k} " + " / ".join(f"{x:+.2f}" for x in over[k]) + f" (mean {over[k].mean():+.2f})"
+                 for k in tasks if over[k].notna().all()]
+        lines += ["", f"{TARGET_VARIANT} over {CONTROL} (the same SimCSE budget, causal attention), seed "
+                  + " / ".join(map(str, over.index)) + ": " + ", ".join(parts)]
+    return lines
+
+
+def seed_plot(runs: dict, out: Path) -> None:
+    """``seeds.png``: per task, the gain over the causal base of the held-out variants that are trained (one dot per
+    seed, a bar for the mean) and the target of ``TARGET_VARIANT`` (a black dash)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    gains = {s: _gains(r) for s, r in runs.items()}
+    stacked = pd.concat(gains, names=["seed", "variant"])
+    shown = [v for v in (TARGET_VARIANT, CONTROL) if v in stacked.index.get_level_values("variant")]
+    tasks = [t for t in stacked.columns if stacked[t].notna().any()]
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    width = 0.8 / len(shown)
+    for i, (v, colour) in enumerate(zip(shown, ("#3b75af", "#999999"))):
+        x = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(tasks))]
+        per_seed = stacked.xs(v, level="variant").reindex(columns=tasks)
+        ax.bar(x, per_seed.mean(), width=width * 0.9, color=colour, alpha=0.55,
+               label=f"{v}, mean of {len(per_seed)} seeds")
+        for _, g in per_seed.iterrows():
+            ax.plot(x, g, "o", color=colour, markersize=4, markeredgecolor="black", markeredgewidth=0.4)
+    for j, t in enumerate(tasks):
+        if t in TARGETS:
+            ax.hlines(TARGETS[t], j - 0.45, j + 0.45, colors="black", linestyles="--", linewidth=1,
+                      label="target" if j == 0 else None)
+    ax.set_xticks(range(len(tasks)), tasks)
+    ax.set(ylabel="gain over the causal base, Spearman points",
+           title=f"Across training seeds {', '.join(map(str, runs))} (dots: one seed each)")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(frameon=False, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "seeds.png", dpi=120)
+    plt.close(fig)
+
+
 def write_readme(results, layers, out: Path, counts: dict, seconds: dict, command: str, machine: str,
-                 compared: dict | None = None) -> None:
+                 compared: dict | None = None, seed: int = 0, runs: dict | None = None) -> None:
+    """``README.md`` in ``out``: the training text, the recipe and ``seed``, the scores and gains beside each earlier
+    text of ``compared`` (``comparison_lines``) and each other seed of ``runs`` (``seed_lines``), the cost per
+    variant, the layer sweep and the training time per adapter."""
     import pandas as pd
 
     compared = compared or {}
@@ -625,11 +740,13 @@ def write_readme(results, layers, out: Path, counts: dict, seconds: dict, comman
         lines += ["", (f"The {tries} clean mixes were compared on the held-out scores below and this study's text "
                        f"({current}) chosen among them, so its held-out numbers are the pick of {tries} tries, not a "
                        "fresh test."), ""]
-    lines += [f"Recipe: `{RECIPE}`", "",
+    lines += [f"Recipe: `{RECIPE}`; training seed {seed}.", "",
              "## Scores", "",
              ("Spearman x100 of cosine similarity vs gold (MTEB's STS main score), each distinct sentence embedded "
               "once; STSBenchmark = its test split, SICK-R = all 9,927 pairs:"), ""]
     lines += comparison_lines(results, compared)
+    if across := seed_lines(runs or {seed: results}):
+        lines += ["", *across, "", "`seeds.png` draws these gains."]
     lines += ["", "## Cost", "", ("Each variant's embedding call over the distinct sentences it scores (STSBenchmark test, "
               "and the held-out sets where scored), on the machine above; echo runs each text twice, PromptEOL "
               "wraps it in its prompt:"), "", "| variant | sets | texts | tokens | seconds | tokens/s | texts/s |",
@@ -694,6 +811,7 @@ def main(argv=None) -> int:
                     help="variants of the layer sweep (default: the causal base and the best adapted variant on "
                          "STSBenchmark, those of them scored now); --sweep alone skips the sweep")
     args = ap.parse_args(argv)
+    sweep_given = args.sweep
 
     import pandas as pd
     import torch
@@ -713,8 +831,9 @@ def main(argv=None) -> int:
     print(f"training done after {time.perf_counter() - t0:.0f} s", flush=True)
 
     eng = Engine(str(base), **ENGINE)
-    keyed = [d for d in (_read_csv(args.out / "results.csv"), _read_csv(args.out / "layers.csv"))
-             if d is not None and "key" in d]
+    # scores are keyed by everything they depend on, so the study folder's also serve another folder (another seed)
+    tables = [f / n for f in dict.fromkeys([args.out.resolve(), DEFAULT_OUT]) for n in ("results.csv", "layers.csv")]
+    keyed = [d for d in map(_read_csv, tables) if d is not None and "key" in d]
     scorer = Scorer(eng, base, args.limit, pd.concat(keyed) if keyed else None)
     results = evaluate_variants(scorer, args.out, names, args.heldout)
     if args.variants:  # keep the other rows of the file as it is now (another call may have written it meanwhile)
@@ -743,12 +862,18 @@ def main(argv=None) -> int:
                 df.attrs["layers"] = pd.read_csv(args.out / lay)
             compared[label] = df
     plots(results, layers, args.out, compared)
+    runs = seed_runs(args.out, args.seed, results)
+    if len(runs) > 1:
+        seed_plot(runs, args.out)
     counts = training_texts()[1]
     m = machine_info()
     machine = f"{m['cpu']}, {m['cores']} cores, torch {torch.__version__}"
+    out = args.out.resolve()
     command = ("python evals/llm2vec_study.py" + (" --heldout" if args.heldout else "")
-               + ("" if args.out == DEFAULT_OUT else f" --out {args.out}"))
-    write_readme(results, layers, args.out, counts, seconds, command, machine, compared)
+               + (f" --seed {args.seed}" if args.seed else "")
+               + ("" if out == DEFAULT_OUT else f" --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+               + ("" if sweep_given is None else " --sweep" + "".join(f' "{n}"' for n in sweep_given)))
+    write_readme(results, layers, args.out, counts, seconds, command, machine, compared, args.seed, runs)
     print((args.out / "README.md").read_text())
     print(f"study done in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0

@@ -150,3 +150,69 @@ def test_compared_tables_are_committed():
         assert (study.DEFAULT_OUT / results).exists(), label
         assert layers is None or (study.DEFAULT_OUT / layers).exists(), label
         assert what
+
+
+def _results(scores):
+    import pandas as pd
+
+    return pd.DataFrame([{"variant": v, "task": t, "spearman_x100": x} for (v, t), x in scores.items()])
+
+
+def test_seed_runs_reads_each_other_seed_folder(tmp_path):
+    """seed_runs: this run's table under its seed, then each ``seed<N>/results.csv`` of another seed, in seed order;
+    other folders, a folder without a table and a folder of this run's own seed are not read."""
+    this = _results({("causal base", "STS12"): 40.0})
+    for name, score in (("seed2", 2.0), ("seed1", 1.0), ("seedx", 9.0), ("seed0", 9.0), ("old", 9.0)):
+        (tmp_path / name).mkdir()
+        _results({("causal base", "STS12"): score}).to_csv(tmp_path / name / "results.csv", index=False)
+    (tmp_path / "seed3").mkdir()
+    runs = study.seed_runs(tmp_path, 0, this)
+    assert list(runs) == [0, 1, 2]
+    assert runs[0] is this and [r.spearman_x100[0] for r in (runs[1], runs[2])] == [1.0, 2.0]
+
+
+def test_seed_lines_give_every_seed_the_mean_and_the_targets_on_the_mean(tmp_path):
+    """seed_lines: one gain row per seed for each trained variant, then the mean and the spread; the targets are
+    judged on the mean (one seed short, the mean met); the target variant over the control per seed; nothing for a
+    single seed. seed_plot draws them."""
+    base = {("causal base", t): 40.0 for t in study.TARGETS}
+    offsets = {0: -0.5, 1: 1.5}  # seed 0 short of every target by 0.5, seed 1 over by 1.5: mean over by 0.5
+    runs = {s: _results({**base, **{(study.TARGET_VARIANT, t): 40.0 + g + d for t, g in study.TARGETS.items()},
+                         **{(study.CONTROL, t): 45.0 for t in study.TARGETS},
+                         ("causal echo", "STS12"): 50.0})
+            for s, d in offsets.items()}
+    assert study.seed_lines({0: runs[0]}) == []
+    lines = study.seed_lines(runs)
+    rows = {line.split(" | ")[1]: line for line in lines if line.startswith(f"| {study.TARGET_VARIANT} |")}
+    assert list(rows) == ["0", "1", "mean of 2", "spread"]
+    assert rows["0"].endswith(" | ".join(f"{g - 0.5:+.2f}" for g in study.TARGETS.values()) + " |")
+    assert rows["mean of 2"].endswith(" | ".join(f"{g + 0.5:+.2f}" for g in study.TARGETS.values()) + " |")
+    assert rows["spread"].endswith(" | ".join("2.00" for _ in study.TARGETS) + " |")
+    assert not any(line.startswith("| causal echo |") for line in lines)  # untrained: the same in every seed
+    target = next(line for line in lines if line.startswith("Targets on the mean of 2 seeds"))
+    assert target.count("met") == len(study.TARGETS) and "short" not in target
+    each = next(line for line in lines if line.startswith("Each seed on its own"))
+    assert each.startswith(f"Each seed on its own: seed 0 short on STSBenchmark {study.TARGETS['STSBenchmark'] - 0.5:+.2f}")
+    assert each.endswith("; seed 1 meets every target.")
+    over = next(line for line in lines if line.startswith(f"{study.TARGET_VARIANT} over {study.CONTROL}"))
+    g = study.TARGETS["STS12"]
+    assert f"STS12 {g - 5.5:+.2f} / {g - 3.5:+.2f} (mean {g - 4.5:+.2f})" in over
+    study.seed_plot(runs, tmp_path)
+    assert (tmp_path / "seeds.png").stat().st_size > 10_000
+
+
+def test_committed_seed_folders_hold_that_seed_on_this_text(text):
+    """Each ``seed<N>/`` of the study was trained with seed N on the study's text and recipe (its adapters'
+    train_config.json), and scored every held-out set for the target variant."""
+    import pandas as pd
+
+    folders = [d for d in study.DEFAULT_OUT.iterdir() if study._SEED_DIR.fullmatch(d.name)]
+    assert folders
+    for d in folders:
+        for name, (objective, _, _) in study.ADAPTERS.items():
+            config = json.loads((d / name / "train_config.json").read_text())
+            assert config["seed"] == int(d.name[4:]) != 0, d
+            assert config["texts_sha1"] == study.texts_sha1(text[0]), d
+            assert {k: config[k] for k in study.RECIPE[objective]} == study.RECIPE[objective], d
+        results = pd.read_csv(d / "results.csv")
+        assert set(results[results.variant == study.TARGET_VARIANT].task) == set(study.TARGETS), d
