@@ -668,8 +668,8 @@ def seed_lines(runs: dict) -> list[str]:
 
 
 def seed_plot(runs: dict, out: Path) -> None:
-    """``seeds.png``: per task, the gain over the causal base of the held-out variants that are trained (one dot per
-    seed, a bar for the mean) and the target of ``TARGET_VARIANT`` (a black dash)."""
+    """``seeds.png``: per task, the gain over the causal base of ``TARGET_VARIANT`` and ``CONTROL`` (one dot per seed,
+    a bar for the mean) and the target (a black dash). Nothing is drawn when ``runs`` holds neither variant."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -679,6 +679,8 @@ def seed_plot(runs: dict, out: Path) -> None:
     gains = {s: _gains(r) for s, r in runs.items()}
     stacked = pd.concat(gains, names=["seed", "variant"])
     shown = [v for v in (TARGET_VARIANT, CONTROL) if v in stacked.index.get_level_values("variant")]
+    if not shown:
+        return
     tasks = [t for t in stacked.columns if stacked[t].notna().any()]
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     width = 0.8 / len(shown)
@@ -689,10 +691,9 @@ def seed_plot(runs: dict, out: Path) -> None:
                label=f"{v}, mean of {len(per_seed)} seeds")
         for _, g in per_seed.iterrows():
             ax.plot(x, g, "o", color=colour, markersize=4, markeredgecolor="black", markeredgewidth=0.4)
-    for j, t in enumerate(tasks):
-        if t in TARGETS:
-            ax.hlines(TARGETS[t], j - 0.45, j + 0.45, colors="black", linestyles="--", linewidth=1,
-                      label="target" if j == 0 else None)
+    for j, t in enumerate(t for t in tasks if t in TARGETS):
+        ax.hlines(TARGETS[t], tasks.index(t) - 0.45, tasks.index(t) + 0.45, colors="black", linestyles="--",
+                  linewidth=1, label="target" if j == 0 else None)
     ax.set_xticks(range(len(tasks)), tasks)
     ax.set(ylabel="gain over the causal base, Spearman points",
            title=f"Across training seeds {', '.join(map(str, runs))} (dots: one seed each)")

@@ -197,6 +197,8 @@ def test_seed_lines_give_every_seed_the_mean_and_the_targets_on_the_mean(tmp_pat
     over = next(line for line in lines if line.startswith(f"{study.TARGET_VARIANT} over {study.CONTROL}"))
     g = study.TARGETS["STS12"]
     assert f"STS12 {g - 5.5:+.2f} / {g - 3.5:+.2f} (mean {g - 4.5:+.2f})" in over
+    study.seed_plot({s: r[r.variant == "causal base"] for s, r in runs.items()}, tmp_path)
+    assert not (tmp_path / "seeds.png").exists()  # no trained variant: nothing to draw
     study.seed_plot(runs, tmp_path)
     assert (tmp_path / "seeds.png").stat().st_size > 10_000
 
