@@ -259,9 +259,10 @@ def variants(out: Path) -> dict[str, dict]:
                    for k, v in {**RESET, **spec}.items() if k != "heldout"} for name, spec in VARIANTS.items()}
 
 
-def train(base: Path, out: Path, seed: int, needed=None) -> dict[str, float]:
+def train(base: Path, out: Path, seed: int, needed=None, text=None) -> dict[str, float]:
     """The adapters in ``needed`` (default all) and those they build on: skipped when finished on the same text and
-    recipe, resumed when interrupted. Returns seconds per adapter trained."""
+    recipe, resumed when interrupted. ``text``: what ``training_texts()`` returns, drawn here when not given.
+    Returns seconds per adapter trained."""
     from lab.adapt import LoraSpec, mntp, simcse
 
     needed = set(ADAPTERS if needed is None else needed)
@@ -270,7 +271,7 @@ def train(base: Path, out: Path, seed: int, needed=None) -> dict[str, float]:
             needed.update(ADAPTERS[name][1])
     if not needed:
         return {}
-    texts, counts = training_texts()
+    texts, counts = text or training_texts()
     print(f"training text: {counts}", flush=True)
     lora = LoraSpec(**RECIPE["lora"])
     seconds = {}
@@ -534,6 +535,16 @@ TARGET_VARIANT = "bidirectional + MNTP + SimCSE"
 CONTROL = "causal + SimCSE"  # the same SimCSE budget with causal attention
 
 
+def _pivot(results):
+    """Variant x task table of Spearman x100, in the order the rows come."""
+    return results.pivot_table(index="variant", columns="task", values="spearman_x100", sort=False)
+
+
+def _verdict(task: str, gain: float) -> str:
+    """``STS12 +10.34 (target +10: met)``: a gain of ``TARGET_VARIANT`` against the task's target."""
+    return f"{task} {gain:+.2f} (target +{TARGETS[task]:.0f}: {'met' if gain >= TARGETS[task] else 'short'})"
+
+
 def comparison_lines(results, compared: dict | None = None) -> list[str]:
     """Markdown: the scores per training text (each earlier text of ``compared``, label -> its results table, then
     ``TEXT_MIX``; a variant without adapters once: it is not trained), the gains over the causal base, the targets
@@ -544,11 +555,8 @@ def comparison_lines(results, compared: dict | None = None) -> list[str]:
     current = mix_label(TEXT_MIX)
     tasks = list(dict.fromkeys(results.task))
 
-    def pivot(df):
-        return df.pivot_table(index="variant", columns="task", values="spearman_x100", sort=False)
-
-    new = pivot(results)
-    tables = {**{label: pivot(df) for label, df in compared.items()}, current: new}
+    new = _pivot(results)
+    tables = {**{label: _pivot(df) for label, df in compared.items()}, current: new}
 
     def get(table, variant, task):
         ok = table is not None and variant in table.index and task in table.columns
@@ -583,8 +591,7 @@ def comparison_lines(results, compared: dict | None = None) -> list[str]:
                 if not r.startswith("| causal base |")]]
     lines += ["", f"Targets ({TARGET_VARIANT} over the causal base):", ""]
     for label, t in tables.items():
-        parts = [f"{k} {g:+.2f} (target +{TARGETS[k]:.0f}: {'met' if g >= TARGETS[k] else 'short'})"
-                 for k in tasks if k in TARGETS and (g := gain(t, TARGET_VARIANT, k)) is not None]
+        parts = [_verdict(k, g) for k in tasks if k in TARGETS and (g := gain(t, TARGET_VARIANT, k)) is not None]
         if parts:
             lines.append(f"- {label}: " + ", ".join(parts))
     lines += ["", f"Best variant per task ({current}), and its margin over the next best:", ""]
@@ -613,11 +620,17 @@ def seed_runs(out: Path, seed: int, results) -> dict:
     return dict(sorted(runs.items()))
 
 
-def _gains(results):
-    """Variant x task table of the gains over the causal base (Spearman points) of the trained variants."""
-    t = results.pivot_table(index="variant", columns="task", values="spearman_x100", sort=False)
-    trained = [v for v in t.index if VARIANTS.get(v, {}).get("adapters")]
-    return t.loc[trained] - t.loc["causal base"] if "causal base" in t.index else t.loc[[]]
+def _gains(runs: dict):
+    """(seed, variant) x task table of the gains over the causal base (Spearman points) of the trained variants,
+    from ``runs`` (seed -> results table)."""
+    import pandas as pd
+
+    def one(results):
+        t = _pivot(results)
+        trained = [v for v in t.index if VARIANTS.get(v, {}).get("adapters")]
+        return t.loc[trained] - t.loc["causal base"] if "causal base" in t.index else t.loc[[]]
+
+    return pd.concat({s: one(r) for s, r in runs.items()}, names=["seed", "variant"])
 
 
 def seed_lines(runs: dict) -> list[str]:
@@ -627,10 +640,10 @@ def seed_lines(runs: dict) -> list[str]:
 
     if len(runs) < 2:
         return []
-    gains = {s: _gains(r) for s, r in runs.items()}
-    tasks = list(dict.fromkeys(t for g in gains.values() for t in g.columns))
-    variants_ = list(dict.fromkeys(v for g in gains.values() for v in g.index))
-    stacked = pd.concat(gains, names=["seed", "variant"]).reindex(columns=tasks)
+    stacked = _gains(runs)
+    gains = {s: g.droplevel("seed") for s, g in stacked.groupby(level="seed", sort=False)}
+    tasks = list(stacked.columns)
+    variants_ = list(dict.fromkeys(stacked.index.get_level_values("variant")))
     mean = stacked.groupby(level="variant", sort=False).mean()
     spread = stacked.groupby(level="variant", sort=False).agg(lambda x: x.max() - x.min())
     seeds = ", ".join(map(str, runs))
@@ -648,8 +661,7 @@ def seed_lines(runs: dict) -> list[str]:
         lines += [row(v, f"mean of {len(runs)}", mean.loc[v]), f"| {v} | spread | "
                   + " | ".join("" if pd.isna(x) else f"{x:.2f}" for x in spread.loc[v]) + " |"]
     if TARGET_VARIANT in mean.index:
-        parts = [f"{k} {g:+.2f} (target +{TARGETS[k]:.0f}: {'met' if g >= TARGETS[k] else 'short'})"
-                 for k in tasks if k in TARGETS and not pd.isna(g := mean.loc[TARGET_VARIANT, k])]
+        parts = [_verdict(k, g) for k in tasks if k in TARGETS and not pd.isna(g := mean.loc[TARGET_VARIANT, k])]
         lines += ["", f"Targets on the mean of {len(runs)} seeds ({TARGET_VARIANT} over the causal base): "
                   + ", ".join(parts)]
         each = []
@@ -674,10 +686,8 @@ def seed_plot(runs: dict, out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import pandas as pd
 
-    gains = {s: _gains(r) for s, r in runs.items()}
-    stacked = pd.concat(gains, names=["seed", "variant"])
+    stacked = _gains(runs)
     shown = [v for v in (TARGET_VARIANT, CONTROL) if v in stacked.index.get_level_values("variant")]
     if not shown:
         return
@@ -746,7 +756,7 @@ def write_readme(results, layers, out: Path, counts: dict, seconds: dict, comman
              ("Spearman x100 of cosine similarity vs gold (MTEB's STS main score), each distinct sentence embedded "
               "once; STSBenchmark = its test split, SICK-R = all 9,927 pairs:"), ""]
     lines += comparison_lines(results, compared)
-    if across := seed_lines(runs or {seed: results}):
+    if across := seed_lines(runs or {}):
         lines += ["", *across, "", "`seeds.png` draws these gains."]
     lines += ["", "## Cost", "", ("Each variant's embedding call over the distinct sentences it scores (STSBenchmark test, "
               "and the held-out sets where scored), on the machine above; echo runs each text twice, PromptEOL "
@@ -812,7 +822,6 @@ def main(argv=None) -> int:
                     help="variants of the layer sweep (default: the causal base and the best adapted variant on "
                          "STSBenchmark, those of them scored now); --sweep alone skips the sweep")
     args = ap.parse_args(argv)
-    sweep_given = args.sweep
 
     import pandas as pd
     import torch
@@ -828,7 +837,8 @@ def main(argv=None) -> int:
     base = Path(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     names = args.variants or list(VARIANTS)
-    seconds = train(base, args.out, args.seed, {a for n in names for a in VARIANTS[n]["adapters"]})
+    text = training_texts()  # the adapters' text, and its counts for the README
+    seconds = train(base, args.out, args.seed, {a for n in names for a in VARIANTS[n]["adapters"]}, text)
     print(f"training done after {time.perf_counter() - t0:.0f} s", flush=True)
 
     eng = Engine(str(base), **ENGINE)
@@ -844,13 +854,14 @@ def main(argv=None) -> int:
     results = results.sort_values(["variant", "task"], key=lambda s: s.map(order if s.name == "variant" else tasks))
     results.to_csv(args.out / "results.csv", index=False)
 
-    if args.sweep is None:
+    sweep = args.sweep
+    if sweep is None:
         sts = results[results.task == "STSBenchmark"].set_index("variant")["spearman_x100"]
         adapted = sts.drop([n for n in sts.index if not VARIANTS[n]["adapters"]])
-        args.sweep = [n for n in ("causal base", *([adapted.idxmax()] if len(adapted) else [])) if n in names]
+        sweep = [n for n in ("causal base", *([adapted.idxmax()] if len(adapted) else [])) if n in names]
     n = eng.model.num_layers
     step = 10 if SMOKE else 3
-    layers = layer_sweep(scorer, args.out, args.sweep, sorted(set(range(0, n + 1, step)) | {n}))
+    layers = layer_sweep(scorer, args.out, sweep, sorted(set(range(0, n + 1, step)) | {n}))
     if args.variants:
         layers = _merge(layers, args.out / "layers.csv", ["variant", "layer"])
         layers = layers.sort_values(["variant", "layer"], key=lambda s: s.map(order) if s.name == "variant" else s)
@@ -866,14 +877,14 @@ def main(argv=None) -> int:
     runs = seed_runs(args.out, args.seed, results)
     if len(runs) > 1:
         seed_plot(runs, args.out)
-    counts = training_texts()[1]
+    counts = text[1]
     m = machine_info()
     machine = f"{m['cpu']}, {m['cores']} cores, torch {torch.__version__}"
     out = args.out.resolve()
     command = ("python evals/llm2vec_study.py" + (" --heldout" if args.heldout else "")
                + (f" --seed {args.seed}" if args.seed else "")
                + ("" if out == DEFAULT_OUT else f" --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
-               + ("" if sweep_given is None else " --sweep" + "".join(f' "{n}"' for n in sweep_given)))
+               + ("" if args.sweep is None else " --sweep" + "".join(f' "{n}"' for n in args.sweep)))
     write_readme(results, layers, args.out, counts, seconds, command, machine, compared, args.seed, runs)
     print((args.out / "README.md").read_text())
     print(f"study done in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -120,18 +120,19 @@ def test_mix_label_names_each_source_drawn():
     assert study.mix_label({"twentynewsgroups": 5000, "banking77": 0}) == "20NG 5,000"
 
 
+def _results(scores):
+    import pandas as pd
+
+    return pd.DataFrame([{"variant": v, "task": t, "spearman_x100": x} for (v, t), x in scores.items()])
+
+
 def test_report_sets_every_training_text_side_by_side():
     """comparison_lines: a trained variant gets one row per training text (the earlier ones, then ``TEXT_MIX``), an
     untrained one a single row; each text's target line says met or short from its own gains."""
-    import pandas as pd
-
-    def table(scores):
-        return pd.DataFrame([{"variant": v, "task": t, "spearman_x100": x} for (v, t), x in scores.items()])
-
     base = {("causal base", t): 40.0 for t in study.TARGETS}
-    current = table({**base, **{(study.TARGET_VARIANT, t): 40.0 + g + 1 for t, g in study.TARGETS.items()},
-                     ("causal echo", "STSBenchmark"): 55.0})
-    short = table({**base, **{(study.TARGET_VARIANT, t): 40.0 + g - 1 for t, g in study.TARGETS.items()}})
+    current = _results({**base, **{(study.TARGET_VARIANT, t): 40.0 + g + 1 for t, g in study.TARGETS.items()},
+                        ("causal echo", "STSBenchmark"): 55.0})
+    short = _results({**base, **{(study.TARGET_VARIANT, t): 40.0 + g - 1 for t, g in study.TARGETS.items()}})
     label = study.mix_label(study.TEXT_MIX)
     lines = study.comparison_lines(current, {"earlier text": short})
     rows = [line for line in lines if line.startswith(f"| {study.TARGET_VARIANT} |")]
@@ -150,12 +151,6 @@ def test_compared_tables_are_committed():
         assert (study.DEFAULT_OUT / results).exists(), label
         assert layers is None or (study.DEFAULT_OUT / layers).exists(), label
         assert what
-
-
-def _results(scores):
-    import pandas as pd
-
-    return pd.DataFrame([{"variant": v, "task": t, "spearman_x100": x} for (v, t), x in scores.items()])
 
 
 def test_seed_runs_reads_each_other_seed_folder(tmp_path):
@@ -192,7 +187,8 @@ def test_seed_lines_give_every_seed_the_mean_and_the_targets_on_the_mean(tmp_pat
     target = next(line for line in lines if line.startswith("Targets on the mean of 2 seeds"))
     assert target.count("met") == len(study.TARGETS) and "short" not in target
     each = next(line for line in lines if line.startswith("Each seed on its own"))
-    assert each.startswith(f"Each seed on its own: seed 0 short on STSBenchmark {study.TARGETS['STSBenchmark'] - 0.5:+.2f}")
+    first = f"seed 0 short on STSBenchmark {study.TARGETS['STSBenchmark'] - 0.5:+.2f}"
+    assert each.startswith(f"Each seed on its own: {first}")
     assert each.endswith("; seed 1 meets every target.")
     over = next(line for line in lines if line.startswith(f"{study.TARGET_VARIANT} over {study.CONTROL}"))
     g = study.TARGETS["STS12"]
