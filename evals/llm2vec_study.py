@@ -665,10 +665,15 @@ def seed_lines(runs: dict) -> list[str]:
         lines += ["", f"Targets on the mean of {len(runs)} seeds ({TARGET_VARIANT} over the causal base): "
                   + ", ".join(parts)]
         each = []
-        for s, g in gains.items():
-            short = [f"{k} {x:+.2f}" for k in tasks if k in TARGETS and TARGET_VARIANT in g.index
-                     and k in g.columns and not pd.isna(x := g.loc[TARGET_VARIANT, k]) and x < TARGETS[k]]
-            each.append(f"seed {s} " + (f"short on {', '.join(short)}" if short else "meets every target"))
+        for s in runs:  # a seed is judged only on what it scored: a set it did not score is named, not passed
+            g = gains.get(s)
+            scored = {k: g.loc[TARGET_VARIANT, k] for k in TARGETS if g is not None and TARGET_VARIANT in g.index
+                      and k in g.columns and not pd.isna(g.loc[TARGET_VARIANT, k])}
+            short = [f"{k} {x:+.2f}" for k, x in scored.items() if x < TARGETS[k]]
+            missing = [k for k in TARGETS if k not in scored]
+            said = [f"{what} on {', '.join(tasks_)}" for what, tasks_ in (("short", short), ("not scored", missing))
+                    if tasks_]
+            each.append(f"seed {s} " + (" and ".join(said) if said else "meets every target"))
         lines += ["", "Each seed on its own: " + "; ".join(each) + "."]
     if {TARGET_VARIANT, CONTROL} <= set(mean.index):
         over = stacked.xs(TARGET_VARIANT, level="variant") - stacked.xs(CONTROL, level="variant")

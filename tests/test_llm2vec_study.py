@@ -190,6 +190,9 @@ def test_seed_lines_give_every_seed_the_mean_and_the_targets_on_the_mean(tmp_pat
     first = f"seed 0 short on STSBenchmark {study.TARGETS['STSBenchmark'] - 0.5:+.2f}"
     assert each.startswith(f"Each seed on its own: {first}")
     assert each.endswith("; seed 1 meets every target.")
+    partial = {**runs, 2: runs[1][runs[1].task != "SICK-R"], 3: runs[1][runs[1].variant != study.TARGET_VARIANT]}
+    each = next(line for line in study.seed_lines(partial) if line.startswith("Each seed on its own"))
+    assert each.endswith("; seed 2 not scored on SICK-R; seed 3 not scored on " + ", ".join(study.TARGETS) + ".")
     over = next(line for line in lines if line.startswith(f"{study.TARGET_VARIANT} over {study.CONTROL}"))
     g = study.TARGETS["STS12"]
     assert f"STS12 {g - 5.5:+.2f} / {g - 3.5:+.2f} (mean {g - 4.5:+.2f})" in over
