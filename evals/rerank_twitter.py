@@ -30,9 +30,10 @@ import pandas as pd
 
 from evals.data_io import read_jsonl, spread
 from evals.results_index import device_slug, stamp, write_meta
+from lab import env
 
 ROOT = Path(__file__).resolve().parent
-DATA = Path(os.environ.get("LAB_EVAL_DATA") or ROOT / "data") / "twitterurlcorpus" / "test.reranking.jsonl.gz"
+DATA = env.path("LAB_EVAL_DATA", ROOT / "data") / "twitterurlcorpus" / "test.reranking.jsonl.gz"
 RESULTS = ROOT / "results" / "rerank_twitter"
 INSTRUCTION = "Retrieve tweets that paraphrase the given news headline"  # the custom mteb task's query prompt
 

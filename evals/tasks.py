@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,13 +25,14 @@ from mteb.abstasks.retrieval import AbsTaskRetrieval
 from mteb.abstasks.task_metadata import TaskMetadata
 
 from evals.data_io import read_jsonl, spread
+from lab import env
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 def data_root() -> Path:
     """Root of the local data: ``$LAB_EVAL_DATA`` if set, else ``evals/data`` next to this file."""
-    return Path(os.environ.get("LAB_EVAL_DATA") or DEFAULT_DATA_DIR)
+    return env.path("LAB_EVAL_DATA", DEFAULT_DATA_DIR)
 
 
 

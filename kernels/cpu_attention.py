@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from . import env
+
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 WIDTH = 16  # floats per vector in the kernel: the head size must be a multiple of it
 DTYPES = (torch.float32, torch.bfloat16)
@@ -43,7 +45,9 @@ _LOCK = threading.Lock()
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LAB_KERNEL_CACHE") or Path.home() / ".cache" / "prefill-lab" / "kernels")
+    """``$LAB_KERNEL_CACHE`` (a folder; a file in its place is a ``ValueError`` naming the variable), else
+    ``~/.cache/prefill-lab/kernels``."""
+    return env.path("LAB_KERNEL_CACHE", Path.home() / ".cache" / "prefill-lab" / "kernels", folder=True)
 
 
 def _compiler() -> str | None:
@@ -104,8 +108,8 @@ def _load() -> ctypes.CDLL | None:
     with _LOCK:
         if _LIB is not None or _REASON is not None:
             return _LIB
-        if os.environ.get("LAB_CPU_NATIVE_KERNELS", "1") == "0":
-            _REASON = "disabled by LAB_CPU_NATIVE_KERNELS=0"
+        if not env.flag("LAB_CPU_NATIVE_KERNELS", True):  # a value it does not take raises, naming it
+            _REASON = f"disabled by {env.setting('LAB_CPU_NATIVE_KERNELS')}"
             return None
         try:
             lib = bind(build())

@@ -1,6 +1,7 @@
 """The README's generated blocks, written from the code so they cannot drift: the knob table (``KNOB_DOCS`` and the
-``Knobs`` defaults), the CPU fast-path table (``lab.ops.probes.CANDIDATES``) and the API list (every public name of
-``lab`` and of each subpackage's ``__all__``, with the first line of its docstring).
+``Knobs`` defaults), the environment variables (``lab.env``), the CPU fast-path table (``lab.ops.probes.CANDIDATES``)
+and the API list (every public name of ``lab`` and of each subpackage's ``__all__``, with the first line of its
+docstring).
 
 Each block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in ``README.md``; the lines between are
 replaced, everything else is kept. The speed block (``speed``) is written by ``python -m evals.results_index``.
@@ -111,7 +112,15 @@ def api_block() -> str:
     return "\n".join(rows)
 
 
-BLOCKS: dict[str, Callable[[], str]] = {"knobs": knob_table, "cpu-paths": cpu_path_table, "api": api_block}
+def env_table() -> str:
+    """Every ``LAB_*`` environment variable (``lab.env.VARIABLES``): accepted values, default, effect."""
+    from lab import env
+
+    return env.table()
+
+
+BLOCKS: dict[str, Callable[[], str]] = {"knobs": knob_table, "cpu-paths": cpu_path_table, "env": env_table,
+                                        "api": api_block}
 
 
 def markers(name: str) -> tuple[str, str]:

@@ -83,6 +83,39 @@ def test_an_interrupted_conversion_leaves_no_complete_folder(tmp_path, monkeypat
     assert (gguf.cache_gguf_as_safetensors(src, out) / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_a_damaged_cached_model_is_rebuilt_from_the_source(tmp_path, fake_loader, damage):
+    """A cached model.safetensors that cannot be read (cut short, or garbage over it) is converted again from the
+    GGUF, whose digest still matches gguf_source.json, with a warning naming both; no temporary folder is left."""
+    from lab.models.loading import read_folder, read_state_dict
+
+    src = _write(tmp_path / "m.gguf", b"weights" * 100)
+    out = tmp_path / "cache" / "m"
+    gguf.cache_gguf_as_safetensors(src, out)
+    good = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(good[: len(good) // 2] if damage == "truncated" else b"\x07" * len(good))
+    with pytest.warns(UserWarning, match=rf"the cached conversion {out / 'model.safetensors'} is damaged .*; "
+                                         rf"rebuilding it from {src}, whose SHA-256 matches the one "
+                                         rf"{out / 'gguf_source.json'} records"):
+        assert gguf.cache_gguf_as_safetensors(src, out) == out
+    assert len(fake_loader) == 2 and (out / "model.safetensors").read_bytes() == good
+    assert sorted(p.name for p in out.parent.iterdir()) == [".lock-m", "m"]
+    spec = read_folder(out)
+    assert set(read_state_dict(spec)) == set(spec.tensors)
+
+
+def test_lab_cache_naming_a_file_is_refused_naming_it(tmp_path, monkeypatch, fake_loader):
+    src = _write(tmp_path / "m.gguf", b"weights" * 100)
+    f = tmp_path / "cache-file"
+    f.write_text("a file, not a folder")
+    monkeypatch.setenv("LAB_CACHE", str(f))
+    with pytest.raises(ValueError, match=rf"LAB_CACHE='{f}' is a file, not a folder: point LAB_CACHE at a folder"):
+        gguf.cache_gguf_as_safetensors(src)
+    with pytest.raises(ValueError, match=rf"LAB_CACHE='{f}' is a file"):
+        Engine(str(src))
+    assert f.read_text() == "a file, not a folder" and fake_loader == []
+
+
 def test_copies_with_other_paths_and_mtimes_share_one_entry(tmp_path, monkeypatch, fake_loader):
     """A second virtual environment holds its own copy of a packaged GGUF (other path, other mtime): the cache is
     keyed by content, so it reuses the first one's folder instead of converting and rewriting it."""

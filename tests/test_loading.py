@@ -112,6 +112,12 @@ def test_a_config_with_layers_the_checkpoint_lacks_fails_at_once(models, kind, w
                                      r"shape \(30000, 48\), but .*model.safetensors holds "
                                      r"'embeddings.word_embeddings.weight' of shape \(30522, 48\)")),
     ("bert", {"intermediate_size": 2**40}, r"config.json: intermediate_size=1099511627776 and hidden_size=48"),
+    ("bert", {"intermediate_size": 10**9}, (r"config.json: intermediate_size=1000000000 and hidden_size=48 ask for a "
+                                           r"weight matrix of 4.8e\+10 elements, 179 GiB in float32 \(the limit is "
+                                           r"8.59e\+09 elements, 32 GiB\).*fix intermediate_size \(or hidden_size\)")),
+    ("bert", {"type_vocab_size": 10**10}, (r"config.json: type_vocab_size=10000000000 and hidden_size=48 ask for a "
+                                           r"weight matrix of 4.8e\+11 elements, 1.75 TiB in float32")),
+    ("llama", {"intermediate_size": 10**9}, r"config.json: intermediate_size=1000000000 and hidden_size=64 .*238 GiB"),
     ("llama", {"rope_theta": 0}, r"config.json: rope_theta must be a finite number above 0, got 0"),
     ("llama", {"rope_theta": -10000.0}, r"config.json: rope_theta must be a finite number above 0"),
     ("llama", {"rms_norm_eps": -1e-6}, r"config.json: rms_norm_eps must be a finite number >= 0 .*got -1e-06"),
@@ -167,6 +173,42 @@ def test_the_hub_cache_layout_loads_sharded_or_not(models, tmp_path, sharded):
         shutil.copy(src / "model.safetensors", blobs / "model.safetensors")
         (snap / "model.safetensors").symlink_to(Path("..", "..", "blobs", "model.safetensors"))
     np.testing.assert_array_equal(Engine(str(snap)).embed(TEXTS), Engine(str(src)).embed(TEXTS))
+
+
+def test_a_shard_linked_out_of_the_folder_is_refused_naming_it(models, tmp_path):
+    """A shard index may name a link, as the hub cache does (``../../blobs``), but not one that leaves the folder
+    for a file elsewhere: that is refused naming the shard, before its bytes are read."""
+    folder = _copy(models, "bert", tmp_path / "bert")
+    sd = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(sd)
+    save_file({k: sd[k] for k in names[::2]}, str(folder / "model-00001-of-00002.safetensors"))
+    outside = tmp_path / "elsewhere" / "secrets.txt"
+    outside.parent.mkdir()
+    outside.write_text("not weights")
+    (folder / "model-00002-of-00002.safetensors").symlink_to(outside)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(names)}}))
+    with pytest.raises(ValueError, match=rf"{folder / 'model.safetensors.index.json'} names the shard "
+                                         rf"'model-00002-of-00002.safetensors', a link out of the folder \(to "
+                                         rf"{outside}\); refusing to read weights from outside {folder}"):
+        Engine(str(folder))
+
+
+@pytest.mark.parametrize("damage", ["tokenizer.json list", "tokenizer.json empty", "vocab.txt empty"])
+def test_a_broken_tokenizer_file_is_named(models, tmp_path, damage):
+    folder = _copy(models, "bert", tmp_path / "bert")
+    name, how = damage.split()
+    f = folder / name
+    if name == "vocab.txt":
+        (folder / "tokenizer.json").unlink()  # the vocabulary is what transformers reads then
+    f.write_text({"list": "[1, 2, 3]", "empty": ""}[how])
+    match = {"tokenizer.json list": rf"{f} should hold a JSON object \(the fast tokenizer.*got a list; download or "
+                                    r"save the tokenizer again",
+             "tokenizer.json empty": rf"{f} is not valid JSON .*; it should hold a JSON object",
+             "vocab.txt empty": rf"{f} is empty \(0 bytes\): the tokenizer has no vocabulary"}[damage]
+    with pytest.raises(ValueError, match=match):
+        Engine(str(folder))
 
 
 def test_weights_under_another_name_are_not_guessed(models, tmp_path):
@@ -287,6 +329,10 @@ def live(models, tmp_path_factory):
     ({"rank_pattern": ["q_proj"]}, r"adapter_config.json: rank_pattern must be an object mapping module names"),
     ({"rank_pattern": {"q_proj": 0}}, r"adapter_config.json: rank_pattern\['q_proj'\] must be a positive integer"),
     ({"alpha_pattern": {"q_proj": None}}, r"adapter_config.json: alpha_pattern\['q_proj'\] must be a finite"),
+    ({"rank_pattern": {"layers.0.q_proj[": 4}}, (r"adapter_config.json: rank_pattern has the key 'layers.0.q_proj\[', "
+                                                r"which is not a valid regular expression \(unterminated character set")),
+    ({"alpha_pattern": {"*_proj": 8}}, (r"adapter_config.json: alpha_pattern has the key '\*_proj', which is not a "
+                                        r"valid regular expression \(nothing to repeat.*re.escape")),
 ])
 def test_bad_adapter_configs_are_named_and_change_nothing(live, tmp_path, config, match):
     eng, _, before = live

@@ -23,7 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAB, KERNELS = ROOT / "lab", ROOT / "kernels"
 # layer -> the layers it may import (besides itself, ``lab.kernels`` and the package helpers ``lab._lazy`` /
-# ``lab._repo`` / ``lab._extras``), bottom to top. ``lab`` itself (``__init__``, ``demo``) sits above them all.
+# ``lab._repo`` / ``lab._extras`` / ``lab.env``), bottom to top. ``lab`` itself (``__init__``, ``demo``) sits above
+# them all.
 LAYERS = {
     "lab.ops": set(),  # batch layout, attention / GEMM dispatch, CPU probes and plan
     "lab.models": {"lab.ops"},  # families on flat tokens + AttnMeta, loading
@@ -34,7 +35,7 @@ LAYERS = {
     "lab.eval": {"lab.ops", "lab.models", "lab.runtime", "lab.outputs", "lab.adapt", "lab.engine"},
     "lab.distributed": {"lab.ops", "lab.models", "lab.runtime", "lab.outputs", "lab.adapt", "lab.engine", "lab.eval"},
 }
-HELPERS = {"lab._lazy", "lab._repo", "lab._extras"}
+HELPERS = {"lab._lazy", "lab._repo", "lab._extras", "lab.env"}
 # the one upward edge: the Engine facade opens its front-ends (``Engine.panel()``, ``Engine.as_mteb_model()``),
 # imported inside those methods; nothing they import reaches back into the facade
 FRONT_ENDS = {"lab.engine.engine": {"lab.eval.panel", "lab.eval.mteb_adapter"}}

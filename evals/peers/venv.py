@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lab import env as lab_env
+
 HERE = Path(__file__).resolve().parent
 REQUIREMENTS = HERE / "requirements.txt"
 WORKER = HERE / "worker.py"
@@ -33,7 +35,7 @@ STAMP = ".requirements-sha256"  # inside the venv / export folder: the requireme
 
 def cache_root() -> Path:
     """``$LAB_PEERS_CACHE`` if set, else ``~/.cache/prefill-lab``."""
-    return Path(os.environ.get("LAB_PEERS_CACHE") or Path.home() / ".cache" / "prefill-lab")
+    return lab_env.path("LAB_PEERS_CACHE", Path.home() / ".cache" / "prefill-lab", folder=True)
 
 
 def requirements_key(path: Path = REQUIREMENTS) -> str:

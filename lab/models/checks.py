@@ -19,9 +19,11 @@ import torch
 # config keys that are sizes: a positive integer where present (None: the family's default)
 _POSITIVE_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "head_dim",
                    "intermediate_size", "vocab_size", "max_position_embeddings")
-# no weight matrix of a real model comes near this many elements (the largest embeddings hold ~4e9); a config whose
-# sizes multiply past it is wrong, and building it would allocate without bound (or overflow 64-bit sizes)
-MAX_MATRIX_ELEMENTS = 1 << 40
+# the most elements one weight matrix may have: 2**33 (8.6e9), 32 GiB in float32 (the engine's master copy). The
+# largest matrices of released models, embedding tables of 256k tokens x 16k-18k columns, hold 4-5e9 elements, so
+# every real config passes with room; a config past it is a typo (intermediate_size=10**9 asks 1.5 TB beside a
+# 384-wide model), and is refused from its sizes alone, before any memory is asked for
+MAX_MATRIX_ELEMENTS = 1 << 33
 # config keys that are epsilons added under a square root: a finite number >= 0
 _EPSILONS = ("layer_norm_eps", "rms_norm_eps")
 
@@ -58,21 +60,30 @@ def check_config(config: dict, path: Path) -> None:
                          "grouped-query attention shares each key/value head among a whole number of query heads")
     head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
     matrices = (("vocab_size", "hidden_size"), ("max_position_embeddings", "hidden_size"),
-                ("intermediate_size", "hidden_size"))
+                ("intermediate_size", "hidden_size"), ("type_vocab_size", "hidden_size"))
     for a, b in matrices:
         if config.get(a) and config.get(b) and config[a] * config[b] > MAX_MATRIX_ELEMENTS:
             raise ValueError(f"{path}: {a}={config[a]} and {b}={config[b]} ask for a weight matrix of "
-                             f"{config[a] * config[b]:.3g} elements (more than {MAX_MATRIX_ELEMENTS:.3g}); the sizes "
-                             "cannot be right")
+                             f"{config[a] * config[b]:.3g} elements, {_float32_size(config[a] * config[b])} in "
+                             f"float32 (the limit is {MAX_MATRIX_ELEMENTS:.3g} elements, "
+                             f"{_float32_size(MAX_MATRIX_ELEMENTS)}); the sizes cannot be right: fix {a} (or {b}) "
+                             "in config.json")
     if heads and head_dim and hidden and heads * head_dim * hidden > MAX_MATRIX_ELEMENTS:
+        n = heads * head_dim * hidden
         raise ValueError(f"{path}: num_attention_heads={heads} x head_dim={head_dim} x hidden_size={hidden} asks "
-                         f"for a query projection of more than {MAX_MATRIX_ELEMENTS:.3g} elements; the sizes cannot "
-                         "be right")
+                         f"for a query projection of {n:.3g} elements, {_float32_size(n)} in float32 (the limit is "
+                         f"{MAX_MATRIX_ELEMENTS:.3g} elements); the sizes cannot be right: fix them in config.json")
     for key in _EPSILONS:
         if key in config and config[key] is not None and (not is_number(config[key]) or config[key] < 0):
             raise ValueError(f"{path}: {key} must be a finite number >= 0 (it is added to the variance under a "
                              f"square root), got {config[key]!r}")
     check_rope(config, path)
+
+
+def _float32_size(elements: int) -> str:
+    """The memory ``elements`` float32 values take, in GiB or TiB."""
+    gib = elements * 4 / 2**30
+    return f"{gib / 1024:.3g} TiB" if gib >= 1024 else f"{gib:.3g} GiB"
 
 
 def check_rope(config: dict, path: Path) -> None:

