@@ -226,6 +226,7 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             out = torch.ops.mkldnn._linear_pointwise(x.float(), wide_weight(weight, plan), _f32(bias, plan), kind,
                                                      [], algorithm)
             return out.to(torch.bfloat16)
-        w = gemm_weight(x, weight, plan) if weight.is_contiguous() and not torch.is_grad_enabled() else weight
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, kind, [], algorithm)
+        if x.dtype == torch.float32 or _ONEDNN_BF16:  # oneDNN's linear takes bfloat16 only where the CPU does
+            w = gemm_weight(x, weight, plan) if weight.is_contiguous() and not torch.is_grad_enabled() else weight
+            return torch.ops.mkldnn._linear_pointwise(x, w, bias, kind, [], algorithm)
     return act(linear(x, weight, bias, plan=plan))
