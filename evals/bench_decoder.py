@@ -76,6 +76,7 @@ from evals.criteria import COSINE_TARGET, cosine_note, meets_speed_target, min_c
 from evals.data_io import mixed_corpus, read_jsonl, scifact_text, spread
 from evals.results_index import companion, device_slug, stamp, write_meta
 from lab.eval.bench import interleaved
+from lab.models.hub import local_folder
 
 DATA = ROOT / "evals" / "data"
 RESULTS = ROOT / "evals" / "results"
@@ -134,8 +135,9 @@ def scifact_queries() -> list[str]:
 
 
 def model_path(arg: str | None) -> str:
+    """The model folder: ``arg`` (a folder, or a hub id resolved to its snapshot folder), else SmolLM2's."""
     if arg:
-        return arg
+        return local_folder(arg)
     from lab.models.gguf import smollm2_path
 
     return str(smollm2_path())
@@ -707,7 +709,8 @@ def summary(df) -> str:
 # ------------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model folder (default: the cached SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, 
+                    help="model folder or hub id (org/name[@revision]; default: the cached SmolLM2-135M-Instruct)")
     ap.add_argument("--sections", nargs="+", default=["throughput", "memory", "prefix"],
                     choices=["throughput", "memory", "prefix"])
     ap.add_argument("--corpus", default="mixed", choices=["mixed", "scifact"],

@@ -41,6 +41,7 @@ import torch
 from evals.criteria import meets_speed_target, min_cosine
 from evals.data_io import load_corpus
 from evals.results_index import device_slug, stamp, write_meta
+from lab.models.hub import local_folder
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -90,7 +91,8 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
             for name, secs in times.items():
                 med = statistics.median(secs)
                 rows.append({
-                    "corpus": corpus, "dtype": dtype, "system": name, "texts": len(texts), "tokens": real,
+                    "corpus": corpus, "dtype": dtype, "system": name, "model": eng.model_name,
+                    "revision": eng.revision, "texts": len(texts), "tokens": real,
                     "padded_tokens": eng.stats.padded_tokens if name == "engine" else padded,
                     "seconds_median": med, "seconds_min": min(secs), "seconds_max": max(secs), "repeats": repeats,
                     "tokens_per_s": real / med, "min_cosine": cos,
@@ -191,18 +193,20 @@ def plot(df: pd.DataFrame):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model folder (default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--model", default=None,
+                        help="model folder or hub id (org/name[@revision]; default: bundled all-MiniLM-L6-v2)")
     parser.add_argument("--corpora", nargs="+", default=["stsbenchmark", "scifact", "mixed"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--scifact-docs", type=int, default=1000)
     parser.add_argument("--out", default=str(RESULTS / "bench_embed"), help="folder (default evals/results/bench_embed)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.model is None:
         from lab._extras import minilm_path
 
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         args.model = minilm_path()
+    args.model = local_folder(args.model)
     df = stamp(run(args.model, args.corpora, args.dtypes, args.repeats, args.scifact_docs))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,8 @@ per corpus and system ``texts``, ``tokens`` (real tokens after truncation, from 
 ``rss_load_delta_mb`` (resident memory the load added, imports included), ``peak_rss_mb`` (the worker's peak over the
 corpus), ``weights_mb`` / ``derived_weights_mb`` (Engine rows: the weights and the packed / widened copies its CPU
 plan keeps), ``packages``, ``settings``, ``torch_threads``, the CPU model and flags, load averages before / after the
-corpus, ``run_date``, ``machine`` (``lab.ops.probes.machine_slug``) and ``commit``.
+corpus, ``run_date``, ``machine`` (``lab.ops.probes.machine_slug``), ``commit`` (this checkout's), ``model`` and
+``revision`` (what the Engine loaded: the hub id and the snapshot's commit, or ``local/<folder>`` and a content hash).
 
 ``--corpora mixed stsbenchmark --repeats 3`` (8 systems, a warm-up and 3 rounds each) took 10 minutes on an idle
 2-core AMD EPYC; SciFact (1000 abstracts cut at 256 tokens) is the longest corpus, so a full run takes several
@@ -70,6 +71,8 @@ from evals.criteria import min_cosine
 from evals.data_io import CORPORA, load_corpus, spread
 from evals.peers.worker import decode_array
 from evals.results_index import write_meta
+from lab import env as lab_env
+from lab.models.hub import local_folder
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "bench_peers"
@@ -288,6 +291,7 @@ def assemble(records: list[dict], loads: dict, machine: dict, *, run_date: str |
             "load_seconds": load["load_seconds"], "rss_load_delta_mb": load["rss_load_delta_mb"],
             "peak_rss_mb": rec["peak_rss_mb"], "packages": info.get("packages", ""),
             "settings": info.get("settings", ""), "torch_threads": info.get("torch_threads"),
+            "model": machine.get("model"), "revision": machine.get("revision"),
             "machine": machine.get("machine"), "commit": machine.get("commit"),
             "cpu_model": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"),
             "cpu_count": os.cpu_count(), "loadavg_before": rec["loadavg_before"],
@@ -397,7 +401,17 @@ def run(systems: list[System], texts: dict[str, list[str]], repeats: int, *, mod
             records = measure(peers, texts, repeats, settle=settle, log=log)
         finally:
             close_all(peers)
-    return assemble(records, loads, {**cpu_info(), "machine": machine_slug(), "commit": git_commit()})
+    return assemble(records, loads, {**cpu_info(), "machine": machine_slug(), "commit": git_commit(),
+                                     **model_identity(model)})
+
+
+def model_identity(model: str) -> dict:
+    """The rows' ``model`` (hub id, or ``local/<folder>``) and ``revision`` (the snapshot's commit, or a local
+    folder's content hash), as an Engine on ``model`` names them (``lab.models.hub``)."""
+    from lab.models.hub import content_revision, resolve
+
+    src = resolve(model)
+    return {"model": src.name, "revision": src.revision or content_revision(src.folder)}
 
 
 def git_commit() -> str | None:
@@ -414,7 +428,8 @@ def git_commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model folder (default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--model", default=None,
+                        help="model folder or hub id (org/name[@revision]; default: bundled all-MiniLM-L6-v2)")
     parser.add_argument("--corpora", nargs="+", default=None, choices=CORPORA, help=f"default: {' '.join(CORPORA)}")
     parser.add_argument("--systems", nargs="+", default=None, metavar="SYSTEM",
                         help=f"default: every CPU system (and the CUDA ones with a GPU); valid: {', '.join(SYSTEMS)}")
@@ -422,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scifact-docs", type=int, default=1000)
     parser.add_argument("--max-texts", type=int, default=None, help="evenly spaced texts per corpus (default all)")
     parser.add_argument("--settle", type=float, default=0.2, help="idle seconds before each timed call")
-    parser.add_argument("--smoke", action="store_true", default=os.environ.get("LAB_SMOKE") == "1",
+    parser.add_argument("--smoke", action="store_true", default=lab_env.flag("LAB_SMOKE", False),
                         help=f"{SMOKE_TEXTS} texts of {' and '.join(SMOKE_CORPORA)}, 3 rounds (also LAB_SMOKE=1)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -431,11 +446,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--repeats must be at least 3 (the median of >= 3 rounds), got {repeats}")
     corpora = args.corpora or (SMOKE_CORPORA if args.smoke else list(CORPORA))
     max_texts = args.max_texts or (SMOKE_TEXTS if args.smoke else None)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.model is None:
         from lab._extras import minilm_path
 
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         args.model = minilm_path()
+    args.model = local_folder(args.model)
     import torch
 
     from lab.ops.probes import machine_slug

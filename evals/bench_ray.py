@@ -50,6 +50,7 @@ import pandas as pd
 from evals.criteria import min_cosine
 from evals.data_io import read_jsonl
 from evals.results_index import device_slug, stamp, write_meta
+from lab.models.hub import local_folder
 
 ROOT = Path(__file__).resolve().parent
 DATA, RESULTS = ROOT / "data", ROOT / "results"
@@ -183,7 +184,8 @@ def plot(tp: pd.DataFrame, proj: pd.DataFrame, title: str):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model folder (default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--model", default=None,
+                        help="model folder or hub id (org/name[@revision]; default: bundled all-MiniLM-L6-v2)")
     parser.add_argument("--texts", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shard-texts", type=int, default=2048)
@@ -203,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         from lab._extras import minilm_path
 
         args.model = minilm_path()
+    args.model = local_folder(args.model)
     import ray
     import torch
 

@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 
 from evals.data_io import read_jsonl, spread  # after the path set-up: this runs as a script
 from evals.results_index import device_slug, run_date, write_meta
+from lab.models.hub import local_folder
 
 DATA = ROOT / "evals" / "data" / "stsbenchmark" / "test.jsonl.gz"
 RESULTS = ROOT / "evals" / "results" / "causal_vs_bidirectional"
@@ -76,6 +77,7 @@ def run(args) -> list[dict]:
         from lab.models.gguf import smollm2_path
 
         args.model = str(smollm2_path())
+    args.model = local_folder(args.model)
     pairs = load_pairs(args.limit)
     sentences = sorted({p["sentence1"] for p in pairs} | {p["sentence2"] for p in pairs})
     where = {s: i for i, s in enumerate(sentences)}
@@ -158,7 +160,8 @@ def write(rows: list[dict], out: Path) -> list[Path]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model folder (default: the cached SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, 
+                    help="model folder or hub id (org/name[@revision]; default: the cached SmolLM2-135M-Instruct)")
     ap.add_argument("--limit", type=int, default=None, help="evenly spaced pairs (default: all 1,379)")
     ap.add_argument("--poolings", nargs="+", default=["mean", "lasttoken"])
     ap.add_argument("--dtype", default="float32")

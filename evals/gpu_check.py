@@ -391,6 +391,9 @@ def check_engine(ck: Check, n_texts: int, st_batch: int, model: str | None = Non
         from lab._extras import minilm_path
 
         path = minilm_path()
+    from lab.models.hub import local_folder
+
+    path = local_folder(path)  # a hub id: its snapshot folder (sentence-transformers loads the same files)
     texts, source = load_texts(n_texts)
     dtype = "bfloat16" if ck.device == "cuda" else "float32"
     config = f"{'all-MiniLM-L6-v2' if model is None else Path(path).name}, {len(texts)} texts from {source}"
@@ -523,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--st-batch-size", type=int, default=128, help="SentenceTransformer.encode batch size")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip further timings after this long")
     parser.add_argument("--model", default=None,
-                        help="all-MiniLM-L6-v2 folder for the engine section (default: the bundled package's; a "
+                        help="all-MiniLM-L6-v2 folder or hub id for the engine section (default: the bundled "
+                             "package's; a "
                              "machine without that package, such as a lent GPU box, gets a copy)")
     args = parser.parse_args(argv)
 

@@ -52,11 +52,12 @@ if str(ROOT) not in sys.path:
 
 from evals.criteria import row_cosines  # after the path set-up: this runs as a script
 from evals.data_io import DATA, read_jsonl, spread
+from lab import env
 
 REF = ROOT / "evals" / "llm2vec_ref"
 OUT = ROOT / "evals" / "results" / "llm2vec_parity"
 STUDY = ROOT / "evals" / "results" / "llm2vec"
-DEFAULT_VENV = Path(os.environ.get("LAB_LLM2VEC_VENV", Path.home() / ".cache" / "prefill-lab" / "venvs" / "llm2vec"))
+DEFAULT_VENV = env.path("LAB_LLM2VEC_VENV", Path.home() / ".cache" / "prefill-lab" / "venvs" / "llm2vec")
 STS_FILES = ("sts12/test.jsonl.gz", "sts14/test.jsonl.gz", "sts16/test.jsonl.gz")  # held out of the study's training
 # llm2vec's encoder settings and the Engine knobs that mean the same
 LLM2VEC_ENCODER = {"pooling_mode": "mean", "max_length": 512, "skip_instruction": True}

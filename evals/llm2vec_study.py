@@ -50,9 +50,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from evals.data_io import DATA, read_jsonl  # after the path set-up: this runs as a script
+from lab import env
+from lab.models.hub import local_folder
 
 DEFAULT_OUT = ROOT / "evals" / "results" / "llm2vec"
-SMOKE = os.environ.get("LAB_SMOKE") == "1"
+SMOKE = env.flag("LAB_SMOKE", False)
 # every file whose text is evaluated somewhere (or is a split of an evaluated set): none of it is trained on. All of
 # evals/data's JSON-lines files except the two training sources below.
 TRAIN_SOURCES = {"twentynewsgroups": "twentynewsgroups/train.full.jsonl.gz", "banking77": "banking77/train.jsonl.gz"}
@@ -814,7 +816,9 @@ def _merge(fresh, path: Path, on: list[str]):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="base model folder (default: the cached SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, 
+                    help="base model folder or hub id (org/name[@revision]; default: the cached "
+                         "SmolLM2-135M-Instruct)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit", type=int, default=60 if SMOKE else None, help="evaluation pairs per task")
@@ -839,7 +843,7 @@ def main(argv=None) -> int:
         from lab.models.gguf import smollm2_path
 
         args.model = str(smollm2_path())
-    base = Path(args.model)
+    base = Path(local_folder(args.model))
     args.out.mkdir(parents=True, exist_ok=True)
     names = args.variants or list(VARIANTS)
     text = training_texts()  # the adapters' text, and its counts for the README

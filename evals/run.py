@@ -1,18 +1,44 @@
-"""Command line: sweep an Engine's knobs over mteb tasks, write the table (CSV + markdown) and a plot.
+"""Command line: evaluate an Engine on mteb tasks or a whole benchmark (optionally sweeping knobs), write the table
+(CSV + markdown) and a plot, and print the scores and a per-task table.
 
+    python -m evals.run --model sentence-transformers/all-MiniLM-L6-v2 --benchmark "MTEB(eng, v2)"
     python -m evals.run --model PATH --tasks STSBenchmark SciFact --sweep pooling=mean,cls \\
         [--sweep bidirectional=false,true] [--set dtype=float32] [--limit 100] [--out evals/results/mteb]
 
-Writes ``<out>/<model>_<machine>.csv`` (every metric, with the run's ``run_date``), ``<out>/<model>_<machine>.md``
-(main scores x100, variant x task), the command in ``<csv>.meta.json`` and, when ``lab.eval.plots.scores`` exists,
-``<out>/<model>_<machine>.png``; ``<out>`` defaults to ``evals/results/mteb``, the machine is the engine's device's
-(``evals.results_index.device_slug``: the CPU's ``lab.ops.probes.machine_slug()`` or the GPU's name). Results are cached by mteb (``--cache``, default
-``evals/results/cache`` or ``$LAB_MTEB_CACHE``), so a rerun only evaluates what is missing.
+``--model`` is a hub id (``org/name``, with ``--revision`` for a branch, tag or commit) or a local model folder (or
+``.gguf`` file). ``--benchmark`` takes any name ``mteb.get_benchmark`` knows and runs its tasks as the benchmark
+defines them; ``--tasks`` takes task names (the checkout's local copies first, ``evals.tasks``; ``--limit`` cuts
+those to N items for smoke runs). One of the two is required.
+
+Where the results land: mteb's ResultCache (``--cache``, default ``evals/results/cache`` or ``$LAB_MTEB_CACHE``), in
+mteb's standard layout. The plain run (no ``--sweep``, no ``--set`` of a result-changing knob away from its default)
+writes ``<cache>/results/<org__name>/<revision>/<Task>.json`` and ``model_meta.json`` (name, revision, parameters,
+memory, embedding size, token limit, license / languages from the model card): the folder the MTEB leaderboard reads,
+and ``mteb.ResultCache(<cache>).load_results(models=["org/name"])`` reads it back. Variants go to
+``<cache>/results/<org__name>/<revision>/experiments/<knob values>/`` and never overwrite it. The run is resumable:
+started again (after it was killed, say) it evaluates only the tasks the cache does not hold. Tasks whose data
+cannot be loaded (offline, not in the datasets cache) are skipped with the reason; the others run.
+
+Submitting to the leaderboard: the leaderboard is built from the results repository
+https://github.com/embeddings-benchmark/results. Open a pull request there that adds the run's
+``results/<org__name>/<revision>/`` folder (its task JSONs and ``model_meta.json``) under the repository's
+``results/`` folder, or let mteb prepare it: ``mteb.ResultCache("<cache>").submit_results("org/name")``
+(``create_pr=True`` opens the pull request; it needs PyGithub and a GitHub token). Only full tasks belong there:
+``--limit`` runs are named ``<Task>.n<N>`` and are smoke runs, not leaderboard results; experiment folders are not
+submitted.
+
+Also writes ``<out>/<model>_<machine>.csv`` (every metric, with the run's ``run_date``), ``<out>/<model>_<machine>.md``
+(main scores x100, variant x task, then the per-task table), the command in ``<csv>.meta.json`` and, when
+``lab.eval.plots.scores`` exists, ``<out>/<model>_<machine>.png``; ``<out>`` defaults to ``evals/results/mteb``, the
+machine is the engine's device's (``evals.results_index.device_slug``: the CPU's ``lab.ops.probes.machine_slug()``
+or the GPU's name). The per-task table (``lab.eval.sweeps.task_table``) has each task's main score, whether it was
+computed, read from the cache or skipped (and why), and the engine's tokens/s over the task's encode calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -68,6 +94,23 @@ def to_markdown(table) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tasks_view(tasks) -> Any:
+    """The per-task table as printed: variant, task, status, main score x100, tokens/s, and the reason of a skip."""
+    view = tasks[["variant", "task", "status"]].copy()
+    view["score"] = (100 * tasks["score"].astype(float)).round(2)
+    view["tokens/s"] = tasks["tokens_per_s"].astype(float).round(0)
+    view["reason"] = tasks["reason"]
+    return view
+
+
+def tasks_markdown(view) -> str:
+    lines = ["| " + " | ".join(view.columns) + " |", "|" + "---|" * len(view.columns)]
+    for row in view.itertuples(index=False):
+        cells = ["" if (isinstance(v, float) and math.isnan(v)) else str(v).replace("|", "/") for v in row]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def save_plot(df, path: Path) -> Path | None:
     """``lab.eval.plots.scores(df)`` saved as PNG when the plotting module exists; otherwise nothing."""
     try:
@@ -89,8 +132,11 @@ def save_plot(df, path: Path) -> Path | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m evals.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="local model folder (or .gguf file)")
-    p.add_argument("--tasks", nargs="+", required=True, help="task names (local data first, then mteb's)")
+    p.add_argument("--model", required=True, help="hub id (org/name) or local model folder (or .gguf file)")
+    p.add_argument("--revision", default=None, help="the hub id's branch, tag or commit (default: main)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tasks", nargs="+", help="task names (local data first, then mteb's)")
+    which.add_argument("--benchmark", help='an mteb benchmark name, e.g. "MTEB(eng, v2)" (mteb.get_benchmarks())')
     p.add_argument(
         "--sweep",
         action="append",
@@ -111,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the CSV / markdown / plot")
     p.add_argument("--cache", default=None, help="mteb result cache folder (default evals/results/cache)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write mteb's result cache")
-    p.add_argument("--limit", type=int, default=None, help="evaluate only N items per local task (smoke runs)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="evaluate only N items per local task (smoke runs; --tasks)")
     p.add_argument("--overwrite", action="store_true", help="re-run even when cached results exist")
     p.add_argument(
         "--task-instructions",
@@ -122,19 +169,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, *, engine=None):
-    """Run the CLI; ``engine`` lets notebooks and tests pass an already-loaded Engine. Returns the DataFrame."""
-    args = build_parser().parse_args(argv)
+    """Run the CLI; ``engine`` lets notebooks and tests pass an already-loaded Engine. Returns the DataFrame (its
+    per-task records in ``attrs["tasks"]``, see ``lab.eval.sweeps.task_table``)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.benchmark is not None and args.limit is not None:
+        parser.error("--limit cuts local tasks (--tasks); a --benchmark runs its tasks as the benchmark defines them. "
+                     "Drop --limit, or name the tasks with --tasks")
+    benchmark = None
+    if args.benchmark is not None:
+        import mteb
+
+        try:
+            benchmark = mteb.get_benchmark(args.benchmark)
+        except KeyError as e:
+            parser.error(f"--benchmark {args.benchmark!r}: {e.args[0] if e.args else e}; the names are "
+                         "[b.name for b in mteb.get_benchmarks()]")
     from evals.tasks import get_tasks
     from lab.eval.mteb_adapter import model_name
-    from lab.eval.sweeps import DEFAULT_CACHE, evaluate
+    from lab.eval.sweeps import DEFAULT_CACHE, evaluate, task_table
 
     if engine is None:
         from lab.engine import Engine
 
-        engine = Engine(str(args.model), **dict(args.fixed))
+        extra = {"revision": args.revision} if args.revision else {}
+        engine = Engine(str(args.model), **extra, **dict(args.fixed))
     elif args.fixed:
         engine.configure(**dict(args.fixed))
-    tasks = get_tasks(args.tasks, limit=args.limit)
+    tasks = benchmark if benchmark is not None else get_tasks(args.tasks, limit=args.limit)
     cache = None if args.no_cache else (args.cache or DEFAULT_CACHE)
     df = evaluate(
         engine,
@@ -152,16 +214,25 @@ def main(argv: list[str] | None = None, *, engine=None):
     csv_path, md_path = args.out / f"{stem}.csv", args.out / f"{stem}.md"
     stamp(df).to_csv(csv_path, index=False)
     write_meta(csv_path)
-    table = main_table(df)
-    header = f"# {model_name(engine)}: main scores (x100)\n\ntasks: {', '.join(args.tasks)}"
+    table = main_table(df) if df["main"].any() else None
+    view = tasks_view(task_table(df))
+    what = f"benchmark: {benchmark.name}" if benchmark is not None else f"tasks: {', '.join(args.tasks)}"
+    header = f"# {model_name(engine)}: main scores (x100)\n\n{what}"
     if args.limit:
         header += f" (first {args.limit} items each, smoke run)"
-    md_path.write_text(header + "\n\n" + to_markdown(table), encoding="utf-8")
+    body = to_markdown(table) if table is not None else "no task was evaluated (see the tasks below)\n"
+    md_path.write_text(header + "\n\n" + body + "\n## Tasks\n\n" + tasks_markdown(view), encoding="utf-8")
     written = [csv_path, md_path]
-    png = save_plot(df, args.out / f"{stem}.png")
+    png = save_plot(df, args.out / f"{stem}.png") if table is not None else None
     if png:
         written.append(png)
-    print(table.to_string())
+    if table is not None:
+        print(table.to_string())
+    print(view.to_string(index=False))
+    skipped = int((view["status"] == "skipped").sum())
+    if skipped:
+        print(f"{skipped} of {len(view)} task runs skipped (their data could not be loaded; see reason)",
+              file=sys.stderr)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return df
 

@@ -224,3 +224,32 @@ def test_committed_study_adapters_load_in_peft_and_the_engine_alike():
     cos = (ours * want).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(want, axis=1))
     assert cos.min() >= 0.9999, cos
     assert eng.resolved["adapters"] == ["mntp", "mntp_simcse"]
+
+
+def test_a_base_by_hub_id_is_written_as_that_id_and_its_commit(base, tmp_path, monkeypatch):
+    """``mntp("org/name", ...)`` trains on the cached snapshot and writes ``base_model_name_or_path`` as the id and
+    ``revision`` as the commit (what peft and llm2vec read), so the adapter loads by id on any machine."""
+    from hub_cache import write_hub_cache
+    from huggingface_hub import constants
+
+    from lab import Engine
+
+    cache, commit = tmp_path / "hf-cache", "d" * 40
+    write_hub_cache(cache, "tiny-org/base", base, commit=commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    run = mntp("tiny-org/base", TEXTS, tmp_path / "m", steps=1, batch_size=4, lora=SMALL, show_progress=False)
+    cfg = json.loads((run.path / "adapter_config.json").read_text())
+    assert (cfg["base_model_name_or_path"], cfg["revision"]) == ("tiny-org/base", commit)
+    by_id = Engine(str(run.path), pooling="mean").embed(TEXTS)  # the adapter folder alone: its base by id
+    np.testing.assert_array_equal(by_id, Engine(str(base), adapters=[str(run.path)], pooling="mean").embed(TEXTS))
+
+
+def test_auto_dtype_skips_the_bfloat16_probe_without_native_bfloat16(base):
+    """On a CPU without avx512_bf16 / amx_bf16 the bfloat16 backward is emulated (minutes for SmolLM2): ``auto``
+    takes float32 there without timing it; the flags decide, whichever CPU runs the test."""
+    assert not adapt.cpu_bf16_native("avx2 avx512f fma") and adapt.cpu_bf16_native("avx2 avx512_bf16")
+    assert adapt.cpu_bf16_native("amx_bf16 amx_tile")
+    calls = []
+    if not adapt.cpu_bf16_native():
+        got = adapt._choose_dtype("auto", torch.device("cpu"), lambda: calls.append(1), [])
+        assert got == torch.float32 and not calls  # no probe ran

@@ -191,7 +191,7 @@ class TestRayEngine:
         local.configure(pooling=None)
         mine, theirs = model.mteb_model_meta, local.as_mteb_model().mteb_model_meta
         assert (mine.name, mine.revision, mine.embed_dim) == (theirs.name, theirs.revision, theirs.embed_dim)
-        assert dict(mine.experiment_kwargs) == dict(theirs.experiment_kwargs)  # one variant, one results folder
+        assert mine.experiment_kwargs == theirs.experiment_kwargs  # one variant, one results folder
 
     def test_actor_killed_mid_run_is_restarted_with_its_knobs(self, reng, texts, reference_cls, tmp_path):
         """ray.kill(no_restart=False) after the first shard: the killed actor had its next shard in flight; Ray
@@ -294,6 +294,30 @@ def test_embed_dataset_from_a_ray_dataset(minilm_path, texts, reference, tmp_pat
     ids, _ = read_embeddings(tmp_path)
     assert ids == [f"s{i}" for i in range(253)]  # the dataset's order, shard by shard
     check_rows(by_id(tmp_path), ids, reference)
+
+
+def test_a_hub_id_loads_one_pinned_commit_in_every_actor(minilm_path, texts, reference, tmp_path, monkeypatch):
+    """``RayEngine(id)`` and ``embed_dataset(id, ...)``: the driver pins the branch to its commit, every actor loads
+    that snapshot from the Hugging Face cache (``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` forwarded to the actors)."""
+    from hub_cache import write_hub_cache
+    from huggingface_hub import constants
+
+    cache, commit = tmp_path / "hf-cache", "c" * 40
+    write_hub_cache(cache, "sentence-transformers/all-MiniLM-L6-v2", Path(minilm_path), commit=commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    with RayEngine("sentence-transformers/all-MiniLM-L6-v2", num_actors=1) as reng:
+        assert (reng.model_name, reng.revision, reng.knobs["revision"]) == (
+            "sentence-transformers/all-MiniLM-L6-v2", commit, commit)
+        assert cosine_rows(reng.embed(texts[:40]), reference[:40]).min() >= COS
+    out = tmp_path / "out"
+    embed_dataset("sentence-transformers/all-MiniLM-L6-v2", texts[:40], out, num_actors=1, shard_texts=25,
+                  show_progress=False)
+    job = json.loads((out / MANIFEST).read_text())["job"]
+    assert job["model"] == "sentence-transformers/all-MiniLM-L6-v2" and job["knobs"]["revision"] == commit
+    assert job["model_files"] == model_digest(minilm_path)  # the snapshot's files are the folder's
+    ids, emb = read_embeddings(out)
+    assert ids == list(range(40)) and cosine_rows(emb, reference[:40]).min() >= COS
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -365,10 +365,10 @@ def test_mteb_experiment_names_carry_the_layer(dec_folder):
     def meta(layer):
         eng.configure(layer=layer)
         m = model.mteb_model_meta
-        return m.experiment_kwargs.get("layer"), m.experiment_name
+        return (m.experiment_kwargs or {}).get("layer"), m.experiment_name
 
     last, last_name = meta(None)
-    assert last is None and "layer" not in last_name  # the last layer: named as before the knob existed
+    assert last is None and last_name is None  # the last layer at the model's defaults: the plain run's folder
     assert meta(-1) == (None, last_name) and meta(L) == (None, last_name)  # one variant, one cache folder
     two, two_name = meta(2)
     assert two == 2 and two_name != last_name and "layer_2" in two_name

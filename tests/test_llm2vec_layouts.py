@@ -154,8 +154,10 @@ def test_llm2vec_pooling_names_map_to_ours(base, tmp_path, mode, pooling, append
     eng = Engine(str(folder))
     assert (eng.resolved["pooling"], eng.resolved["append_eos"]) == (pooling, append_eos)
     assert eng.resolved["instruction_pooling"] == "llm2vec"  # the folder asks for llm2vec's conventions
+    assert eng.resolved["causal"] is False  # llm2vec enables bidirectional attention unless told not to
     np.testing.assert_array_equal(eng.embed(TEXTS), Engine(str(base), pooling=pooling, append_eos=append_eos,
-                                                           instruction_pooling="llm2vec").embed(TEXTS))
+                                                           instruction_pooling="llm2vec",
+                                                           bidirectional=True).embed(TEXTS))
 
 
 def test_llm2vec_config_sets_defaults_and_explicit_knobs_win(base, tmp_path):
@@ -167,7 +169,8 @@ def test_llm2vec_config_sets_defaults_and_explicit_knobs_win(base, tmp_path):
     assert eng.knobs["pooling"] is None and eng.knobs["max_length"] is None  # defaults, not knob values
     out = eng.embed(TEXTS)
     assert eng.stats.truncated > 0  # max_length=6 cuts the long texts
-    same = Engine(str(base), pooling="weightedmean", max_length=6, include_instruction=True, instruction="Retrieve: ")
+    same = Engine(str(base), pooling="weightedmean", max_length=6, include_instruction=True, instruction="Retrieve: ",
+                  bidirectional=True, instruction_pooling="llm2vec")
     np.testing.assert_array_equal(out, same.embed(TEXTS))
     eng.configure(pooling="mean", max_length=64, include_instruction=False)  # explicit knobs win
     r = eng.resolved
@@ -185,13 +188,20 @@ def test_adapter_llm2vec_config_overrides_the_models_and_follows_the_stack(base,
     tuned = bare_adapter(base, tmp_path / "tuned", seed=2)
     (Path(tuned) / "llm2vec_config.json").write_text(json.dumps({"pooling_mode": "mean", "max_length": 20,
                                                                   "skip_instruction": True}))
+    """llm2vec reads llm2vec_config.json from peft_model_name_or_path (our last adapter) when there is one, else from
+    the base folder, and from nowhere else: an adapter without the file brings llm2vec's class defaults."""
     eng = Engine(str(folder))
     assert (eng.resolved["pooling"], eng.resolved["max_length"]) == ("weightedmean", 40)
-    eng.configure(adapters=[plain])  # no llm2vec_config.json in the adapter: the model folder's
-    assert (eng.resolved["pooling"], eng.resolved["max_length"]) == ("weightedmean", 40)
-    eng.configure(adapters=[tuned, plain])  # the last adapter that has one
+    assert eng.resolved.sources["pooling"] == f"llm2vec_config.json in {folder}"
+    eng.configure(adapters=[plain])  # no llm2vec_config.json in the adapter: llm2vec's defaults, not the model's
+    assert (eng.resolved["pooling"], eng.resolved["max_length"]) == ("mean", 256)  # 512, capped at the positions
+    assert eng.resolved.sources["pooling"] == eng.resolved.sources["max_length"] == "llm2vec default"
+    eng.configure(adapters=[plain, tuned])  # the last adapter's
     assert (eng.resolved["pooling"], eng.resolved["max_length"]) == ("mean", 20)
-    assert eng.model_defaults == {"pooling": "mean", "max_length": 20, "include_instruction": False}
+    assert {k: eng.model_defaults[k] for k in ("pooling", "max_length", "include_instruction", "doc_max_length")} \
+        == {"pooling": "mean", "max_length": 20, "include_instruction": False, "doc_max_length": 400}
+    eng.configure(adapters=[tuned, plain])  # the last adapter has none: llm2vec's defaults
+    assert eng.resolved.sources["pooling"] == "llm2vec default"
     eng.configure(adapters=[])
     assert (eng.resolved["pooling"], eng.resolved["max_length"]) == ("weightedmean", 40)
 
@@ -261,20 +271,23 @@ def published(tmp_path_factory, base):
 
 
 def test_mntp_folder_with_a_stacked_adapter_equals_base_plus_both(published, monkeypatch):
+    """The weights: the -mntp folder with a stacked adapter is its base plus both adapters (the exact rule here:
+    under llm2vec's, the -mntp folder's config brings its base's chat template, ``test_chat_template_...``)."""
     root, base_dir, mntp_dir, sup_dir = published
-    eng = Engine(str(mntp_dir), adapters=[str(sup_dir)], bidirectional=True, pooling="mean")
+    eng = Engine(str(mntp_dir), adapters=[str(sup_dir)], bidirectional=True, pooling="mean", instruction_pooling="exact")
     assert Path(eng.model_path) == base_dir.resolve()
     assert eng.knobs["adapters"] == (str(mntp_dir), str(sup_dir))
     out = eng.embed(TEXTS)
     np.testing.assert_array_equal(out, Engine(str(base_dir), adapters=[str(mntp_dir), str(sup_dir)],
-                                              bidirectional=True, pooling="mean").embed(TEXTS))
+                                              bidirectional=True, pooling="mean",
+                                              instruction_pooling="exact").embed(TEXTS))
     cos = min_cos(out, peft_reference(base_dir, [mntp_dir, sup_dir]))
     print(f"published -mntp + -supervised layout vs peft: min cos {cos:.8f}")
     assert cos >= COS_MIN
     assert not list(root.rglob("EXECUTED"))  # the folder's modeling code never ran
     # the supervised folder alone: its base is the -mntp hub id, found from the download folder (current directory)
     monkeypatch.chdir(root)
-    alone = Engine(str(sup_dir), bidirectional=True, pooling="mean")
+    alone = Engine(str(sup_dir), bidirectional=True, pooling="mean", instruction_pooling="exact")
     assert alone.knobs["adapters"] == (str(root / MNTP_ID), str(sup_dir))
     np.testing.assert_array_equal(alone.embed(TEXTS), out)
 
@@ -287,8 +300,9 @@ def test_base_found_by_absolute_path_and_in_the_hub_cache(base, tmp_path, monkey
     cfg = json.loads((mntp_dir / "adapter_config.json").read_text())
     cfg["base_model_name_or_path"] = str(base_dir)
     (mntp_dir / "adapter_config.json").write_text(json.dumps(cfg))
-    want = Engine(str(base_dir), adapters=[str(mntp_dir)], pooling="mean").embed(TEXTS)
-    np.testing.assert_array_equal(Engine(str(mntp_dir), pooling="mean").embed(TEXTS), want)
+    want = Engine(str(base_dir), adapters=[str(mntp_dir)], pooling="mean", instruction_pooling="exact").embed(TEXTS)
+    np.testing.assert_array_equal(Engine(str(mntp_dir), pooling="mean", instruction_pooling="exact").embed(TEXTS),
+                                  want)
     # the hub id, resolved from a Hugging Face cache snapshot (offline: nothing is downloaded)
     cache = tmp_path / "hub-cache"
     snap = cache / ("models--" + BASE_ID.replace("/", "--")) / "snapshots" / "0123abcd"
@@ -299,7 +313,7 @@ def test_base_found_by_absolute_path_and_in_the_hub_cache(base, tmp_path, monkey
     (mntp_dir / "adapter_config.json").write_text(json.dumps(cfg))
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.chdir(tmp_path)
-    eng = Engine(str(mntp_dir), pooling="mean")
+    eng = Engine(str(mntp_dir), pooling="mean", instruction_pooling="exact")
     assert Path(eng.model_path) == snap.resolve()
     np.testing.assert_array_equal(eng.embed(TEXTS), want)
 

@@ -19,7 +19,7 @@ from mteb.types import PromptType
 
 from evals.tasks import get_task
 from lab import Engine
-from lab.eval.mteb_adapter import EngineCrossEncoder, EngineEncoder, as_mteb_model, drain_texts
+from lab.eval.mteb_adapter import EngineCrossEncoder, EngineEncoder, as_mteb_model, drain_texts, result_knobs
 
 _UNSET = object()
 
@@ -159,7 +159,7 @@ def test_meta_names_model_and_carries_knobs_as_experiment(tmp_path):
     meta = model.mteb_model_meta
     assert meta.name == "fake/bag-of-words" and meta.revision.startswith("local-")
     assert meta.embed_dim == 64 and not meta.is_cross_encoder
-    assert dict(meta.experiment_kwargs) == {"dtype": "auto"}  # None = model default is left out
+    assert meta.experiment_kwargs is None and meta.experiment_name is None  # every knob at its default: the plain run
     eng.configure(pooling="cls", bidirectional=True)
     meta2 = model.mteb_model_meta  # rebuilt from the current knobs
     assert dict(meta2.experiment_kwargs) == {"bidirectional": True, "dtype": "auto", "pooling": "cls"}
@@ -206,5 +206,6 @@ def test_real_engine_stsbenchmark_matches_reference(real_engine, tmp_path):
     score = 100 * res.task_results[0].get_score()
     assert abs(score - 82.03) <= 0.05, score
     meta = model.mteb_model_meta
-    assert meta.embed_dim == 384 and meta.experiment_kwargs["pooling"] == "mean"
-    assert meta.experiment_kwargs["dtype"] == "float32"  # "auto" recorded as what it resolved to
+    assert meta.embed_dim == 384 and meta.experiment_kwargs is None  # the plain run: mteb's standard folder
+    knobs = result_knobs(real_engine)  # what a variant of it would be named by
+    assert knobs["pooling"] == "mean" and knobs["dtype"] == "float32"  # "auto" recorded as what it resolved to

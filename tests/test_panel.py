@@ -38,6 +38,8 @@ def test_panel_is_a_widget_with_named_children(minilm):
         assert isinstance(getattr(p, name), ipywidgets.Widget), name
     assert p.bidirectional.value is True  # an encoder starts bidirectional
     assert p.pooling.value is None and p.error.value == ""
+    title = p.children[0].value  # what loaded: the name and the revision
+    assert minilm.model_name in title and minilm.revision[:12] in title
 
 
 def test_run_embeds_and_shows_stats(minilm):

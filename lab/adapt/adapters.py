@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 
 from lab.models.checks import check_finite
+from lab.models.hub import looks_like_hub_id, snapshot_of
+from lab.models.hub import resolve as hub_resolve
 from lab.models.loading import has_model_weights, load_pickle_weights, read_llm2vec_config
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -100,6 +102,11 @@ class LoraAdapter:
 
 
 def adapter_name(path: str | os.PathLike) -> str:
+    """An adapter folder's name: its hub id for a hub cache snapshot, else the folder's name (with its parent's for
+    generic names such as ``adapter`` or ``checkpoint-500``)."""
+    snap = snapshot_of(path)
+    if snap is not None:
+        return snap[0]
     p = Path(path).expanduser()
     p = p.resolve() if p.exists() else p
     generic = p.name.lower() in _GENERIC_NAMES or p.name.lower().startswith("checkpoint-")
@@ -135,9 +142,9 @@ def split_adapter_model(model: str, adapters: tuple[str, ...]) -> tuple[str, tup
 def resolve_base(adapter: str | os.PathLike) -> Path:
     """The local folder of an adapter's ``base_model_name_or_path``. An absolute (or ``~``) path is taken as it is;
     a relative one is looked up next to the adapter folder first (``../Llama-3-8B`` beside ``-mntp``), then from
-    the current directory (where transformers and peft look); a hub id (``org/name``) that neither holds is taken
-    from the local Hugging Face cache when it was downloaded there. Nothing is downloaded: a base found nowhere
-    raises ``ValueError`` naming it and the fix."""
+    the current directory (where transformers and peft look); a hub id (``org/name``) that neither holds resolves
+    through the Hugging Face cache (``lab.models.hub.resolve``: fetched when the hub can be reached, the cached
+    snapshot offline). A base found nowhere raises ``ValueError`` naming it, where it was looked for and the fix."""
     p = Path(adapter).expanduser()
     config = _read_config(p)
     base = config.get("base_model_name_or_path")
@@ -150,29 +157,18 @@ def resolve_base(adapter: str | os.PathLike) -> Path:
     for cand in tried:
         if cand.is_dir():
             return cand.resolve()
-    cached = _hub_cache_folder(base) if _looks_like_hub_id(base) else None
-    if cached is not None:
-        return cached
-    hub = (" (it looks like a Hugging Face hub id, and the local Hugging Face cache does not hold it)"
-           if _looks_like_hub_id(base) else "")
+    why = ""
+    if looks_like_hub_id(base):
+        try:
+            return hub_resolve(base, what=f"the base model of {str(adapter)!r}").folder
+        except (FileNotFoundError, ValueError, PermissionError, ConnectionError) as e:
+            why = f" As a hub id: {e}."
     raise ValueError(
         f"{str(adapter)!r} holds only a LoRA adapter; its base {base!r} (base_model_name_or_path in "
-        f"{p / ADAPTER_CONFIG}) is not a local folder{hub}; looked in {', '.join(str(t) for t in tried)}. The engine "
-        f"loads local folders only (offline). Download the base model and either set base_model_name_or_path to its "
-        f"folder (absolute, or relative to the adapter folder) or pass its folder with the adapter: {fix}"
+        f"{p / ADAPTER_CONFIG}) is not a local folder; looked in {', '.join(str(t) for t in tried)}.{why} Download "
+        f"the base model and either set base_model_name_or_path to its folder (absolute, or relative to the adapter "
+        f"folder) or pass its folder with the adapter: {fix}"
     )
-
-
-def _hub_cache_folder(repo_id: str) -> Path | None:
-    """``repo_id``'s snapshot in the local Hugging Face cache (a model folder with ``config.json``), else None.
-    Offline: only what is cached is looked at."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # noqa: BLE001 (not cached, or no huggingface_hub: not found)
-        return None
-    return folder if (folder / "config.json").is_file() else None
 
 
 def _check_same_family(adapter: Path, base: Path) -> None:
@@ -189,11 +185,6 @@ def _check_same_family(adapter: Path, base: Path) -> None:
         raise ValueError(f"{str(adapter)!r} describes a {mine!r} model (config.json) but its base {str(base)!r} is a "
                          f"{theirs!r} model; point base_model_name_or_path in {adapter / ADAPTER_CONFIG} at the base "
                          "model it was trained on")
-
-
-def _looks_like_hub_id(name: str) -> bool:
-    """``name`` or ``org/name``: no leading ``/`` ``.`` ``~``, at most one slash."""
-    return not name.startswith(("/", ".", "~")) and name.count("/") <= 1 and "\\" not in name
 
 
 # ------------------------------------------------------------------------------------------ key scope, rescope
@@ -231,14 +222,18 @@ def bare_config(config: dict) -> dict:
 
 
 def adapter_keys(path: str | os.PathLike) -> list[str]:
-    """The tensor names of an adapter folder's weights file (safetensors: from its header)."""
+    """The tensor names of an adapter folder's weights file (safetensors: from its header); a truncated or corrupt
+    file raises ``ValueError`` naming it."""
     p = Path(path).expanduser()
     st = p / WEIGHT_FILES[0]
     if st.is_file():
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(st), framework="pt") as f:
-            return list(f.keys())
+        try:
+            with safe_open(str(st), framework="pt") as f:
+                return list(f.keys())
+        except SafetensorError as e:
+            raise _bad_weights(st, st.stat().st_size, e) from None
     return list(_read_weights(p)[0])
 
 
@@ -369,8 +364,20 @@ def _check_config(config, cfg: Path) -> None:
         for name, value in pattern.items():
             if not valid(value):
                 raise ValueError(f"{cfg}: {key}[{name!r}] must be {what}, got {value!r}")
+            try:
+                re.compile(_pattern_regex(name))
+            except re.error as e:
+                raise ValueError(f"{cfg}: {key} has the key {name!r}, which is not a valid regular expression ({e}); "
+                                 "peft matches these keys as regular expressions against the end of module names: "
+                                 "fix the pattern, or escape its special characters (re.escape) to match a name "
+                                 "literally") from None
     if not isinstance(config.get("use_rslora", False), bool):
         raise ValueError(f"{cfg}: use_rslora must be true or false, got {config['use_rslora']!r}")  # noqa: TRY004
+
+
+def _bad_weights(f: Path, size: int, e: Exception) -> ValueError:
+    return ValueError(f"{f} is not a valid safetensors file ({size} bytes; {e}): it is truncated or corrupt. Save the "
+                      "adapter again")
 
 
 def _read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -390,8 +397,7 @@ def _read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
                 try:
                     sd = load(data)
                 except SafetensorError as e:
-                    raise ValueError(f"{f} is not a valid safetensors file ({len(data)} bytes; {e}): it is "
-                                     "truncated or corrupt. Save the adapter again") from None
+                    raise _bad_weights(f, len(data), e) from None
             else:
                 sd = load_pickle_weights(f, "a state dict of LoRA tensors", data=data, convert=(
                     "save the adapter again with peft's save_pretrained(out, safe_serialization=True) "
@@ -443,10 +449,15 @@ def _lora_modules(sd: dict[str, torch.Tensor], config: dict, where: str) -> list
     return out
 
 
+def _pattern_regex(key: str) -> str:
+    """The regular expression peft builds from a ``rank_pattern`` / ``alpha_pattern`` key."""
+    return rf"(.*\.)?({key})$"
+
+
 def pattern_key(pattern_keys, module: str) -> str:
     """peft's ``get_pattern_key``: the first pattern that matches the end of ``module`` at a dot boundary."""
     for key in pattern_keys:
-        if re.match(rf"(.*\.)?({key})$", module):
+        if re.match(_pattern_regex(key), module):
             return key
     return module
 

@@ -46,6 +46,7 @@ import torch
 
 from lab._extras import require
 from lab.adapt.adapters import bare_config, bare_key, is_bare_scope
+from lab.models import hub
 
 # LoRA targets: Llama-family names for the attention and MLP projections (what llm2vec adapts)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -146,9 +147,12 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
     lora = lora or LoraSpec()
     _check_args(texts, steps, batch_size, lr, max_length, save_every, lora, extra)
     peft()  # missing: the error names the extra before anything is read or written
-    base = Path(base).expanduser()
+    source = hub.resolve(base, what="base model")  # a hub id: its snapshot, fetched when the hub can be reached
+    base = source.folder
     if not (base / "config.json").exists():
-        raise FileNotFoundError(f"{str(base)!r} is not a model folder (no config.json); pass the local base folder")
+        raise FileNotFoundError(f"{str(base)!r} is not a model folder (no config.json); pass a base model folder or "
+                                "its hub id")
+    adapters = [str(hub.resolve(a, what="adapter").folder) for a in adapters]
     out = Path(out_dir).expanduser()
     ckpt = out / CHECKPOINT
     if out.exists() and any(out.iterdir()) and not (resume and ckpt.exists()):
@@ -217,7 +221,7 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
             bar.close()
         if rows:
             pd.DataFrame(rows).to_csv(out / LOG_FILE, index=False)  # what ran is kept, even on an interrupt
-    _save_adapter(model, out, lora)
+    _save_adapter(model, out, lora, base=source)
     shutil.rmtree(ckpt, ignore_errors=True)
     model = opt = sched = loss_fn = params = None
     gc.collect()  # peft's wrappers hold reference cycles: free this run's model before the next one loads
@@ -389,10 +393,21 @@ def _simcse_loss(model, tok, ids, temperature: float) -> Callable:
     return loss
 
 
+def cpu_bf16_native(flags: str | None = None) -> bool:
+    """Whether this CPU (or one with ``flags``, ``lab.ops.probes.cpu_info``'s ``cpu_flags``) computes in bfloat16
+    natively: ``avx512_bf16`` or ``amx_bf16``."""
+    from lab.ops.probes import cpu_info
+
+    have = set((cpu_info()["cpu_flags"] if flags is None else flags).split())
+    return bool(have & {"avx512_bf16", "amx_bf16"})
+
+
 def _choose_dtype(dtype: str, dev: torch.device, one_loss: Callable, params) -> torch.dtype:
-    """``float32`` / ``bfloat16`` as asked; ``auto``: bfloat16 on CUDA; on CPU, whichever of float32 and bfloat16
-    autocast ran one forward + backward of the first batch faster (one timed run after a warm-up each). The probe's
-    gradients are discarded; it draws no random numbers the run uses (dropout aside, reseeded after)."""
+    """``float32`` / ``bfloat16`` as asked; ``auto``: bfloat16 on CUDA; on a CPU without native bfloat16 arithmetic
+    (neither ``avx512_bf16`` nor ``amx_bf16``), float32 without a probe (there a bfloat16 backward is emulated, many
+    times slower than float32, and the probe alone would cost minutes); on other CPUs, whichever of float32 and
+    bfloat16 autocast ran one forward + backward of the first batch faster (one timed run after a warm-up each). The
+    probe's gradients are discarded; it draws no random numbers the run uses (dropout aside, reseeded after)."""
     if dtype in ("float32", "fp32"):
         return torch.float32
     if dtype in ("bfloat16", "bf16"):
@@ -401,6 +416,8 @@ def _choose_dtype(dtype: str, dev: torch.device, one_loss: Callable, params) -> 
         raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
     if dev.type == "cuda":
         return torch.bfloat16
+    if not cpu_bf16_native():
+        return torch.float32
     state = torch.get_rng_state()
     times = {}
     for dt in (torch.float32, torch.bfloat16):
@@ -423,11 +440,13 @@ def _choose_dtype(dtype: str, dev: torch.device, one_loss: Callable, params) -> 
 LLM2VEC_CONFIG = {"pooling_mode": "mean", "max_length": 512, "doc_max_length": 400, "skip_instruction": True}
 
 
-def _save_adapter(model, out: Path, lora: LoraSpec, *, bare: bool = True) -> None:
+def _save_adapter(model, out: Path, lora: LoraSpec, *, bare: bool = True, base: hub.Source | None = None) -> None:
     """The standard PEFT layout: ``adapter_config.json`` + ``adapter_model.safetensors`` (in ``save_dtype``).
     ``bare``: keys in the bare model's scope (``base_model.model.layers.N...``, what llm2vec and peft over
     ``AutoModel`` load) and ``llm2vec_config.json`` beside them; ``False`` keeps the training model's
-    ``*ForCausalLM`` scope (checkpoints, which ``set_peft_model_state_dict`` reads back into that model)."""
+    ``*ForCausalLM`` scope (checkpoints, which ``set_peft_model_state_dict`` reads back into that model).
+    ``base``: a base named by hub id is written as that id (``base_model_name_or_path``) and its commit
+    (``revision``), so the adapter loads on any machine, as peft and llm2vec read those keys."""
     from safetensors.torch import save_file
 
     tmp = out / ".adapter.tmp"
@@ -441,7 +460,10 @@ def _save_adapter(model, out: Path, lora: LoraSpec, *, bare: bool = True) -> Non
               str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     if bare:
         cfg = tmp / "adapter_config.json"
-        cfg.write_text(json.dumps(bare_config(json.loads(cfg.read_text())), indent=2, sort_keys=True))
+        written = bare_config(json.loads(cfg.read_text()))
+        if base is not None and base.repo_id:
+            written.update(base_model_name_or_path=base.repo_id, revision=base.revision)
+        cfg.write_text(json.dumps(written, indent=2, sort_keys=True))
         (tmp / "llm2vec_config.json").write_text(json.dumps(LLM2VEC_CONFIG, indent=4))
     for f in tmp.iterdir():
         os.replace(f, out / f.name)

@@ -57,13 +57,16 @@ from lab.engine.call import Stats
 from lab.engine.inputs import check_texts
 from lab.engine.knobs import Knobs
 from lab.engine.scheduler import WAVE_SIZE
+from lab.models.hub import pin
 
 __all__ = ["ChunkResult", "RayEngine", "RayStats", "embed_dataset", "read_embeddings", "split_by_tokens"]
 
 IN_FLIGHT = 2  # calls queued per actor: the next one is there when the last returns
 CHUNK_TEXTS = WAVE_SIZE  # texts per call in RayEngine.embed (progress, and what a restart redoes)
-# Environment the actors get from the driver: offline flags and the engine's own LAB_* settings.
-FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")
+# Environment the actors get from the driver: offline flags, where the Hugging Face cache and hub are and the token
+# (models by hub id), and the engine's own LAB_* settings.
+FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME", "HF_HUB_CACHE",
+                 "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_PROGRESS_BARS")
 PER_ACTOR = ["actor", "pid", "node", "calls", *Stats.COUNTS, "seconds", "tokens_per_s"]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 PLACE_WAIT = 5.0  # seconds to wait for free CPUs / GPUs before starting actors (a closed RayEngine frees them soon)
@@ -93,14 +96,12 @@ class EngineActor:
 
     def info(self, knobs: dict | None = None) -> dict:
         """What the driver shows of the engine (after applying ``knobs``, when given)."""
-        from lab.eval.mteb_adapter import model_revision
-
         if knobs is not None:
             self.sync(knobs)
         e = self.engine
         return {"actor": self.index, "pid": self.pid, "node": self.node, "model_name": e.model_name,
                 "embedding_dim": e.embedding_dim, "knobs": e.knobs, "resolved": e.resolved, "num_layers": e.num_layers,
-                "adapter_ids": e.adapter_ids, "is_cross_encoder": e.is_cross_encoder, "revision": model_revision(e)}
+                "adapter_ids": e.adapter_ids, "is_cross_encoder": e.is_cross_encoder, "revision": e.revision}
 
     def validate(self, knobs: dict) -> Knobs:
         return self.engine.validate(**knobs)
@@ -165,7 +166,10 @@ class RayEngine:
         >>> reng.configure(pooling="cls"); reng.close()
 
     Args:
-        model_path: a model folder every node can read at this path (a shared filesystem, or a copy on each node).
+        model_path: a model folder every node can read at this path (a shared filesystem, or a copy on each node),
+            or a hub id (``org/name``, with the ``revision`` knob or ``org/name@rev``): the driver pins the revision
+            to its commit (``lab.models.hub.pin``) and every actor loads that commit from its node's Hugging Face
+            cache, fetching it there when need be.
         num_actors: Engines, one per Ray actor (one GPU each when the cluster has GPUs, unless ``device="cpu"``).
         threads_per_actor: CPU threads (Ray ``num_cpus``) of each actor; its Engine runs on that many.
         address: ``None`` starts a new local cluster (the running Ray connection is used when there is one);
@@ -189,8 +193,7 @@ class RayEngine:
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a path to a model folder, got {type(model_path).__name__}")
         Knobs().replace(**knobs)  # an unknown knob or a bad value is named before any actor starts
-        path = os.fspath(model_path)
-        self.model_path = os.path.abspath(path) if os.path.exists(path) else path  # actors need not share our cwd
+        self.model_path, knobs = actor_model(model_path, knobs)
         self.threads_per_actor = threads_per_actor
         self._knobs = dict(knobs)
         self._stats = RayStats()
@@ -255,8 +258,8 @@ class RayEngine:
 
     @property
     def revision(self) -> str:
-        """The model folder's revision as the actors see it (``lab.eval.mteb_adapter.model_revision``): MTEB results
-        are cached by it, and the driver need not hold the folder."""
+        """What the actors loaded (``Engine.revision``): the snapshot's commit for a hub id, a local folder's content
+        hash otherwise. MTEB results are cached by it, and the driver need not hold the folder."""
         return self._info["revision"]
 
     def model_digest(self) -> str:
@@ -440,8 +443,7 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
     if given:
         model, knobs = model_path.model_path, model_path.knobs
     else:
-        path = os.fspath(model_path)
-        model, knobs = (os.path.abspath(path) if os.path.exists(path) else path), dict(knobs or {})
+        model, knobs = actor_model(model_path, dict(knobs or {}))
     result_knobs(knobs)  # a bad knob is named before any actor starts
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -589,6 +591,17 @@ def check_room(num_actors: int, options: dict, wait: float = PLACE_WAIT) -> None
     raise RuntimeError(f"{num_actors} Ray actor(s) asking for {options['num_cpus']} CPU(s) and "
                        f"{options['num_gpus']} GPU(s) each need {asks}, but the cluster has {have}{holders}; or use "
                        "fewer actors / threads_per_actor")
+
+
+def actor_model(model, knobs: dict) -> tuple[str, dict]:
+    """What the actors load: a local path made absolute (actors need not share the driver's working directory), or
+    a hub id with its revision pinned to the commit it means now (``lab.models.hub.pin``; the ``revision`` knob
+    then holds that commit), so that every actor loads one snapshot."""
+    path = os.fspath(model)
+    if os.path.exists(path):
+        return os.path.abspath(path), dict(knobs)
+    pinned = pin(path, knobs.get("revision"))
+    return pinned[0], {**knobs, "revision": pinned[1]}
 
 
 def wait_ready(refs: list, timeout: float, model_path: str, options: dict) -> list:

@@ -257,11 +257,14 @@ def folder_files(folder: Path, subfolders: bool) -> list[tuple[str, Path]]:
 def model_digest(model_path, adapters=()) -> str:
     """SHA-256 over the content of what an Engine on ``model_path`` with these ``adapters`` computes with: the
     model folder's files (weights, config, tokenizer, sentence-transformers modules; a ``.gguf`` file itself) and
-    each adapter folder's, in merge order (an adapter-only folder as the model: its base, then it). File names
+    each adapter folder's, in merge order (an adapter-only folder as the model: its base, then it); a model or an
+    adapter named by hub id counts by its snapshot's files (``lab.models.hub.resolve``). File names
     count relative to their folder, so a copy of a folder elsewhere has the same digest."""
     from lab.adapt.adapters import split_adapter_model
+    from lab.models.hub import resolve
 
-    model, adapters = split_adapter_model(os.fspath(model_path), tuple(adapters))
+    folders = tuple(str(resolve(a, what="adapter").folder) for a in adapters)  # adapters by hub id: their snapshots
+    model, adapters = split_adapter_model(str(resolve(model_path).folder), folders)
     h = hashlib.sha256()
     for role, root in [("model", Path(model)), *((f"adapter {k}", Path(a)) for k, a in enumerate(adapters))]:
         root = root.expanduser()

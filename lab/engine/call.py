@@ -52,6 +52,8 @@ class Stats:
     backend: str = "torch"
     adapters: tuple[str, ...] = ()  # names of the LoRA adapters merged into the weights that ran
     split: int = 0  # inputs past max_length split into windows (long_inputs="chunk"; each window is a sequence)
+    model: str = ""  # the engine's model_name (a hub id or local/<folder>) ...
+    revision: str = ""  # ... and revision (the snapshot's commit, or a local folder's content hash)
 
     COUNTS = ("sequences", "tokens", "batches", "padded_tokens", "truncated", "tokens_computed", "chunks", "split")
 
@@ -82,6 +84,7 @@ class Stats:
             f"{self.seconds:.3f} s ({self.tokens_per_s:,.0f} tokens/s); padded {self.padded_tokens}, "
             f"truncated {self.truncated}{f', split {self.split}' if self.split else ''}; {self.path} / {self.backend}"
             + (f"; adapters {', '.join(self.adapters)}" if self.adapters else "")
+            + (f"; {self.model} @ {self.revision[:12]}" if self.model else "")
         )
 
 

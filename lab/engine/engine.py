@@ -8,7 +8,7 @@ progress bar, truncation warning; ``lab.engine.call``). ``embed`` is one pass; `
 ``lab.engine.rerank``, ``encode`` in ``lab.engine.encode``, both on the engine's public seam: ``embed_pass`` (the
 pass ``embed`` runs, with another pooling or head if asked) and ``run_passes`` (passes run as one call).
 
-    >>> eng = Engine(path)                                  # a local HF / sentence-transformers folder
+    >>> eng = Engine("sentence-transformers/all-MiniLM-L6-v2")   # a hub id, or a local folder
     >>> E = eng.embed(["A man plays a guitar.", "Someone plays guitar."])    # (2, 384) float32
     >>> eng.configure(pooling="cls", normalize=False)       # live, no weight reload
     >>> eng.stats                                           # sequences, tokens, batches, padded_tokens, ...
@@ -16,6 +16,7 @@ pass ``embed`` runs, with another pooling or head if asked) and ``run_passes`` (
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
@@ -26,14 +27,14 @@ import torch
 
 from lab.adapt.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
 from lab.engine import encode as st_compat
-from lab.engine import framing, rerank, windows
+from lab.engine import framing, llm2vec, rerank, resolve, windows
 from lab.engine.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.engine.executor import Executor
 from lab.engine.gate import Gate
 from lab.engine.inputs import InputProcessor, Request, check_inputs, check_texts
-from lab.engine.knobs import Knobs, ModelLimits, check_for_model, knobs_doc, resolve_device, resolve_dtype
+from lab.engine.knobs import Knobs, ModelLimits, Resolved, check_for_model, knobs_doc, resolve_device, resolve_dtype
 from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
-from lab.models import model_class
+from lab.models import hub, model_class
 from lab.models.hf_fallback import HFFallbackModel
 from lab.models.loading import ModelSpec, load_tokenizer, read_folder, read_state_dict
 from lab.ops.attention import resolve_backend
@@ -81,16 +82,18 @@ def _change(method):
 class Engine:
     """A prefill-only engine over one model folder. Every knob but ``model`` and ``device`` is live.
 
-        >>> eng = Engine(path, pooling="mean")              # a local model folder or a .gguf file
+        >>> eng = Engine("sentence-transformers/all-MiniLM-L6-v2", pooling="mean")   # a hub id, a folder, a .gguf
         >>> E = eng.embed(["a text", "another"])            # (2, dim) float32, input order
         >>> eng.configure(pooling="cls", truncate_dim=128)   # live, no weight reload
 
     Args:
-        model: a local model folder (transformers / sentence-transformers layout) or a ``.gguf`` file; or a PEFT
-            adapter folder without model weights (adapter alone, or LLM2Vec's ``-mntp`` layout with ``config.json``
-            and tokenizer) whose ``base_model_name_or_path`` is found locally (``lab.adapt.adapters.resolve_base``:
-            absolute, relative to the adapter folder or the current directory, or in the Hugging Face cache): that
-            base loads, the adapter first in ``adapters``. ``llm2vec_config.json`` in the model folder or an adapter
+        model: a hub id (``"org/name"``, its ``revision`` knob a branch, tag or commit; resolved through
+            huggingface_hub's cache, fetching only the files the Engine reads: ``lab.models.hub``), or a local model
+            folder (transformers / sentence-transformers layout; a local path wins over an id of the same spelling)
+            or a ``.gguf`` file; or a PEFT adapter folder or repository without model weights (adapter alone, or
+            LLM2Vec's ``-mntp`` layout with ``config.json`` and tokenizer) whose ``base_model_name_or_path`` is found
+            (``lab.adapt.adapters.resolve_base``: absolute, relative to the adapter folder or the current directory,
+            or a hub id): that base loads, the adapter first in ``adapters``. ``llm2vec_config.json`` in the model folder or an adapter
             folder sets knob defaults (``model_defaults``).
         tune_allocator: on a CPU device, apply ``lab.runtime.allocator``'s glibc malloc settings to the whole
             process: large freed activations stay in the heap, so packed steps stop page-faulting on fresh memory,
@@ -120,6 +123,7 @@ class Engine:
         max_num_seqs: int = 256,
         dtype: str = "auto",
         device: str = "auto",
+        revision: str | None = None,
         bidirectional: bool | None = None,
         chunked_prefill: int | None = None,
         instruction: str | None = None,
@@ -133,6 +137,7 @@ class Engine:
         adapters: list[str] | tuple[str, ...] = (),
         layer: int | None = None,
         long_inputs: str = "truncate",
+        doc_max_length: int | None = None,
         cpu_paths: dict[str, str] | None = None,
         tune_allocator: bool | None = None,
     ):
@@ -141,9 +146,13 @@ class Engine:
         knobs = {f.name: args[f.name] for f in fields(Knobs)}
         self._knobs = Knobs().replace(**knobs)
         if not isinstance(model, (str, os.PathLike)):
-            raise TypeError(f"model must be a path to a local model folder, got {type(model).__name__}")
-        self._folder = str(model)  # as given: an adapter-only folder names its base (lab.engine.framing.base_names)
-        model, adapters = split_adapter_model(str(model), self._knobs.adapters)  # an adapter-only folder: its base
+            raise TypeError(f"model must be a local model folder or a hub id ('org/name'), got {type(model).__name__}")
+        self._source = hub.resolve(model, self._knobs.revision)  # a hub id: its snapshot folder, fetched if need be
+        self._adapter_folders: dict[str, str] = {}  # adapter name as given (a path or a hub id) -> its folder
+        self._folder = str(self._source.folder)  # as given: llm2vec's base argument (lab.engine.llm2vec)
+        self._loaded_as = self._source.repo_id or os.fspath(model)  # the name transformers would record
+        model, adapters = split_adapter_model(self._folder, self._knobs.adapters)  # an adapter-only folder: its base
+        self._auto = adapters[: len(adapters) - len(self._knobs.adapters)]  # the adapters that came with the folder
         self._knobs = self._knobs.replace(adapters=adapters)
         self.model_path = str(model)
         self.spec: ModelSpec = read_folder(model)
@@ -160,7 +169,7 @@ class Engine:
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
         self._dirty = False  # a configure was interrupted while swapping weights (``_repair``)
         self._adapters: list[LoraAdapter] = []  # merged into the live weights, in order
-        self._folder_facts: tuple | None = None  # (adapters, has llm2vec_config.json, base names): ``_llm2vec_facts``
+        self._layouts: dict[tuple, llm2vec.Layout] = {}  # adapter list -> llm2vec's reading of the folders
         if self._knobs.adapters:
             self._adapters, merged = self._merge_adapters(self._knobs.adapters)
             self.runner.weights.set_merged(merged)
@@ -168,6 +177,7 @@ class Engine:
         self.stats = Stats()
         self._backend = resolve_backend(self._knobs.attention_backend, self.device)
         self.runner.plan_cpu_paths(self._workers)
+        resolve.notice_llm2vec(self.model_name, self.llm2vec, self.resolved)
 
     # ----------------------------------------------------------------------------------------------- loading
     def _build_model(self, dtype: torch.dtype, forced: dict[str, str]):
@@ -204,11 +214,14 @@ class Engine:
         return asdict(self._knobs)
 
     @property
-    def resolved(self) -> dict:
-        """The knob values that actually run, with model defaults filled in; ``malloc_tuning``: whether
-        ``lab.runtime.allocator``'s process-wide settings are in effect (``tune_allocator``)."""
+    def resolved(self) -> Resolved:
+        """The knob values that actually run, with model defaults filled in (a read-only mapping), and where each
+        value the model decides came from (``resolved.sources``: ``"user"``, ``"llm2vec_config.json in <folder>"``,
+        ``"llm2vec default"``, ``"sentence-transformers Pooling"``, ``"sentence-transformers config"``, ``"model
+        default"``); ``malloc_tuning``: whether ``lab.runtime.allocator``'s process-wide settings are in effect
+        (``tune_allocator``)."""
         k = self._knobs
-        return {
+        return Resolved({
             "pooling": self.pooling, "normalize": self.normalize, "truncate_dim": k.truncate_dim,
             "max_length": self.max_length, "causal": self.causal,
             "dtype": str(self.runner.dtype).removeprefix("torch."), "device": str(self.device),
@@ -218,7 +231,8 @@ class Engine:
             "instruction_pooling": self.instruction_pooling, "template": k.template,
             "cpu_workers": self._workers, "layer": self.layer, "long_inputs": k.long_inputs,
             "adapters": self.adapter_names, "cpu_paths": self.cpu_paths, "malloc_tuning": allocator.in_effect(),
-        }
+            "doc_max_length": self.doc_max_length,
+        }, resolve.sources(k, self._defaults(k)))
 
     @property
     def _workers(self) -> int:
@@ -245,6 +259,13 @@ class Engine:
         differ. MTEB results are cached apart by these."""
         return [a.id for a in self._adapters]
 
+    def _adapter_folder(self, name: str) -> str:
+        """The folder of an adapter named by path or hub id (``org/name[@revision]``, fetched into the Hugging Face
+        cache when need be; ``lab.models.hub``), resolved once per engine."""
+        if name not in self._adapter_folders:
+            self._adapter_folders[name] = str(hub.resolve(name, what="adapter").folder)
+        return self._adapter_folders[name]
+
     def _merge_adapters(self, paths: tuple[str, ...]):
         """Read and check ``paths`` and merge them over the base weights: ``(adapters, {parameter: float32})``.
         Changes nothing: the caller swaps the result in (``Runner.set_merged``)."""
@@ -254,7 +275,7 @@ class Engine:
                 "transformers fallback (no packed implementation here). Merge the adapter with peft "
                 "(PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(out)) and load that folder"
             )
-        adapters = [read_adapter(p) for p in paths]
+        adapters = [read_adapter(self._adapter_folder(p)) for p in paths]
         return adapters, merged_weights(self.model, self.runner.weights.base, adapters)
 
     @_change
@@ -303,6 +324,9 @@ class Engine:
         variant before running any (``lab.evaluate``)."""
         if "device" in knobs and knobs["device"] != self._knobs.device:
             raise ValueError("device cannot change live (it moves every weight); create a new Engine instead")
+        if "revision" in knobs and knobs["revision"] != self._knobs.revision:
+            raise ValueError("revision cannot change live (it is another snapshot of the weights); create a new "
+                             f"Engine instead: Engine({self.model_name!r}, revision={knobs['revision']!r})")
         new = self._knobs.replace(**knobs)
         self._check_for_model(new)
         resolve_backend(new.attention_backend, self.device)
@@ -333,7 +357,7 @@ class Engine:
         return self._layer_for(self._knobs)
 
     def _causal_for(self, k: Knobs) -> bool:
-        return (not k.bidirectional) if k.bidirectional is not None else self.model.default_causal
+        return (not k.bidirectional) if k.bidirectional is not None else self._defaults(k)["causal"][0]
 
     @property
     def is_decoder(self) -> bool:
@@ -347,25 +371,53 @@ class Engine:
     def causal(self) -> bool:
         return self._causal_for(self._knobs)
 
+    def _layout(self, adapters: tuple[str, ...]) -> llm2vec.Layout:
+        """llm2vec's reading of the model folder with ``adapters`` (``lab.engine.llm2vec``), once per adapter list."""
+        if adapters not in self._layouts:
+            auto = len(self._auto) if adapters[: len(self._auto)] == self._auto else 0
+            self._layouts[adapters] = llm2vec.layout(
+                self._folder, [self._adapter_folder(a) for a in adapters], auto=auto, base=self.model_path,
+                loaded_as=self._loaded_as, decoder=bool(self.model.is_decoder))
+        return self._layouts[adapters]
+
+    @property
+    def llm2vec(self) -> llm2vec.Layout:
+        """llm2vec's reading of the model folder and the adapters in force (``lab.engine.llm2vec.Layout``): whether
+        they are an LLM2Vec layout and by what, the folder its settings come from, the name its chat template is
+        chosen by."""
+        return self._layout(self._knobs.adapters)
+
+    def _defaults(self, k: Knobs) -> dict[str, tuple]:
+        """What a knob left at ``None`` resolves to under the adapters of ``k``, with where that value comes from:
+        knob -> (value, source) (``lab.engine.resolve.defaults``)."""
+        return resolve.defaults(k, self._layout(k.adapters), self.spec, decoder=bool(self.model.is_decoder),
+                                default_causal=bool(self.model.default_causal))
+
+    def _value(self, name: str, k: Knobs | None = None):
+        """A knob's value as it runs: the knob when set, else its default (``_defaults``)."""
+        k = k or self._knobs
+        set_to = getattr(k, name)
+        return set_to if set_to is not None else self._defaults(k)[name][0]
+
     @property
     def model_defaults(self) -> dict:
-        """Knob defaults from ``llm2vec_config.json`` (``lab.models.loading.read_llm2vec_config``): the last merged
-        adapter folder's that has one, else the model folder's; ``None``-valued knobs resolve to them."""
-        return next((dict(a.llm2vec) for a in reversed(self._adapters) if a.llm2vec), dict(self.spec.llm2vec))
+        """What the model and its adapters set the knobs left at ``None`` to: knob -> value (``resolved.sources``
+        says where each came from)."""
+        return {name: value for name, (value, _) in self._defaults(self._knobs).items()}
 
     @property
     def pooling(self) -> str:
-        if self._knobs.pooling is not None:
-            return self._knobs.pooling
-        if "pooling" in self.model_defaults:
-            return self.model_defaults["pooling"]
-        if self.spec.pooling is not None:
-            return self.spec.pooling
-        return "lasttoken" if self.is_decoder else "mean"
+        return self._value("pooling")
 
     @property
     def normalize(self) -> bool:
-        return self.spec.normalize if self._knobs.normalize is None else self._knobs.normalize
+        return self._value("normalize")
+
+    @property
+    def doc_max_length(self) -> int | None:
+        """llm2vec's document cut in force (``lab.engine.llm2vec.cut_document``): the knob (``0`` = off), else the
+        LLM2Vec layout's (``llm2vec_config.json`` or llm2vec's 400), else ``None`` (off)."""
+        return self._value("doc_max_length") or None
 
     @property
     def append_eos(self) -> bool:
@@ -377,26 +429,15 @@ class Engine:
 
     @property
     def instruction_pooling(self) -> str:
-        """The pooling rule for inputs with instructions (``lab.engine.framing``): the knob, else ``llm2vec`` for a
-        folder (or adapter) with ``llm2vec_config.json``, else ``exact``."""
-        if self._knobs.instruction_pooling is not None:
-            return self._knobs.instruction_pooling
-        return "llm2vec" if self._llm2vec_facts()[0] else "exact"
-
-    def _llm2vec_facts(self) -> tuple[bool, list[str]]:
-        """Whether the model folder or an adapter folder carries ``llm2vec_config.json``, and the names they give
-        the base (``framing.base_names``): read from the folders once per adapter list, not on every call."""
-        key = self._knobs.adapters
-        if self._folder_facts is None or self._folder_facts[0] != key:
-            folders = [self._folder, *key]
-            self._folder_facts = (key, framing.has_llm2vec_config(folders),
-                                  framing.base_names(folders, self.spec.config))
-        return self._folder_facts[1], self._folder_facts[2]
+        """The pooling rule for inputs with instructions (``lab.engine.framing``): the knob, else ``llm2vec`` for an
+        LLM2Vec layout (``lab.engine.llm2vec``), else ``exact``."""
+        return self._value("instruction_pooling")
 
     def _framing(self) -> framing.Framing:
         """How this engine's inputs are framed under the knobs in force (rule, template, chat template, EOS text)."""
         rule = self.instruction_pooling
-        names = self._llm2vec_facts()[1]
+        name = self._layout(self._knobs.adapters).name
+        names = [name] if name else []
         eos = framing.eos_text(names, self.spec.config.get("model_type")) if self.pooling == "eos_token" else ""
         return framing.Framing(rule=rule, template=self._knobs.template, eos=eos,
                                chat=framing.chat_template(names) if rule == "llm2vec" else None)
@@ -405,7 +446,7 @@ class Engine:
     def max_length(self) -> int:
         if self._knobs.max_length is not None:
             return self._knobs.max_length
-        limits = [self.model_defaults.get("max_length", self.spec.max_seq_length)]
+        limits = [self._defaults(self._knobs)["max_length"][0]]
         tok_max = getattr(self.tokenizer, "model_max_length", None)
         if tok_max and tok_max < 1_000_000:
             limits.append(tok_max)
@@ -414,7 +455,22 @@ class Engine:
 
     @property
     def model_name(self) -> str:
-        return self.spec.name
+        """What was loaded, by name: the hub id (also for a hub cache snapshot folder given as a path), else
+        ``local/<folder name>``. MTEB results and benchmark rows are filed under it."""
+        return self._source.name
+
+    @property
+    def revision(self) -> str:
+        """The loaded snapshot's commit (a hub id, or a snapshot folder given as a path); for another local folder,
+        ``local-`` + a content hash of its config and weights (``lab.models.hub.content_revision``)."""
+        if self._source.revision is None:
+            self._source = dataclasses.replace(self._source, revision=hub.content_revision(self._source.folder))
+        return self._source.revision
+
+    @property
+    def reference(self) -> str | None:
+        """The model's hub page (``https://huggingface.co/<id>``), ``None`` for a local folder."""
+        return self._source.reference
 
     @property
     def embedding_dim(self) -> int:
@@ -425,7 +481,8 @@ class Engine:
         layer = "" if r["layer"] == self.model.num_layers else f"layer={r['layer']}, "
         adapters = f"adapters={r['adapters']}, " if r["adapters"] else ""
         return (
-            f"Engine({self.model_name!r}, {self.spec.architecture}, pooling={r['pooling']}, "
+            f"Engine({self.model_name!r}, revision={self.revision[:12]!r}, {self.spec.architecture}, "
+            f"pooling={r['pooling']}, "
             f"causal={r['causal']}, normalize={r['normalize']}, {layer}{adapters}dtype={r['dtype']}, "
             f"device={r['device']})"
         )
@@ -461,9 +518,13 @@ class Engine:
         """Whether instruction tokens are pooled: the knob, else ``llm2vec_config.json``'s ``skip_instruction``
         negated (``model_defaults``), else the model's Pooling config (``include_prompt``, as
         ``SentenceTransformer.encode(prompt=...)`` pools them), else ``False`` (llm2vec's embed mask)."""
-        if self._knobs.include_instruction is not None:
-            return self._knobs.include_instruction
-        return bool(self.model_defaults.get("include_instruction", self.spec.include_prompt))
+        return bool(self._value("include_instruction"))
+
+    def cut_documents(self, texts: list[str]) -> list[str]:
+        """``texts`` after llm2vec's document cut (the ``doc_max_length`` in force; ``lab.engine.llm2vec``), the same
+        list when the cut is off. Every call kind's texts pass here before they are framed and tokenized."""
+        limit = self.doc_max_length
+        return llm2vec.cut_documents(self.tokenizer, texts, self.max_length, limit) if limit and texts else texts
 
     @_call
     def tokenize(self, texts: list[str], *, instruction=_UNSET, prompt_name: str | None = None) -> list[Request]:
@@ -505,8 +566,8 @@ class Engine:
 
         def tokenize(chunk: list[str], first: int) -> list[Request]:
             per_item = None if instructions is None else instructions[first : first + len(chunk)]
-            reqs = proc.process(chunk, first_index=first, instruction=instruction, include_instruction=include,
-                                instructions=per_item)
+            reqs = proc.process(self.cut_documents(chunk), first_index=first, instruction=instruction,
+                                include_instruction=include, instructions=per_item)
             return multivector.expand(reqs, mv, fill) if expand else reqs
 
         prefixed = instruction or instructions is not None or self._knobs.template is not None
@@ -639,7 +700,8 @@ class Engine:
         finished (a failed or interrupted call leaves the engine, its stats included, as it was)."""
         settings = self._settings()
         stats = Stats(path="packed" if self.model.packed else "transformers-fallback (padded)",
-                      backend=self._backend, adapters=tuple(self.adapter_names), split=split)
+                      backend=self._backend, adapters=tuple(self.adapter_names), split=split, model=self.model_name,
+                      revision=self.revision)
         results = []
         with Call(stats, total=sum(len(p.items) for p in passes), desc=desc, show_progress=show_progress,
                   warned=self._warned_lengths, max_length=self.max_length) as call, torch.inference_mode():

@@ -7,7 +7,7 @@ Two rules decide the pooled tokens of an input with an instruction (the ``instru
   ``include_prompt=False`` counts them (``InputProcessor.instruction_length``).
 - ``"llm2vec"``: llm2vec's embed mask, as llm2vec 0.2.3 builds it: the input is
   ``instruction.strip() + " " + text`` (the text alone without an instruction), wrapped in the chat template of
-  the base model when the model folder names one of the bases llm2vec knows (``CHAT_TEMPLATES``), followed by the
+  the base model when the name llm2vec chooses it by (``lab.engine.llm2vec``) is one it knows (``CHAT_TEMPLATES``), followed by the
   EOS text under ``eos_token`` pooling (``eos_text``); the pooled tokens are the last ``n`` of the tokenized input,
   ``n`` = the tokens of the text part (the text and whatever the wrapping put after it) tokenized alone without
   special tokens. When the instruction's last character merges with the text's first into one token (byte-level
@@ -27,9 +27,7 @@ pooling reading the sequence's last token.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 INSTRUCTION_POOLING = ("exact", "llm2vec")
 TEXT_FIELD = "{text}"
@@ -84,30 +82,6 @@ def eos_text(names: list[str], model_type: str | None) -> str:
 def chat_template(names: list[str]) -> tuple[str, str] | None:
     """The chat template llm2vec applies to a base known by ``names`` (``CHAT_TEMPLATES``), or ``None``."""
     return next((CHAT_TEMPLATES[n] for n in names if n in CHAT_TEMPLATES), None)
-
-
-def base_names(folders: list[str], config: dict) -> list[str]:
-    """The names a model folder gives its base, most specific first: each folder's ``adapter_config.json``
-    ``base_model_name_or_path`` (an LLM2Vec ``-mntp`` folder names its base there), then ``config.json``'s
-    ``_name_or_path`` (what the base was saved from)."""
-    names = []
-    for folder in folders:
-        f = Path(folder).expanduser() / "adapter_config.json"
-        if f.is_file():
-            try:
-                base = json.loads(f.read_text(encoding="utf-8")).get("base_model_name_or_path")
-            except (OSError, ValueError):
-                base = None
-            if isinstance(base, str) and base:
-                names.append(base)
-    if isinstance(config.get("_name_or_path"), str) and config["_name_or_path"]:
-        names.append(config["_name_or_path"])
-    return names
-
-
-def has_llm2vec_config(folders: list[str]) -> bool:
-    """Whether any of ``folders`` carries ``llm2vec_config.json`` (an LLM2Vec checkpoint or adapter)."""
-    return any((Path(f).expanduser() / "llm2vec_config.json").is_file() for f in folders)
 
 
 @dataclass(frozen=True)

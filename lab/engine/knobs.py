@@ -1,7 +1,8 @@
 """The knob table, in one place: names, types, defaults, validation, and which combinations conflict.
 
 ``None`` always means "the model's own default" (resolved by the engine from the model folder). Every knob but
-``device`` can change live through ``Engine.configure`` without reloading weights (``dtype`` re-casts them).
+``device`` and ``revision`` can change live through ``Engine.configure`` without reloading weights (``dtype``
+re-casts them).
 
     >>> k = Knobs(pooling="mean"); k = k.replace(bidirectional=True); k.validate()
 """
@@ -12,6 +13,7 @@ import dataclasses
 import numbers
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
@@ -54,6 +56,11 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
     ),
     "device": (
         "``auto``, ``cpu``, ``cuda``, ``cuda:N`` (fixed at load)."
+    ),
+    "revision": (
+        "for a model named by hub id (``org/name``): a branch, a tag or a commit (``None`` = ``main``), resolved "
+        "through huggingface_hub's cache (``lab.models.hub``); fixed at load. ``eng.model_name`` / ``eng.revision`` "
+        "say what loaded (the id and the snapshot's commit). Adapters by id take theirs as ``org/name@rev``."
     ),
     "bidirectional": (
         "``None`` = the model's own attention; ``True``/``False`` override (LLM2Vec-style)."
@@ -121,6 +128,13 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
         "call (``embed``, ``encode*``, bi-encoder ``score`` / ``rerank``); cross-encoder / LLM pair scoring refuses "
         "a pair past ``max_length`` under it, per-token and sparse outputs refuse it."
     ),
+    "doc_max_length": (
+        "llm2vec's cut of long documents (``lab.engine.llm2vec.cut_document``): a text whose tokens (special tokens "
+        "left out, counted up to ``max_length``) exceed it keeps its first ``int(words x doc_max_length / tokens)`` "
+        "words, repeated until it fits; instructions are never cut. ``None`` = an LLM2Vec layout's "
+        "(``llm2vec_config.json``, else llm2vec's 400), off for other models; ``0`` = off. Every call kind; under "
+        "``long_inputs='chunk'`` the cut comes first and the windows split what is left."
+    ),
 }
 
 
@@ -145,6 +159,7 @@ class Knobs:
     max_num_seqs: int = 256
     dtype: str = "auto"
     device: str = "auto"
+    revision: str | None = None  # hub branch, tag or commit of a model named by hub id (fixed at load)
     bidirectional: bool | None = None
     chunked_prefill: int | None = None
     instruction: str | None = None
@@ -158,6 +173,7 @@ class Knobs:
     adapters: tuple[str, ...] = ()  # PEFT LoRA folders merged in this order (lab.adapt.adapters)
     layer: int | None = None  # pool the hidden states after this layer (None = last; 0 = embeddings; -1 = last)
     long_inputs: str = "truncate"  # inputs past max_length: "truncate" or "chunk" (lab.engine.windows)
+    doc_max_length: int | None = None  # llm2vec's word cut of long texts (None: the model's; 0: off)
 
     def replace(self, **changes) -> Knobs:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
@@ -192,10 +208,10 @@ class Knobs:
                 raise TypeError(f"{name} must be True, False or None (model default), got {v!r}")
         if not isinstance(self.prefix_cache, bool):
             raise TypeError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
-        for name, lo in (("truncate_dim", 1), ("max_length", 1), ("chunked_prefill", 1)):
+        for name, lo in (("truncate_dim", 1), ("max_length", 1), ("chunked_prefill", 1), ("doc_max_length", 0)):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
-                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+                raise ValueError(f"{name} must be a {'positive' if lo else 'non-negative'} int or None, got {v!r}")
         for name in ("max_batch_tokens", "max_num_seqs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -211,6 +227,9 @@ class Knobs:
             )
         normalize_dtype(self.dtype)
         normalize_device(self.device)
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
+            raise TypeError(f"revision must be a branch, tag or commit name (a non-empty string) or None (main), "
+                            f"got {self.revision!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"unknown attention_backend {self.attention_backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}"
@@ -225,6 +244,31 @@ class Knobs:
                 "sequence at once (every token attends to later tokens). Use chunked_prefill=None, or "
                 "bidirectional=False for causal chunked prefill"
             )
+
+
+class Resolved(Mapping):
+    """The knob values an engine runs with (a read-only mapping: ``eng.resolved["pooling"]``) and, for the values
+    the model decides, where each came from (``sources``: ``"user"``, ``"llm2vec_config.json in <folder>"``,
+    ``"llm2vec default"``, ``"sentence-transformers Pooling"``, ``"model default"``, ...).
+
+        >>> r = eng.resolved; r["pooling"], r.sources["pooling"]          # ('mean', 'llm2vec default')
+    """
+
+    def __init__(self, values: dict, sources: dict[str, str]):
+        self._values, self.sources = dict(values), dict(sources)
+
+    def __getitem__(self, name):
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return "Resolved({" + ", ".join(
+            f"{k!r}: {v!r}" + (f" ({self.sources[k]})" if k in self.sources else "") for k, v in self.items()) + "})"
 
 
 @dataclass(frozen=True)

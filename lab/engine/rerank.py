@@ -115,11 +115,12 @@ def has_lm_head(engine) -> bool:
 
 
 def default_mode(engine) -> str:
-    """``cross-encoder`` with a classification head; ``llm`` for a decoder with LM logits that the folder does not
-    declare an embedding model (no sentence-transformers pooling config); else ``bi-encoder``."""
+    """``cross-encoder`` with a classification head; ``llm`` for a decoder with LM logits that the folders do not
+    declare an embedding model (no sentence-transformers pooling config, not an LLM2Vec layout); else
+    ``bi-encoder``."""
     if engine.is_cross_encoder:
         return "cross-encoder"
-    if has_lm_head(engine) and engine.spec.pooling is None:
+    if has_lm_head(engine) and engine.spec.pooling is None and not engine.llm2vec.recognized:
         return "llm"
     return "bi-encoder"
 

@@ -148,6 +148,7 @@ def dense_pass(engine, texts: list[str], instruction: str | None, *, head: Head 
     plain = engine.embed_pass(texts, instruction, head=head)
     if engine.knobs["long_inputs"] != "chunk":
         return DensePass(plain, len(texts))
+    texts = engine.cut_documents(texts)  # llm2vec's cut (doc_max_length) first; the windows split what is left
     raw = engine.embed_pass(texts, instruction, head=EmbeddingHead(engine.model.hidden_size))
     proc = InputProcessor(engine.tokenizer, engine.max_length, append_eos=engine.append_eos)  # embed_pass's
     split = split_long(proc, texts, raw.tokenize(texts, 0), frame(proc, instruction, engine.include_instruction))

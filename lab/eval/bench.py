@@ -103,8 +103,10 @@ def throughput(
 
     Returns:
         one row per (system, knob setting): ``system, <knobs...>, texts, tokens, padded_tokens, seconds_median,
-        seconds_min, seconds_max, tokens_per_s, threads, torch``. ``tokens`` are real (unpadded) tokens, the
-        same count for every system on the same texts, so tokens/s compare directly.
+        seconds_min, seconds_max, tokens_per_s, threads, torch``; an Engine's rows also name what it loaded
+        (``model``: its ``model_name``, ``revision``: the snapshot's commit or a local folder's content hash).
+        ``tokens`` are real (unpadded) tokens, the same count for every system on the same texts, so tokens/s
+        compare directly.
     """
     from tqdm.auto import tqdm
 
@@ -129,7 +131,8 @@ def throughput(
                     system.embed(texts)
                 secs = _time(lambda s=system: s.embed(texts), repeats)
                 st = system.stats
-                row.update(tokens=st.tokens, padded_tokens=st.padded_tokens, tokens_computed=st.tokens_computed)
+                row.update(tokens=st.tokens, padded_tokens=st.padded_tokens, tokens_computed=st.tokens_computed,
+                           model=system.model_name, revision=system.revision)
                 engine_tokens = st.tokens
             finally:
                 system.configure(**saved)

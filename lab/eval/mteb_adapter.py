@@ -3,11 +3,24 @@
 ``as_mteb_model(engine)`` returns an object ``mteb.evaluate(model, tasks)`` accepts. ``encode`` drains mteb's
 DataLoader and hands every text to one ``engine.embed`` call, so the engine's own scheduler does the batching
 (mteb's ``batch_size`` is ignored). Query / document prompts become the engine's ``instruction`` (attended, not
-pooled), chosen like sentence-transformers chooses prompts. The model meta names the model and carries the
-result-changing knob values as mteb ``experiment_kwargs``, so mteb's ResultCache stores each variant apart:
-``results/<model>/<revision>/experiments/<pooling_mean__bidirectional_True...>/<Task>.json``.
-``resolve_tasks`` turns task names into mteb task objects (the checkout's local copies first; ``lab.eval.sweeps`` and
-``lab.eval.retrieval`` both use it).
+pooled), chosen like sentence-transformers chooses prompts.
+
+The model meta (``model_meta.json`` in the results) is filled from the model: name (``org/name``; a local folder
+``local/<name>``), revision, parameter count, fp32 memory, embedding size, token limit, similarity function, the Hub
+page for a hub id, and license / languages / release date from the folder's model card (``lab.eval.model_card``).
+Where it lands in mteb's ResultCache follows the knobs:
+
+- every knob at its default (``lab.engine.knobs.Knobs()``; a ``layer`` naming the last layer and an empty
+  ``adapters`` count as defaults), the model's own prompts: no ``experiment_kwargs``, so the results are the plain
+  run in mteb's standard layout, ``results/<org__name>/<revision>/<Task>.json`` + ``model_meta.json``, the folder the
+  leaderboard and ``ResultCache.load_results`` read;
+- any result-changing knob set away from its default, prompts passed in, or task instructions: every
+  result-changing knob as it runs (``result_knobs``; merged adapters as their ids), plus the prompts, as
+  ``experiment_kwargs``, so the variant is filed apart and never overwrites the plain run:
+  ``results/<org__name>/<revision>/experiments/<pooling_mean__bidirectional_True...>/<Task>.json``.
+
+``resolve_tasks`` turns task names, benchmark names and mteb ``Benchmark`` objects into mteb task objects (task
+names: the checkout's local copies first; ``lab.eval.sweeps`` and ``lab.eval.retrieval`` both use it).
 
     >>> model = as_mteb_model(engine, instructions={"query": "Represent this query for retrieval"})
     >>> mteb.evaluate(model, evals.tasks.get_tasks(["STSBenchmark"]), cache=mteb.ResultCache("evals/results/cache"))
@@ -15,7 +28,6 @@ result-changing knob values as mteb ``experiment_kwargs``, so mteb's ResultCache
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -27,6 +39,9 @@ import numpy as np
 # Knobs that change speed or memory but not the numbers: kept out of the experiment name.
 SCHEDULING_KNOBS = frozenset({"max_batch_tokens", "max_num_seqs", "prefix_cache", "device", "show_progress",
                               "cpu_workers"})
+# Knobs that say which model loaded (already in the results' path and model meta), not how it runs.
+IDENTITY_KNOBS = frozenset({"revision"})
+HUB_URL = "https://huggingface.co/"
 
 
 def as_mteb_model(
@@ -64,40 +79,28 @@ class _EngineModel:
         self.engine = engine
         self.model_path = Path(engine.model_path) if getattr(engine, "model_path", None) else None
         st_config = _read_json(self.model_path / "config_sentence_transformers.json") if self.model_path else {}
+        own = {k: v for k, v in (st_config.get("prompts") or {}).items() if v}
         if instructions is None:
-            instructions = st_config.get("prompts") or {}
+            instructions = own
         self.instructions = {k: v for k, v in dict(instructions).items() if v}
+        self.prompts_given = self.instructions != own  # prompts other than the model's own: not the plain run
         self.use_task_instructions = use_task_instructions
         self.similarity_fn_name = "dot" if st_config.get("similarity_fn_name") == "dot" else "cosine"
         self._name = name
         self._revision = revision
+        self.work = {"calls": 0, "tokens": 0, "seconds": 0.0}  # the engine calls since ``take_work``
 
     # ---- metadata -------------------------------------------------------------------------------------------
     @property
     def mteb_model_meta(self):
         """Rebuilt on each access from the engine's current knobs (``mteb.evaluate`` reads it once per call)."""
-        from mteb.models.model_meta import ModelMeta
-
-        return ModelMeta(
-            loader=None,
-            name=self._name or model_name(self.engine),
-            revision=self._revision or model_revision(self.engine),
-            release_date=None,
-            languages=None,
-            n_parameters=getattr(self.engine, "n_parameters", None),
-            memory_usage_mb=None,
-            max_tokens=result_knobs(self.engine).get("max_length"),
-            embed_dim=getattr(self.engine, "embedding_dim", None),
-            license=None,
-            open_weights=True,
-            public_training_code=None,
-            public_training_data=None,
-            framework=["PyTorch"],
+        return build_model_meta(
+            self.engine,
+            name=self._name,
+            revision=self._revision,
             similarity_fn_name=self.similarity_fn_name,
             use_instructions=bool(self.instructions) or self.use_task_instructions,
-            training_datasets=None,
-            modalities=["text"],
-            model_type=["cross-encoder"] if self.engine_is_cross_encoder else ["dense"],
+            cross_encoder=self.engine_is_cross_encoder,
             experiment_kwargs=self.experiment_kwargs() or None,
         )
 
@@ -106,13 +109,29 @@ class _EngineModel:
         return bool(getattr(self.engine, "is_cross_encoder", False))
 
     def experiment_kwargs(self) -> dict[str, Any]:
-        """The knob values that can change scores, as mteb names experiments (plus our prompts, if any)."""
+        """``{}`` for the plain run (every knob at its default, the model's own prompts, no task instructions);
+        otherwise the knob values that can change scores (``result_knobs``), as mteb names experiments, plus the
+        prompts and ``task_instructions`` where they apply."""
+        if not (knobs_set(self.engine) or self.prompts_given or self.use_task_instructions):
+            return {}
         kwargs = result_knobs(self.engine)
         if self.instructions:
             kwargs["prompts"] = dict(sorted(self.instructions.items()))
         if self.use_task_instructions:
             kwargs["task_instructions"] = True
         return kwargs
+
+    def take_work(self) -> dict[str, Any]:
+        """The engine calls made through this model since the last ``take_work``: ``calls``, and the ``tokens`` and
+        ``seconds`` of the engine's ``stats`` summed over them (0 where the engine keeps no stats); resets them."""
+        work, self.work = self.work, {"calls": 0, "tokens": 0, "seconds": 0.0}
+        return work
+
+    def _count(self) -> None:
+        stats = getattr(self.engine, "stats", None)
+        self.work["calls"] += 1
+        self.work["tokens"] += int(getattr(stats, "tokens", 0) or 0)
+        self.work["seconds"] += float(getattr(stats, "seconds", 0.0) or 0.0)
 
     # ---- prompts --------------------------------------------------------------------------------------------
     def instruction_for(self, task_metadata, prompt_type) -> str | None:
@@ -150,7 +169,9 @@ class EngineEncoder(_EngineModel):
         call = {"show_progress": kwargs.get("show_progress_bar")}
         if instruction is not None:  # otherwise the engine's own ``instruction`` knob applies
             call["instruction"] = instruction
-        return np.asarray(self.engine.embed(texts, **call), dtype=np.float32)
+        out = np.asarray(self.engine.embed(texts, **call), dtype=np.float32)
+        self._count()
+        return out
 
     def similarity(self, embeddings1, embeddings2):
         from mteb.similarity_functions import cos_sim, dot_score
@@ -173,7 +194,9 @@ class EngineCrossEncoder(_EngineModel):
             raise ValueError(f"predict got {len(first)} first inputs but {len(second)} second inputs")
         if not first:
             return np.zeros(0, dtype=np.float32)
-        return np.asarray(self.engine.score(list(zip(first, second))), dtype=np.float32).reshape(-1)
+        out = np.asarray(self.engine.score(list(zip(first, second))), dtype=np.float32).reshape(-1)
+        self._count()
+        return out
 
 
 def drain_texts(loader) -> list[str]:
@@ -209,7 +232,127 @@ def result_knobs(engine) -> dict[str, Any]:
         knobs.pop("adapters", None)  # no adapters: the base model's experiment name, as before the knob existed
     if knobs.get("instruction_pooling") == "exact":  # the rule before the knob existed: named as before
         knobs.pop("instruction_pooling")
-    return {k: v for k, v in sorted(knobs.items()) if k not in SCHEDULING_KNOBS and v is not None}
+    return {k: v for k, v in sorted(knobs.items()) if k not in SCHEDULING_KNOBS | IDENTITY_KNOBS and v is not None}
+
+
+def knobs_set(engine) -> dict[str, Any]:
+    """The result-changing knobs set away from their defaults (``lab.engine.knobs.Knobs()``), as set: what makes a
+    run a variant rather than the plain run. ``layer`` naming the last layer (``-1``, its number) and an empty
+    ``adapters`` list run as the defaults do and are not counted; scheduling knobs (``SCHEDULING_KNOBS``) and the
+    model's ``revision`` (``IDENTITY_KNOBS``) never are."""
+    from dataclasses import asdict
+
+    from lab.engine.knobs import Knobs
+
+    defaults = asdict(Knobs())
+    out = {}
+    for key, value in dict(engine.knobs).items():
+        if key in SCHEDULING_KNOBS or key in IDENTITY_KNOBS:
+            continue
+        default = defaults.get(key)
+        if value == default or (isinstance(default, tuple) and isinstance(value, list) and tuple(value) == default):
+            continue
+        if key == "adapters" and not value:
+            continue
+        if key == "layer":
+            resolved = getattr(engine, "resolved", None)
+            resolved = resolved.get("layer") if isinstance(resolved, Mapping) else None
+            if resolved is not None and resolved == getattr(engine, "num_layers", None):
+                continue
+        out[key] = value
+    return out
+
+
+def build_model_meta(
+    engine,
+    *,
+    name: str | None = None,
+    revision: str | None = None,
+    similarity_fn_name: str = "cosine",
+    use_instructions: bool = False,
+    cross_encoder: bool = False,
+    experiment_kwargs: Mapping[str, Any] | None = None,
+):
+    """mteb's ``ModelMeta`` for ``engine``'s model: name, revision, ``n_parameters`` (``count_parameters``),
+    ``memory_usage_mb`` (mteb's fp32 rule: 4 bytes a parameter), ``embed_dim``, ``max_tokens`` (the token limit in
+    force), ``reference`` (``engine.reference`` where the engine has it, else the Hub page of a hub id; none for
+    ``local/...``), and ``license`` / ``languages`` / ``release_date`` from the folder's model card
+    (``lab.eval.model_card``). A card value mteb's validation refuses is left out."""
+    from mteb.models.model_meta import ModelMeta
+    from pydantic import ValidationError
+
+    from lab.eval.model_card import card_fields, read_card
+
+    named_by_engine = name is None
+    name = name or model_name(engine)
+    max_tokens = getattr(engine, "max_length", None)
+    if not isinstance(max_tokens, (int, float)) or isinstance(max_tokens, bool):
+        max_tokens = result_knobs(engine).get("max_length")
+    fields: dict[str, Any] = {
+        "loader": None,
+        "name": name,
+        "revision": revision or model_revision(engine),
+        "release_date": None,
+        "languages": None,
+        "n_parameters": count_parameters(engine),
+        "memory_usage_mb": None,
+        "max_tokens": max_tokens,
+        "embed_dim": getattr(engine, "embedding_dim", None),
+        "license": None,
+        "open_weights": True,
+        "public_training_code": None,
+        "public_training_data": None,
+        "framework": ["PyTorch"],
+        "reference": engine.reference if named_by_engine and hasattr(engine, "reference") else model_reference(name),
+        "similarity_fn_name": similarity_fn_name,
+        "use_instructions": use_instructions,
+        "training_datasets": None,
+        "modalities": ["text"],
+        "model_type": ["cross-encoder"] if cross_encoder else ["dense"],
+        "experiment_kwargs": experiment_kwargs or None,
+    }
+    card = card_fields(read_card(model_folder(engine)))
+    fields.update(card)
+    try:
+        meta = ModelMeta(**fields)
+    except ValidationError as e:  # a card value mteb does not accept (an unknown license, a bad date): left out
+        bad = {str(err["loc"][0]) for err in e.errors() if err.get("loc")}
+        if not bad or not bad <= set(card):
+            raise
+        meta = ModelMeta(**{**fields, **dict.fromkeys(bad)})
+    return meta.model_copy(update={"memory_usage_mb": meta.calculate_memory_usage_mb()})
+
+
+def count_parameters(engine) -> int | None:
+    """The parameters of the model the engine loaded: ``engine.n_parameters`` where the engine reports it, else the
+    master copy of the weights (``engine.runner.weights.base``), else ``engine.model.parameters()``; ``None`` when
+    the engine shows none of them. A checkpoint's tensors the engine does not load (BERT's pooler) are not counted."""
+    n = getattr(engine, "n_parameters", None)
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    weights = getattr(getattr(engine, "runner", None), "weights", None)
+    base = getattr(weights, "base", None)
+    if isinstance(base, Mapping) and base:
+        return int(sum(t.numel() for t in base.values()))
+    parameters = getattr(getattr(engine, "model", None), "parameters", None)
+    if callable(parameters):
+        total = sum(p.numel() for p in parameters())
+        return int(total) if total else None
+    return None
+
+
+def model_reference(name: str) -> str | None:
+    """The Hub page of a hub id (``https://huggingface.co/<org>/<name>``); ``None`` for ``local/...`` names."""
+    return None if name.startswith("local/") else HUB_URL + name
+
+
+def model_folder(engine) -> Path | None:
+    """The folder the model was loaded from (``engine.spec.path``, else ``engine.model_path``), or ``None``."""
+    path = getattr(getattr(engine, "spec", None), "path", None) or getattr(engine, "model_path", None)
+    if not path:
+        return None
+    path = Path(path)
+    return path if path.is_dir() else None
 
 
 def model_name(engine) -> str:
@@ -220,27 +363,16 @@ def model_name(engine) -> str:
 
 
 def model_revision(engine) -> str:
-    """A Hugging Face snapshot hash when the path has one, else ``local-`` + a short hash of config.json and
-    samples of the weight files (fine-tunes of one base share name, config and sizes, not weights)."""
+    """``engine.revision`` (an Engine's: the snapshot's commit, or a local folder's content hash), else the same
+    worked out from ``engine.model_path`` (``lab.models.hub``: a hub cache snapshot's commit, or ``local-`` + a hash
+    of config.json and samples of the weight files)."""
     rev = getattr(engine, "revision", None)
     if isinstance(rev, str) and rev:
         return rev
-    path = Path(engine.model_path)
-    if path.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", path.name):
-        return path.name
-    h = hashlib.sha256()
-    files = sorted(path.iterdir()) if path.is_dir() else [path]
-    for f in files:
-        if f.name == "config.json":
-            h.update(f.read_bytes())
-        elif f.is_file() and f.suffix in {".safetensors", ".bin", ".gguf", ".pt"}:
-            size = f.stat().st_size
-            h.update(f"{f.name}:{size}".encode())
-            with f.open("rb") as fh:  # three 64 KiB samples: start, middle, end
-                for offset in (0, size // 2, max(size - 65536, 0)):
-                    fh.seek(offset)
-                    h.update(fh.read(65536))
-    return "local-" + h.hexdigest()[:12]
+    from lab.models.hub import content_revision, snapshot_of
+
+    snap = snapshot_of(engine.model_path)
+    return snap[1] if snap else content_revision(engine.model_path)
 
 
 def _read_json(path: Path) -> dict:
@@ -252,12 +384,24 @@ def _read_json(path: Path) -> dict:
 
 
 def resolve_tasks(tasks) -> list:
-    """Task names or mteb task objects -> task objects. Names go through ``evals.tasks.get_tasks`` (local data)
-    when it can be imported, else ``mteb.get_tasks``."""
-    if isinstance(tasks, str) or not isinstance(tasks, Iterable):
+    """Task names, benchmark names, mteb ``Benchmark`` objects or mteb task objects (one or a list) -> task objects,
+    in order, a benchmark contributing its tasks as the benchmark defines them. Task names go through
+    ``evals.tasks.get_tasks`` (local data) when it can be imported, else ``mteb.get_tasks``; a name that is no task
+    but a benchmark ``mteb.get_benchmark`` knows (``"MTEB(eng, v2)"``) stands for its tasks."""
+    from mteb.benchmarks.benchmark import Benchmark
+
+    if isinstance(tasks, (str, Benchmark)) or not isinstance(tasks, Iterable):
         tasks = [tasks]
-    tasks = list(tasks)
-    names = [t for t in tasks if isinstance(t, str)]
+    items: list = []
+    for t in tasks:
+        if isinstance(t, str):
+            bench = _benchmark(t)
+            items.extend(bench.tasks if bench is not None else [t])
+        elif isinstance(t, Benchmark):
+            items.extend(t.tasks)
+        else:
+            items.append(t)
+    names = [t for t in items if isinstance(t, str)]
     if names:
         get_tasks = _local_get_tasks()
         if get_tasks is None:
@@ -268,8 +412,23 @@ def resolve_tasks(tasks) -> list:
                 return [found[n] for n in ns]
 
         by_name = dict(zip(names, get_tasks(names)))
-        tasks = [by_name[t] if isinstance(t, str) else t for t in tasks]
-    return tasks
+        items = [by_name[t] if isinstance(t, str) else t for t in items]
+    return items
+
+
+def _benchmark(name: str):
+    """The mteb benchmark called ``name`` when ``name`` is not a task name (local or mteb's), else ``None``."""
+    import mteb
+
+    from lab._repo import import_evals
+
+    local = import_evals("tasks")
+    if local is not None and name in local.LOCAL_TASKS:
+        return None
+    try:
+        return mteb.get_benchmark(name)
+    except KeyError:
+        return None
 
 
 def _local_get_tasks():

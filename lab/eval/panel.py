@@ -83,8 +83,8 @@ class KnobPanel(widgets.VBox):
             w.observe(self._on_knob_change, names="value")
         self.run_button.on_click(self._on_run)
 
-        title = widgets.HTML(f"<b>{html.escape(engine.model_name)}</b> &nbsp; "
-                             f"<code>{html.escape(engine.spec.architecture or '')}</code>")
+        title = widgets.HTML(f"<b>{html.escape(engine.model_name)}</b> @ <code>{html.escape(engine.revision[:12])}"
+                             f"</code> &nbsp; <code>{html.escape(engine.spec.architecture or '')}</code>")
         knobs = widgets.VBox(list(self._knob_widgets))
         super().__init__([
             title,
@@ -178,7 +178,10 @@ def _table(rows: dict) -> str:
 
 
 def _resolved_html(engine) -> str:
-    return "<b>what runs</b>" + _table(engine.resolved)
+    """The values that run, each the model decides followed by where it came from (``Engine.resolved``)."""
+    r = engine.resolved
+    sources = getattr(r, "sources", {})
+    return "<b>what runs</b>" + _table({k: f"{v}  ({sources[k]})" if k in sources else v for k, v in r.items()})
 
 
 def _stats_html(stats, shape) -> str:

@@ -2,12 +2,25 @@
 
 ``evaluate(engine, tasks, sweep=...)`` runs every combination of the swept knob values through
 ``engine.configure`` (live, no reload), evaluates each task with mteb through :func:`lab.eval.mteb_adapter.as_mteb_model`,
-restores the original knobs, and returns one row per (variant, task, split, subset, metric). Results go through
-mteb's ResultCache (``evals/results/cache`` or ``$LAB_MTEB_CACHE``), each variant in its own experiment folder, so a
-rerun only evaluates what is missing.
+restores the original knobs, and returns one row per (variant, task, split, subset, metric). ``tasks`` may name
+tasks, a benchmark (``"MTEB(eng, v2)"``, any name ``mteb.get_benchmark`` knows) or hold mteb task / Benchmark
+objects.
+
+Results go through mteb's ResultCache (``evals/results/cache`` or ``$LAB_MTEB_CACHE``) in its standard layout: the
+plain run (knobs at their defaults) in ``<cache>/results/<org__name>/<revision>/<Task>.json`` with
+``model_meta.json``, the folder ``mteb.ResultCache(cache).load_results(models=[name])`` and the leaderboard read;
+each variant (a swept or set knob away from its default) apart, under ``.../<revision>/experiments/<knobs>/``
+(``lab.eval.mteb_adapter``). A rerun, or a run started again after it was killed, only evaluates the tasks (and
+splits) the cache does not hold. A task whose data cannot be loaded (offline and not in the datasets cache, say) is
+skipped with the reason while the others run.
+
+``task_table(df)`` (also ``df.attrs["tasks"]``) has one row per (variant, task): its main score, whether it was
+computed, read from the cache or skipped (and why), and the engine's tokens, seconds and tokens/s over the task's
+encode calls.
 
     >>> df = evaluate(engine, ["STSBenchmark"], sweep={"pooling": ["mean", "cls"], "bidirectional": [False, True]})
     >>> df[df.main].pivot_table(index="variant", columns="task", values="score")
+    >>> task_table(evaluate(engine, "MTEB(eng, v2)"))
 """
 
 from __future__ import annotations
@@ -15,12 +28,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lab import env
 from lab.eval.mteb_adapter import as_mteb_model, model_name, resolve_tasks
 
 if TYPE_CHECKING:
@@ -30,17 +43,15 @@ DEFAULT_CACHE = "default"  # the cache argument meaning default_cache_dir()
 _NOT_METRICS = frozenset({"hf_subset", "languages", "main_score", "mteb_version"})
 FIXED_COLUMNS = ("model", "variant")
 RESULT_COLUMNS = ("task", "split", "subset", "metric", "score", "main")
+TASK_COLUMNS = ("model", "variant", "task", "status", "score", "tokens", "seconds", "tokens_per_s", "reason")
 
 
 def default_cache_dir() -> Path:
     """``$LAB_MTEB_CACHE``, else ``evals/results/cache`` in the repository (or the working directory)."""
-    env = os.environ.get("LAB_MTEB_CACHE")
-    if env:
-        return Path(env)
     root = Path(__file__).resolve().parents[1]
     if not (root / "evals").is_dir():
         root = Path.cwd()
-    return root / "evals" / "results" / "cache"
+    return env.path("LAB_MTEB_CACHE", root / "evals" / "results" / "cache", folder=True)
 
 
 def resolve_cache(cache: Any = DEFAULT_CACHE):
@@ -87,7 +98,8 @@ def evaluate(
         >>> df[df.main][["variant", "task", "score"]]
 
     Args:
-        tasks: task names (local data first, see ``evals.tasks.get_tasks``) or mteb task objects, or one of them.
+        tasks: task names (local data first, see ``evals.tasks.get_tasks``), benchmark names (``mteb.get_benchmark``),
+            mteb task or Benchmark objects, or one of them.
         sweep: ``{knob: [values]}``; each combination is applied with ``engine.configure`` and the knobs are
             restored afterwards, even on error.
         cache: a folder, an ``mteb.ResultCache``, or ``None`` for no cache. Default ``evals/results/cache``
@@ -102,7 +114,9 @@ def evaluate(
 
     Returns:
         DataFrame with columns model, variant, one column per knob, task, split, subset, metric, score (mteb's
-        scale, e.g. 0.82 for Spearman 82), main (True on each task's main-score row).
+        scale, e.g. 0.82 for Spearman 82), main (True on each task's main-score row). ``df.attrs["tasks"]``: one
+        record per (variant, task) with its status (``computed``, ``cached`` or ``skipped``, with the ``reason``),
+        main score and tokens/s (``task_table`` makes it a DataFrame). A skipped task has no rows.
     """
     import mteb
     import pandas as pd
@@ -124,6 +138,7 @@ def evaluate(
     modes = _check_modes(engine, retrieval_modes)
     result_cache = resolve_cache(cache)
     rows: list[dict[str, Any]] = []
+    done: list[dict[str, Any]] = []
     bar = tqdm(total=len(combos) * len(task_list), desc="evaluate", disable=not show_progress)
     try:
         with _quiet_superseded():
@@ -133,17 +148,36 @@ def evaluate(
                 model = as_mteb_model(engine, instructions=instructions, use_task_instructions=use_task_instructions)
                 base = {"model": model_name(engine), "variant": variant_name(combo), **engine.knobs}
                 for task in task_list:
-                    bar.set_description(f"{variant_name(combo)} | {task.metadata.name}")
-                    result = mteb.evaluate(
-                        model,
-                        task,
-                        cache=result_cache,
-                        overwrite_strategy="always" if overwrite else "only-missing",
-                        encode_kwargs={"batch_size": 32, "show_progress_bar": False, **(encode_kwargs or {})},
-                        show_progress_bar=False,
-                    )
+                    name = task.metadata.name
+                    bar.set_description(f"{variant_name(combo)} | {name}")
+                    model.take_work()
+                    record = {"model": base["model"], "variant": base["variant"], "task": name}
+                    try:
+                        with _data_guard(task):
+                            result = mteb.evaluate(
+                                model,
+                                task,
+                                cache=result_cache,
+                                overwrite_strategy="always" if overwrite else "only-missing",
+                                encode_kwargs={"batch_size": 32, "show_progress_bar": False, **(encode_kwargs or {})},
+                                show_progress_bar=False,
+                            )
+                    except DataUnavailable as e:
+                        done.append(_record(record, "skipped", reason=str(e)))
+                        if show_progress:
+                            bar.write(f"skipped {name}: {e}")
+                        bar.update()
+                        continue
+                    if result.exceptions:  # mteb's own skip (a private dataset it cannot read)
+                        reason = "; ".join(str(getattr(x, "exception", x)) for x in result.exceptions)
+                        done.append(_record(record, "skipped", reason=reason))
+                        bar.update()
+                        continue
+                    work = model.take_work()
                     for task_result in result.task_results:
                         rows.extend({**base, **r} for r in score_rows(task_result, task.metadata.main_score))
+                    done.append(_record(record, "computed" if work["calls"] else "cached", work=work,
+                                        score=_main_score(result.task_results)))
                     if modes and task.metadata.type == "Retrieval":
                         rows.extend({**base, **r} for r in _mode_rows(engine, task, modes, variant_name(combo)))
                     bar.update()
@@ -153,7 +187,71 @@ def evaluate(
         if restore:
             engine.configure(**restore)
     columns = [*FIXED_COLUMNS, *original, *RESULT_COLUMNS]
-    return pd.DataFrame(rows, columns=columns)
+    df = pd.DataFrame(rows, columns=columns)
+    df.attrs["tasks"] = done
+    return df
+
+
+class DataUnavailable(RuntimeError):
+    """A task's data could not be loaded (the message says why); ``evaluate`` skips the task."""
+
+
+@contextlib.contextmanager
+def _data_guard(task):
+    """Within: a failure of ``task.load_data`` (or, for an aggregate task, of one of its tasks') raises
+    ``DataUnavailable`` with the reason, so it can be told from a failure of the model. The tasks are left as they
+    were."""
+    tasks = [task, *(getattr(task.metadata, "tasks", None) or [])]
+    patched = []
+    for t in tasks:
+        if "load_data" in vars(t):
+            continue
+        t.load_data = _guarded(t.load_data)
+        patched.append(t)
+    try:
+        yield
+    finally:
+        for t in patched:
+            del t.load_data
+
+
+def _guarded(load_data):
+    def load(*args, **kwargs):
+        try:
+            return load_data(*args, **kwargs)
+        except Exception as e:  # any failure to get the data means the task cannot run here
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise DataUnavailable(f"data not available ({type(e).__name__}: {reason[:300]})") from e
+
+    return load
+
+
+def _record(record: dict[str, Any], status: str, *, work: Mapping[str, Any] | None = None, score=None,
+            reason: str = "") -> dict[str, Any]:
+    tokens, seconds = (int(work["tokens"]), float(work["seconds"])) if work else (0, 0.0)
+    return {**record, "status": status, "score": score, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds if tokens and seconds > 0 else None, "reason": reason}
+
+
+def _main_score(task_results) -> float | None:
+    """The task's main score as mteb aggregates it (the mean over its splits and subsets)."""
+    scores = []
+    for task_result in task_results:
+        try:
+            scores.append(float(task_result.get_score()))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return sum(scores) / len(scores) if scores else None
+
+
+def task_table(df) -> pd.DataFrame:
+    """``evaluate``'s per-task record (``df.attrs["tasks"]``) as a DataFrame, columns ``TASK_COLUMNS``: model,
+    variant, task, status (``computed`` / ``cached`` / ``skipped``), score (the main score, mteb's scale), tokens,
+    seconds and tokens_per_s of the engine calls the task made (0 / empty when read from the cache), reason (why
+    a task was skipped)."""
+    import pandas as pd
+
+    return pd.DataFrame(list(df.attrs.get("tasks", [])), columns=list(TASK_COLUMNS))
 
 
 def _check_modes(engine, modes: Iterable[str]) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from lab.models.checks import check_against_checkpoint, check_config, check_finite, is_int
+from lab.models.hub import local_name
 
 # sentence-transformers' pooling config keys -> our pooling names, in the order it checks them
 _ST_POOLING_KEYS = (
@@ -87,8 +88,7 @@ class ModelSpec:
     @property
     def name(self) -> str:
         """The folder's name (its parent's when the folder has a generic name such as ``model``)."""
-        generic = {"model", "models", "snapshot", "weights", "checkpoint", "main"}
-        return self.path.parent.name if self.path.name.lower() in generic else self.path.name
+        return local_name(self.path)
 
     @property
     def architecture(self) -> str:
@@ -146,17 +146,14 @@ LLM2VEC_POOLING = {
     "last_token": {"pooling": "lasttoken"},  # llm2vec appends no EOS: the llm2vec rule's append_eos default
     "bos_token": {"pooling": "cls"},
 }
-# llm2vec_config.json keys with no knob: ``doc_max_length`` (llm2vec cuts a long text to about that many tokens by
-# dropping words before tokenizing; our ``max_length`` cuts tokens)
-_LLM2VEC_UNMAPPED = ("doc_max_length",)
 
 
 def read_llm2vec_config(folder: str | os.PathLike) -> dict:
     """Knob defaults from ``folder``'s ``llm2vec_config.json`` (what ``LLM2Vec.save`` writes and
-    ``LLM2Vec.from_pretrained`` reads): ``pooling_mode`` -> ``pooling`` (``LLM2VEC_POOLING``), ``max_length`` -> ``max_length``, ``skip_instruction`` -> ``include_instruction`` (its
-    negation). ``{}`` without the file. A value of the wrong type or an unknown pooling mode raises ``ValueError``
-    naming the file and the key; keys without a knob (``doc_max_length``) and unknown keys are left out (unknown
-    ones with a warning)."""
+    ``LLM2Vec.from_pretrained`` reads): ``pooling_mode`` -> ``pooling`` (``LLM2VEC_POOLING``), ``max_length`` and
+    ``doc_max_length`` -> the knobs of those names, ``skip_instruction`` -> ``include_instruction`` (its negation).
+    ``{}`` without the file. A value of the wrong type or an unknown pooling mode raises ``ValueError`` naming the
+    file and the key; unknown keys are left out, with a warning."""
     f = Path(folder).expanduser() / LLM2VEC_CONFIG
     if not f.is_file():
         return {}
@@ -168,20 +165,21 @@ def read_llm2vec_config(folder: str | os.PathLike) -> dict:
             raise ValueError(f"{f}: pooling_mode {mode!r} is not one llm2vec defines; valid: "
                              f"{', '.join(LLM2VEC_POOLING)}")
         out.update(LLM2VEC_POOLING[mode])
-    length = cfg.get("max_length")
-    if length is not None:
-        if not is_int(length) or length < 1:
-            raise ValueError(f"{f}: max_length must be a positive integer (tokens), got {length!r}")
-        out["max_length"] = int(length)
+    for key in ("max_length", "doc_max_length"):
+        length = cfg.get(key)
+        if length is not None:
+            if not is_int(length) or length < 1:
+                raise ValueError(f"{f}: {key} must be a positive integer (tokens), got {length!r}")
+            out[key] = int(length)
     skip = cfg.get("skip_instruction")
     if skip is not None:
         if not isinstance(skip, bool):
             raise ValueError(f"{f}: skip_instruction must be true or false, got {skip!r}")
         out["include_instruction"] = not skip
-    unknown = sorted(set(cfg) - {"pooling_mode", "max_length", "skip_instruction", *_LLM2VEC_UNMAPPED})
+    unknown = sorted(set(cfg) - {"pooling_mode", "max_length", "doc_max_length", "skip_instruction"})
     if unknown:
         warnings.warn(f"{f}: key(s) {', '.join(unknown)} are not llm2vec settings this engine reads (pooling_mode, "
-                      "max_length, skip_instruction); they are ignored", stacklevel=3)
+                      "max_length, doc_max_length, skip_instruction); they are ignored", stacklevel=3)
     return out
 
 
@@ -244,7 +242,21 @@ def _shards(p: Path, index: Path) -> list[Path]:
                              "weights from outside the model folder")
         if not (p / f).is_file():
             raise FileNotFoundError(f"{index} names the shard {f!r}, which is not in {p}; the download is incomplete")
+        target = (p / f).resolve()
+        if not any(target.is_relative_to(root) for root in _link_roots(p)):
+            raise ValueError(f"{index} names the shard {f!r}, a link out of the folder (to {target}); refusing to "
+                             f"read weights from outside {p}: put the file itself in the folder")
     return [p / f for f in files]
+
+
+def _link_roots(p: Path) -> list[Path]:
+    """Where the files of folder ``p`` may resolve to: ``p`` itself, and for a Hugging Face hub cache snapshot
+    (``<repo>/snapshots/<commit>/``, its files links to ``../../blobs``) that repository's ``blobs`` folder."""
+    folder = p.resolve()
+    roots = [folder]
+    if folder.parent.name == "snapshots":
+        roots.append((folder.parent.parent / "blobs").resolve())
+    return roots
 
 
 def read_tensor_index(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
@@ -593,6 +605,28 @@ _TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.mode
                     "spiece.model")
 
 
+def _check_tokenizer_files(p: Path) -> None:
+    """The tokenizer file transformers reads, checked so a broken one fails naming it: ``tokenizer.json`` a JSON
+    object; without it, the vocabulary / SentencePiece files present not empty."""
+    tok = p / "tokenizer.json"
+    if tok.is_file():
+        with open(tok, "rb") as f:
+            start = f.read(4096).lstrip()
+        if not start.startswith(b"{"):  # not an object: parsed in full only then, for the message
+            try:
+                _read_json(tok, dict, "a JSON object (the fast tokenizer: its model, vocabulary and rules)")
+            except ValueError as e:
+                raise ValueError(f"{e}; download or save the tokenizer again (tokenizer.save_pretrained)") from None
+        return
+    for name in _TOKENIZER_FILES[1:]:
+        f = p / name
+        if f.is_file():
+            with open(f, "rb") as fh:
+                if not fh.read(4096).strip():
+                    raise ValueError(f"{f} is empty ({f.stat().st_size} bytes): the tokenizer has no vocabulary; "
+                                     "download or save the tokenizer again (tokenizer.save_pretrained)")
+
+
 def load_tokenizer(spec: ModelSpec):
     from transformers import AutoTokenizer
 
@@ -600,6 +634,7 @@ def load_tokenizer(spec: ModelSpec):
         raise FileNotFoundError(
             f"no tokenizer in {str(spec.path)!r}: expected one of {', '.join(_TOKENIZER_FILES)} next to config.json"
         )
+    _check_tokenizer_files(spec.path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(spec.path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
