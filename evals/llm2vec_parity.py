@@ -1,4 +1,5 @@
-"""The Engine against the official llm2vec 0.2.3, the way llm2vec's users run it, on held-out STS sentences.
+"""The Engine against the official llm2vec 0.2.3, the way llm2vec's users run it, on held-out STS sentences and SciFact
+abstracts.
 
 llm2vec runs in its own virtual environment (``evals/llm2vec_ref``: transformers 4.44.2, peft 0.21.2, torch 2.13.0
 CPU; made on first use, see that folder's README) through ``evals/llm2vec_ref/run_llm2vec.py`` in a subprocess; the
@@ -13,25 +14,50 @@ Engine runs here. Both read the same folders, laid out as LLM2Vec's published ch
 
 The adapters are the study's committed ones (``evals/results/llm2vec/{mntp,mntp_simcse}``, in the bare-model
 scope ``lab.adapt`` writes), passed through ``lab.adapt.rescope`` into a temporary folder (a no-op for folders
-already in that scope); the ``control`` variant loads copies whose keys are put in the ``*ForCausalLM`` scope
-(``causal_scoped``: ``base_model.model.model.layers...``, tensors unchanged), which shows what llm2vec does with
-adapters saved that way (peft warns "Found missing adapter keys" and leaves every ``lora_B`` at zero), while the
-Engine reads both scopes alike. Every variant: mean pooling, max_length 512,
-instructions not pooled (llm2vec's ``skip_instruction``), float32, no normalization; inputs are llm2vec's
-``[[instruction, text]]`` pairs (``""`` without an instruction). A variant is a ``Variant`` row (its folders, its
-attention, an instruction, and extra Engine knobs), so rows with an instruction are one more entry in ``VARIANTS``.
+already in that scope). A variant is a ``Variant`` row; two kinds:
+
+- *settings given* (the first six rows): every setting passed on both sides (llm2vec: ``enable_bidirectional``,
+  ``merge_peft=True``, mean pooling, ``max_length`` 512, ``skip_instruction``; the Engine: the same knobs,
+  ``instruction_pooling="llm2vec"`` in the instruction row), over the -mntp folder above: causal and bidirectional
+  base, + MNTP, + SimCSE, with an instruction, and the ``control`` row, which loads copies whose keys are put in the
+  ``*ForCausalLM`` scope (``causal_scoped``: ``base_model.model.model.layers...``, tensors unchanged) to show what
+  llm2vec does with adapters saved that way (peft warns "Found missing adapter keys" and leaves every ``lora_B`` at
+  zero), while the Engine reads both scopes alike;
+- *plain* (the rest): called as llm2vec's users call it, ``LLM2Vec.from_pretrained(mntp,
+  peft_model_name_or_path=supervised, torch_dtype=torch.float32)`` and ``Engine(mntp, adapters=[supervised],
+  dtype="float32", device="cpu")``, nothing else, so each side takes its settings from the folders
+  (``published_folders``: the published layout, the -mntp ``config.json`` with ``_name_or_path`` and an
+  ``auto_map`` to ``modeling_llama_encoder.LlamaEncoderModel``, a supervised folder without ``llm2vec_config.json``):
+  the published layout as it is (llm2vec's class defaults), with and without an instruction; a non-default
+  ``llm2vec_config.json`` only in the -mntp folder (ignored when a supervised adapter is given, applied when not)
+  and only in the supervised folder (weighted_mean / max_length 128 / skip_instruction false; eos_token); SciFact
+  abstracts over ``doc_max_length`` (the default 400; 64 from the supervised config; 200 under max_length 128, where
+  llm2vec's count, truncated at max_length, never exceeds it); each chat template llm2vec 0.2.3 chooses by
+  ``_name_or_path`` (``TEMPLATED``: the -mntp ``config.json`` naming Llama-3-8B-Instruct, Mistral-7B-Instruct-v0.2,
+  Llama-2-7b-chat, gemma-2-9b-it, Qwen2-1.5B / 7B-Instruct over SmolLM2's weights; two with eos_token pooling); and
+  the published layout named by hub ids (``McGill-NLP/...-mntp`` and ``...-mntp-supervised``, the -mntp adapter's
+  base the base's id) from a hub cache written in the temporary folder (``HF_HUB_CACHE`` for both processes,
+  offline), once with the -mntp ``config.json``'s ``_name_or_path`` and the base's id naming the same model and once
+  with them differing (the -mntp ``config.json`` naming Llama-3-8B-Instruct, the base SmolLM2's id): by hub id
+  llm2vec's template follows the base's id, which transformers 4.44 records as ``_name_or_path`` when it loads a
+  folder holding an adapter (it loads ``base_model_name_or_path``), and llm2vec overwrites it with the folder's
+  ``config.json`` value only for a local folder.
+
+Inputs are llm2vec's ``[[instruction, text]]`` pairs (``""`` without an instruction); float32, no normalization.
 
 Writes ``evals/results/llm2vec_parity/llm2vec_parity_<machine_slug>.csv`` (one row per variant: min and median
-cosine between the two embeddings of each sentence, llm2vec's missing adapter keys, timings, versions) and a
-short ``.md`` beside it.
+cosine between the two embeddings of each input, the settings each side ended with, the inputs llm2vec's document
+cut shortened, llm2vec's missing adapter keys, timings, versions) and a short ``.md`` beside it.
 
-    python evals/llm2vec_parity.py                       # 300 sentences, the reference venv made if missing
-    python evals/llm2vec_parity.py --venv /path/to/venv --sentences 100
+    python evals/llm2vec_parity.py                       # 300 sentences, 100 abstracts, the venv made if missing
+    python evals/llm2vec_parity.py --venv /path/to/venv --sentences 100 --documents 40
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -51,7 +77,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from evals.criteria import row_cosines  # after the path set-up: this runs as a script
-from evals.data_io import DATA, read_jsonl, spread
+from evals.data_io import DATA, read_jsonl, scifact_text, spread
 from lab import env
 
 REF = ROOT / "evals" / "llm2vec_ref"
@@ -63,6 +89,11 @@ STS_FILES = ("sts12/test.jsonl.gz", "sts14/test.jsonl.gz", "sts16/test.jsonl.gz"
 LLM2VEC_ENCODER = {"pooling_mode": "mean", "max_length": 512, "skip_instruction": True}
 ENGINE_KNOBS = {"pooling": "mean", "max_length": 512, "include_instruction": False, "normalize": False,
                 "dtype": "float32", "device": "cpu"}
+PLAIN_KNOBS = {"dtype": "float32", "device": "cpu"}  # what the plain rows pass the Engine
+BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# the base names llm2vec 0.2.3's prepare_for_tokenization wraps in a chat template
+TEMPLATED = ("meta-llama/Meta-Llama-3-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.2", "meta-llama/Llama-2-7b-chat-hf",
+             "google/gemma-2-9b-it", "Qwen/Qwen2-1.5B-Instruct", "Qwen/Qwen2-7B-Instruct")
 
 
 @dataclass(frozen=True)
@@ -70,7 +101,15 @@ class Variant:
     """One comparison. ``model``: ``base`` or ``mntp`` (the -mntp folder); ``peft``: ``None`` or ``simcse`` (the
     adapter stacked on it); ``scope``: ``bare`` (rescoped adapters) or ``causal`` (``causal_scoped`` copies);
     ``instruction``: the instruction of every input (llm2vec's ``[instruction, text]``; the Engine's
-    ``instruction=``); ``knobs``: more Engine knobs for this row."""
+    ``instruction=``); ``knobs``: more Engine knobs for this row.
+
+    ``plain`` rows are called as llm2vec's users call it: ``LLM2Vec.from_pretrained(mntp, peft_model_name_or_path=
+    supervised)`` with no encoder settings and no ``enable_bidirectional`` / ``merge_peft``, and ``Engine(mntp,
+    adapters=[supervised])`` with no knob but ``dtype`` and ``device``; their folders are the published layout
+    (``published_folders``): ``name_or_path`` is the -mntp ``config.json``'s ``_name_or_path``, ``mntp_config`` /
+    ``peft_config`` the ``llm2vec_config.json`` written in the -mntp / supervised folder (``None``: none, as
+    published), ``hub`` the hub ids both sides name them by (``(mntp id, base id)``, from a hub cache) instead of
+    local paths, ``texts`` the inputs (``sts`` sentences or ``scifact`` abstracts)."""
 
     name: str
     model: str = "base"
@@ -79,7 +118,22 @@ class Variant:
     scope: str = "bare"
     instruction: str = ""
     knobs: dict = field(default_factory=dict)
+    plain: bool = False
+    name_or_path: str = BASE_ID
+    mntp_config: dict | None = None
+    peft_config: dict | None = None
+    hub: tuple[str, str] | None = None
+    texts: str = "sts"
 
+
+def published(name: str, **kw) -> Variant:
+    """A ``plain`` row over the published layout: the -mntp folder with the supervised (SimCSE) adapter on it."""
+    return Variant(name, model="mntp", peft=kw.pop("peft", "simcse"), plain=True, **kw)
+
+
+INSTRUCTION = "Retrieve semantically similar text: "
+# a non-default llm2vec_config.json: every setting changed
+ODD_CONFIG = {"pooling_mode": "eos_token", "max_length": 128, "doc_max_length": 64, "skip_instruction": False}
 
 VARIANTS = [
     Variant("causal base", bidirectional=False),
@@ -89,7 +143,43 @@ VARIANTS = [
     Variant("control: MNTP + SimCSE in the ForCausalLM scope", model="mntp", peft="simcse", scope="causal"),
     # llm2vec's instruction handling: its embed mask is the Engine's instruction_pooling="llm2vec"
     Variant("bidirectional + MNTP + SimCSE, instruction", model="mntp", peft="simcse",
-            instruction="Retrieve semantically similar text: ", knobs={"instruction_pooling": "llm2vec"}),
+            instruction=INSTRUCTION, knobs={"instruction_pooling": "llm2vec"}),
+    # as llm2vec's users call it, no settings on either side: the published layout by local path
+    published("published: -mntp + supervised, no llm2vec_config.json"),
+    published("published: -mntp + supervised, no llm2vec_config.json, instruction", instruction=INSTRUCTION),
+    # llm2vec_config.json in one folder: read from the supervised folder when one is given, else the -mntp folder
+    published("config in -mntp only, supervised given (ignored)", mntp_config=ODD_CONFIG, instruction=INSTRUCTION),
+    published("config in -mntp only, no supervised (applies)", peft=None, mntp_config=ODD_CONFIG,
+              instruction=INSTRUCTION),
+    published("config in supervised only: weighted_mean, max_length 128, skip_instruction false",
+              peft_config={"pooling_mode": "weighted_mean", "max_length": 128, "skip_instruction": False},
+              instruction=INSTRUCTION),
+    published("config in supervised only: eos_token", peft_config={"pooling_mode": "eos_token"},
+              instruction=INSTRUCTION),
+    # documents over doc_max_length: llm2vec's word cut
+    published("SciFact, doc_max_length 400 (default)", texts="scifact"),
+    published("SciFact, doc_max_length 64 (supervised config)", texts="scifact", peft_config={"doc_max_length": 64},
+              instruction=INSTRUCTION),
+    published("SciFact, doc_max_length 200, max_length 128 (supervised config)", texts="scifact",
+              peft_config={"doc_max_length": 200, "max_length": 128}),
+    # the chat templates llm2vec chooses by the -mntp config.json's _name_or_path (SmolLM2's weights under each name)
+    *(published(f"template: {t}", name_or_path=t, instruction=INSTRUCTION) for t in TEMPLATED),
+    published("template: mistralai/Mistral-7B-Instruct-v0.2, eos_token",
+              name_or_path="mistralai/Mistral-7B-Instruct-v0.2", peft_config={"pooling_mode": "eos_token"},
+              instruction=INSTRUCTION),
+    published("template: meta-llama/Meta-Llama-3-8B-Instruct, eos_token",
+              name_or_path="meta-llama/Meta-Llama-3-8B-Instruct", peft_config={"pooling_mode": "eos_token"},
+              instruction=INSTRUCTION),
+    # the published layout by hub id, from a hub cache (HF_HUB_CACHE, offline)
+    published("hub ids: -mntp + supervised", hub=("McGill-NLP/LLM2Vec-SmolLM2-135M-Instruct-mntp", BASE_ID),
+              instruction=INSTRUCTION),
+    published("hub ids: Meta-Llama-3-8B-Instruct", name_or_path="meta-llama/Meta-Llama-3-8B-Instruct",
+              hub=("McGill-NLP/LLM2Vec-Meta-Llama-3-8B-Instruct-mntp", "meta-llama/Meta-Llama-3-8B-Instruct"),
+              instruction=INSTRUCTION),
+    # the -mntp config.json and the adapter's base disagree on the name: which one llm2vec's template follows
+    published("hub ids: -mntp _name_or_path Meta-Llama-3-8B-Instruct, base SmolLM2",
+              name_or_path="meta-llama/Meta-Llama-3-8B-Instruct",
+              hub=("McGill-NLP/LLM2Vec-SmolLM2-named-Llama-3-mntp", BASE_ID), instruction=INSTRUCTION),
 ]
 
 
@@ -185,6 +275,57 @@ def build_folders(work: Path) -> dict[str, Path]:
     return folders
 
 
+def published_folders(v: Variant, folders: dict[str, Path], work: Path, hub_cache: Path) -> tuple[str, str | None]:
+    """The folders of a ``plain`` row as LLM2Vec publishes them, and the names both sides are given: ``(mntp,
+    supervised or None)``, local paths, or hub ids written into ``hub_cache`` (``tests/hub_cache.py``).
+
+    The -mntp folder: the base's ``config.json`` with ``_name_or_path`` = ``v.name_or_path`` and an ``auto_map`` to
+    llm2vec's ``modeling_llama_encoder.LlamaEncoderModel`` (the code file itself left out: neither side runs it), the
+    tokenizer files and the MNTP adapter, whose ``base_model_name_or_path`` is the base folder (or the base's hub id);
+    the supervised folder: the SimCSE adapter, its ``base_model_name_or_path`` the -mntp folder (or id). Neither has
+    ``llm2vec_config.json`` unless ``v.mntp_config`` / ``v.peft_config`` writes one."""
+    from tests.hub_cache import write_hub_cache
+
+    tag = "".join(c if c.isalnum() else "_" for c in v.name)
+    base = folders["base"]
+    mntp, sup = work / "plain" / tag / "mntp", work / "plain" / tag / "supervised"
+    mntp_name, base_name = v.hub if v.hub else (str(mntp), str(base.resolve()))
+    sup_name = f"{mntp_name}-supervised" if v.hub else str(sup)
+    for src, dst, cfg, parent in ((folders["mntp:bare"], mntp, v.mntp_config, base_name),
+                                  (folders["simcse:bare"], sup, v.peft_config, mntp_name)):
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("llm2vec_config.json", "config.json", "tokenizer*",
+                                                                "*.png", "*.csv", "train_config.json"))
+        adapter = json.loads((dst / "adapter_config.json").read_text())
+        adapter["base_model_name_or_path"] = parent
+        (dst / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
+        if cfg is not None:
+            (dst / "llm2vec_config.json").write_text(json.dumps(cfg, indent=4))
+    config = json.loads((base / "config.json").read_text())
+    config.update({"_name_or_path": v.name_or_path, "auto_map": {"AutoModel": "modeling_llama_encoder.LlamaEncoderModel"}})
+    (mntp / "config.json").write_text(json.dumps(config, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / f, mntp / f)
+    if not v.hub:
+        return str(mntp), str(sup) if v.peft else None
+    repos = [(mntp_name, mntp), (sup_name, sup)]
+    if not (hub_cache / f"models--{base_name.replace('/', '--')}").is_dir():  # one base id, rows to share it
+        repos.append((base_name, base))
+    for repo, folder in repos:  # a fixed commit per repo
+        write_hub_cache(hub_cache, repo, folder, commit=hashlib.sha1(repo.encode()).hexdigest())
+    return mntp_name, sup_name if v.peft else None
+
+
+def texts_for(v: Variant, sts: list[str], documents: int) -> list[str]:
+    """A row's inputs: the STS sentences, or ``documents`` SciFact abstracts (``scifact_text``) spread over the
+    longest third of the corpus by words, so llm2vec's default ``doc_max_length`` 400 cuts many of them."""
+    if v.texts == "sts":
+        return sts
+    docs = sorted((scifact_text(r) for r in read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")),
+                  key=lambda t: len(t.split()), reverse=True)
+    docs = docs[: len(docs) // 3]
+    return [docs[i] for i in spread(len(docs), documents)]
+
+
 # ------------------------------------------------------------------------------------------------- running
 def sentences(n: int) -> list[str]:
     """``n`` distinct sentences spread evenly over STS12, STS14 and STS16 test (never trained on by the study)."""
@@ -197,14 +338,15 @@ def sentences(n: int) -> list[str]:
     return [pool[i] for i in spread(len(pool), n)]
 
 
-def run_llm2vec(py: Path, v: Variant, folders: dict[str, Path], texts: list[str], work: Path):
+def run_llm2vec(py: Path, v: Variant, names: tuple[str, str | None], texts: list[str], work: Path):
     import numpy as np
 
     tag = "".join(c if c.isalnum() else "_" for c in v.name)
-    job = {"model": str(folders["base"] if v.model == "base" else folders[f"mntp:{v.scope}"]),
-           "peft": str(folders[f"simcse:{v.scope}"]) if v.peft else None, "bidirectional": v.bidirectional,
-           "encoder": LLM2VEC_ENCODER, "inputs": [[v.instruction, t] for t in texts],
+    model, peft = names
+    job = {"model": model, "peft": peft, "inputs": [[v.instruction, t] for t in texts],
            "out": str(work / f"{tag}.npy"), "report": str(work / f"{tag}.json")}
+    if not v.plain:  # the settings rows: every encoder setting given, the adapters merged
+        job.update({"bidirectional": v.bidirectional, "encoder": LLM2VEC_ENCODER, "merge_peft": True})
     (work / f"{tag}.job.json").write_text(json.dumps(job))
     env = {k: val for k, val in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([str(py), str(REF / "run_llm2vec.py"), str(work / f"{tag}.job.json")], cwd=work, env=env,
@@ -214,15 +356,43 @@ def run_llm2vec(py: Path, v: Variant, folders: dict[str, Path], texts: list[str]
     return np.load(job["out"]), json.loads(Path(job["report"]).read_text())
 
 
-def run_engine(v: Variant, folders: dict[str, Path], texts: list[str]):
+def names_for(v: Variant, folders: dict[str, Path]) -> tuple[str, str | None]:
+    """The model and peft names of a settings row (the folders ``build_folders`` made)."""
+    model = folders["base"] if v.model == "base" else folders[f"mntp:{v.scope}"]
+    return str(model), str(folders[f"simcse:{v.scope}"]) if v.peft else None
+
+
+def run_engine(v: Variant, names: tuple[str, str | None], texts: list[str]):
     from lab import Engine
 
-    model = folders["base"] if v.model == "base" else folders[f"mntp:{v.scope}"]
-    adapters = [str(folders[f"simcse:{v.scope}"])] if v.peft else []
+    model, peft = names
+    knobs = PLAIN_KNOBS if v.plain else {"bidirectional": v.bidirectional, **ENGINE_KNOBS, **v.knobs}
     t0 = time.perf_counter()
-    eng = Engine(str(model), adapters=adapters, bidirectional=v.bidirectional, **{**ENGINE_KNOBS, **v.knobs})
+    eng = Engine(model, adapters=[peft] if peft else [], **knobs)
     out = eng.embed(texts, instruction=v.instruction or None)
     return out, time.perf_counter() - t0, eng
+
+
+@contextlib.contextmanager
+def hub_cache_at(folder: Path):
+    """``HF_HUB_CACHE`` at ``folder`` for this process (huggingface_hub's constant too, when it is imported already)
+    and the llm2vec subprocesses, restored after."""
+    folder.mkdir(parents=True)
+    before = os.environ.get("HF_HUB_CACHE")
+    constants = sys.modules.get("huggingface_hub.constants")
+    was = getattr(constants, "HF_HUB_CACHE", None)
+    os.environ["HF_HUB_CACHE"] = str(folder)
+    if constants is not None:
+        constants.HF_HUB_CACHE = str(folder)
+    try:
+        yield folder
+    finally:
+        if before is None:
+            os.environ.pop("HF_HUB_CACHE", None)
+        else:
+            os.environ["HF_HUB_CACHE"] = before
+        if constants is not None:
+            constants.HF_HUB_CACHE = was
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the llm2vec reference environment")
     ap.add_argument("--sentences", type=int, default=300)
+    ap.add_argument("--documents", type=int, default=100, help="SciFact abstracts of the document rows")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--variants", nargs="+", default=None, help="run only these variants (names as in VARIANTS)")
     args = ap.parse_args(argv)
@@ -241,28 +412,39 @@ def main(argv: list[str] | None = None) -> int:
     if not chosen:
         raise SystemExit(f"no variant named {args.variants}; valid: {[v.name for v in VARIANTS]}")
     py = ensure_venv(args.venv)
-    texts = sentences(args.sentences)
+    sts = sentences(args.sentences)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="llm2vec-parity-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="llm2vec-parity-") as tmp, hub_cache_at(Path(tmp) / "hub") as hub_cache:
         work = Path(tmp)
         folders = build_folders(work)
         for v in chosen:
-            theirs, report = run_llm2vec(py, v, folders, texts, work)
-            ours, engine_s, eng = run_engine(v, folders, texts)
+            names = published_folders(v, folders, work, hub_cache) if v.plain else names_for(v, folders)
+            texts = texts_for(v, sts, args.documents)
+            theirs, report = run_llm2vec(py, v, names, texts, work)
+            ours, engine_s, eng = run_engine(v, names, texts)
             cos = row_cosines(ours, theirs).tolist()
+            ref = report["config"]
             rows.append({
                 "variant": v.name, "model": "-mntp folder" if v.model == "mntp" else "base",
+                "layout": ("hub ids" if v.hub else "published") if v.plain else "settings given",
                 "adapters": "+".join(Path(a).name for a in eng.knobs["adapters"]) or "none",
-                "key_scope": v.scope if v.model == "mntp" else "", "bidirectional": v.bidirectional,
-                "instruction": v.instruction, "sentences": len(texts), "min_cos": min(cos),
+                "key_scope": v.scope if v.model == "mntp" else "", "bidirectional": not eng.causal,
+                "instruction": v.instruction, "texts": v.texts, "sentences": len(texts),
+                "docs_cut": sum(a != b for a, b in zip(eng.cut_documents(texts), texts)), "min_cos": min(cos),
                 "median_cos": statistics.median(cos), "missing_adapter_keys": report["missing_adapter_keys"],
                 "llm2vec_seconds": round(report["load_seconds"] + report["encode_seconds"], 2),
                 "engine_seconds": round(engine_s, 2), "pooling": eng.resolved["pooling"],
-                "max_length": eng.resolved["max_length"], **{f"ref_{k}": val for k, val in report["versions"].items()},
-                "torch": torch.__version__,
+                "max_length": eng.resolved["max_length"], "doc_max_length": eng.doc_max_length,
+                "include_instruction": eng.include_instruction, "template_name": eng.llm2vec.name,
+                "ref_pooling": ref["pooling_mode"], "ref_max_length": ref["max_length"],
+                "ref_doc_max_length": ref["doc_max_length"], "ref_skip_instruction": ref["skip_instruction"],
+                "ref_name_or_path": ref["name_or_path"], "ref_model_class": ref["model_class"],
+                **{f"ref_{k}": val for k, val in report["versions"].items()}, "torch": torch.__version__,
             })
             print(f"{v.name}: min cos {min(cos):.6f}, median {statistics.median(cos):.6f}, "
-                  f"missing adapter keys {report['missing_adapter_keys']}", flush=True)
+                  f"missing adapter keys {report['missing_adapter_keys']}; llm2vec {ref}, Engine "
+                  f"{rows[-1]['pooling']}/{rows[-1]['max_length']}/{rows[-1]['doc_max_length']}/"
+                  f"include_instruction={rows[-1]['include_instruction']}/{rows[-1]['template_name']!r}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     slug = machine_slug()
     table = pd.DataFrame(rows)
@@ -278,19 +460,42 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_md(table, path: Path, slug: str) -> None:
     versions = table.iloc[0]
-    intro = (f"{int(versions['sentences'])} distinct sentences of STS12/14/16 test; cosine between llm2vec's and the "
-             "Engine's embedding of each. Adapters: the study's MNTP and SimCSE (`evals/results/llm2vec`), rescoped "
-             "with `lab.adapt.rescope`; the -mntp folder is the base's config and tokenizer beside the MNTP adapter, "
-             "loaded by llm2vec as `LLM2Vec.from_pretrained(mntp, peft_model_name_or_path=simcse)` and by the Engine "
-             "as `Engine(mntp, adapters=[simcse])`. The control row loads copies with the keys in the ForCausalLM "
-             "scope (`causal_scoped`, tensors unchanged): llm2vec's peft misses their keys and runs without them.")
+    sts = table[table["texts"] == "sts"]["sentences"]
+    docs = table[table["texts"] == "scifact"]["sentences"]
+    inputs = (f"{int(sts.iloc[0]) if len(sts) else 0} distinct sentences of STS12/14/16 test"
+              + (f" (the SciFact rows: {int(docs.iloc[0])} abstracts of the corpus's longest third)" if len(docs) else ""))
+    intro = (f"{inputs}; cosine between llm2vec's and the Engine's embedding of each. Adapters: the study's MNTP and "
+             "SimCSE (`evals/results/llm2vec`), rescoped with `lab.adapt.rescope`.")
+    settings = ("*settings given* rows: the -mntp folder is the base's config and tokenizer beside the MNTP adapter, "
+                "llm2vec called with every encoder setting (mean, 512, skip_instruction, `enable_bidirectional`, "
+                "`merge_peft=True`) and the Engine with the same knobs. The control row loads copies with the keys in "
+                "the ForCausalLM scope (`causal_scoped`, tensors unchanged): llm2vec's peft misses their keys and runs "
+                "without them.")
+    plain = ("*published* and *hub ids* rows: called as llm2vec's users call it, "
+             "`LLM2Vec.from_pretrained(mntp, peft_model_name_or_path=supervised, torch_dtype=float32)` and "
+             "`Engine(mntp, adapters=[supervised], dtype='float32', device='cpu')`, nothing else; the -mntp folder "
+             "holds a config.json with `_name_or_path` (the template name) and an `auto_map` to "
+             "`modeling_llama_encoder.LlamaEncoderModel`, the tokenizer and the MNTP adapter; the supervised folder "
+             "holds the SimCSE adapter; `llm2vec_config.json` only where the row says. *hub ids* rows name both by "
+             "hub id from an offline hub cache, the -mntp adapter's base by the base's id. The settings columns are "
+             "what each side ended with (llm2vec: its attributes and `model.config._name_or_path`; the Engine: "
+             "`eng.resolved` and `eng.llm2vec.name`); *cut* counts the inputs llm2vec's doc_max_length rule shortened.")
     reproduce = (f"Reproduce: `python evals/llm2vec_parity.py` (machine `{slug}`; llm2vec {versions['ref_llm2vec']}, "
                  f"transformers {versions['ref_transformers']}, peft {versions['ref_peft']}, torch "
                  f"{versions['ref_torch']} in the reference venv; torch {versions['torch']} for the Engine)")
-    lines = ["# Engine vs official llm2vec (SmolLM2-135M-Instruct, mean pooling, float32)", "", reproduce, "", intro,
-             "", "| variant | min cos | median cos | llm2vec missing adapter keys |", "|---|---:|---:|---:|"]
+    lines = ["# Engine vs official llm2vec (SmolLM2-135M-Instruct, float32)", "", reproduce, "", intro, "",
+             settings, "", plain, "",
+             ("| variant | layout | min cos | median cos | llm2vec: pooling / max / doc max / skip instr. / name | "
+              "Engine: pooling / max / doc max / incl. instr. / name | cut | missing adapter keys |"),
+             "|---|---|---:|---:|---|---|---:|---:|"]
     for _, r in table.iterrows():
-        lines.append(f"| {r['variant']} | {r['min_cos']:.6f} | {r['median_cos']:.6f} | {r['missing_adapter_keys']} |")
+        name = r["ref_name_or_path"] or '""'  # llm2vec's name for a config.json without _name_or_path
+        ref = (f"{r['ref_pooling']} / {r['ref_max_length']} / {r['ref_doc_max_length']} / "
+               f"{r['ref_skip_instruction']} / {name}")
+        ours = (f"{r['pooling']} / {r['max_length']} / {r['doc_max_length']} / {r['include_instruction']} / "
+                f"{r['template_name']}")
+        lines.append(f"| {r['variant']} | {r['layout']} | {r['min_cos']:.6f} | {r['median_cos']:.6f} | {ref} | "
+                     f"{ours} | {r['docs_cut']} | {r['missing_adapter_keys']} |")
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -1,6 +1,6 @@
 """Real OS faults while the GGUF cache writes a conversion: a file size limit (``RLIMIT_FSIZE``: the write fails
 with EFBIG) and a SIGKILL in the middle of the write, each in a child process, and a file where the destination
-folder should be. Each ends in an error naming the folder (or a killed child), the folder that was there before
+folder should be; a ``lab.adapt`` run killed while its adapter's files move into place. Each ends in an error naming the folder (or a killed child), the folder that was there before
 left whole, nothing half-written that looks complete, and the next run correct.
 
 The tests run as root, where a read-only folder (``chmod``) does not stop a write, so the file in place of a folder
@@ -123,3 +123,58 @@ def test_a_file_in_place_of_the_cache_folder_is_named(tmp_path, convert):
     blocker.unlink()
     convert(src, blocker / "m")
     _assert_loads(blocker / "m", src)
+
+
+# ------------------------------------------------------------------------------------------ lab.adapt's folders
+ADAPT_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from tiny_models import tiny_llama
+from lab.adapt.train import LoraSpec, mntp
+
+base, out = sys.argv[1:3]
+if len(sys.argv) > 3:  # killed after the adapter's weights moved in, before its adapter_config.json
+    move = os.replace
+
+    def move_then_die(src, dst):
+        move(src, dst)
+        if os.path.abspath(dst) == os.path.join(os.path.abspath(out), "adapter_model.safetensors"):  # not a checkpoint
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.replace = move_then_die
+texts = ["The quick brown fox.", "A packed batch.", "Rotary embeddings.", "Paris is in France."]
+mntp(base, texts, out, steps=2, batch_size=2, save_every=1, lora=LoraSpec(r=2, alpha=4.0, dropout=0.0),
+     show_progress=False, dtype="float32")
+"""
+
+
+def _adapt(base: Path, out: Path, *kill: str) -> subprocess.CompletedProcess:
+    script = ADAPT_CHILD.format(tests=str(Path(__file__).parent))
+    return subprocess.run([sys.executable, "-c", script, str(base), str(out), *kill], capture_output=True,
+                          text=True, timeout=300, check=False, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_an_adapter_run_killed_while_its_files_move_resumes_to_the_same_adapter(tmp_path):
+    """SIGKILL between the adapter's weights and its config landing in the folder: the folder is not taken for a
+    finished adapter (its config comes last), ``resume=True`` finishes from the checkpoint, and the adapter equals
+    an uninterrupted run's."""
+    from safetensors.torch import load_file
+    from tiny_models import tiny_llama
+
+    from lab.adapt.train import LoraSpec, mntp
+
+    base = tiny_llama(tmp_path / "base")
+    killed = _adapt(base, tmp_path / "killed", "kill")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    out = tmp_path / "killed"
+    assert (out / "adapter_model.safetensors").exists() and not (out / "adapter_config.json").exists()
+    texts = ["The quick brown fox.", "A packed batch.", "Rotary embeddings.", "Paris is in France."]
+    kw = {"steps": 2, "batch_size": 2, "save_every": 1, "lora": LoraSpec(r=2, alpha=4.0, dropout=0.0),
+          "show_progress": False, "dtype": "float32"}
+    mntp(base, texts, out, resume=True, **kw)
+    assert _adapt(base, tmp_path / "whole").returncode == 0
+    a, b = load_file(str(out / "adapter_model.safetensors")), load_file(str(tmp_path / "whole" /
+                                                                           "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
+    assert not (out / "checkpoint").exists()

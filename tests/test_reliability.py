@@ -316,3 +316,34 @@ def test_interrupted_configure_leaves_the_old_state_or_the_new(minilm_path):
         e.configure(dtype="float32", pooling=None)
         assert all(p.dtype == torch.float32 for p in e.model.parameters())
         np.testing.assert_array_equal(e.embed(texts), base)
+
+
+@pytest.mark.parametrize("template", ["Rewrite the sentence: {text}, rewritten sentence: {text}",
+                                      'This sentence : "{text}" means in one word:"'])
+def test_a_template_pools_the_text_not_its_words_on_a_sentence_transformers_folder(minilm_path, template):
+    """all-MiniLM-L6-v2's Pooling config pools a prompt (include_prompt); a template's words are no prompt: by
+    default only the tokens of the text's last copy are pooled, as ``include_instruction=False`` pools them."""
+    texts = ["A man is playing a guitar.", "a", "Two dogs run through a field of tall green grass."]
+    eng = Engine(minilm_path, template=template)
+    assert eng.resolved["include_instruction"] is False
+    assert eng.resolved.sources["include_instruction"].startswith("template")
+    np.testing.assert_array_equal(eng.embed(texts), Engine(minilm_path, template=template,
+                                                           include_instruction=False).embed(texts))
+    pooled_all = Engine(minilm_path, template=template, include_instruction=True).embed(texts)
+    assert not np.allclose(eng.embed(texts), pooled_all, atol=1e-3)  # the knob still pools everything when set
+
+
+def test_knob_values_built_with_numpy_are_taken(eng, minilm_path):
+    """Sweeps built with np.arange or pandas columns hand numpy scalars; they count as the Python values they hold,
+    and a numpy bool stays refused where an int is asked."""
+    texts = ["A man is playing a guitar.", "Someone plays guitar."]
+    got = Engine(minilm_path, max_length=np.int64(8), truncate_dim=np.int32(64)).embed(texts)
+    np.testing.assert_array_equal(got, Engine(minilm_path, max_length=8, truncate_dim=64).embed(texts))
+    e = Engine(minilm_path)
+    e.configure(max_batch_tokens=np.int64(64), normalize=np.bool_(True), layer=np.int16(3))
+    assert (e.knobs["max_batch_tokens"], e.knobs["normalize"], e.knobs["layer"]) == (64, True, 3)
+    assert type(e.knobs["max_batch_tokens"]) is int
+    with pytest.raises(ValueError, match="max_length must be a positive int or None, got True"):
+        e.configure(max_length=np.bool_(True))
+    assert e.encode(texts, truncate_dim=np.int64(32), batch_size=np.int64(8)).shape == (2, 32)
+    assert e.embed_chunks([" ".join(texts)], np.int64(4))[0].shape[1] == 384

@@ -1,9 +1,9 @@
 """Embeddings from the official llm2vec, run inside the reference environment (``evals/llm2vec_ref``).
 
-Reads a job (JSON) naming the model folder, an optional PEFT folder, the encoder settings and the inputs
-(``[[instruction, text], ...]``, llm2vec's format), writes the embeddings (``.npy``, float32, input order) and a
-report (JSON: seconds, versions, and every warning or log record about adapter keys peft / transformers emitted
-while loading). Imports nothing from prefill-lab.
+Reads a job (JSON) naming the model folder (or hub id), an optional PEFT folder (or id), the settings (none: the
+call llm2vec's users make, the folders deciding) and the inputs (``[[instruction, text], ...]``, llm2vec's format),
+writes the embeddings (``.npy``, float32, input order) and a report (JSON: seconds, versions, the settings llm2vec
+ended with, and every warning or log record about adapter keys peft / transformers emitted while loading). Imports nothing from prefill-lab.
 
     <venv>/bin/python evals/llm2vec_ref/run_llm2vec.py job.json
 """
@@ -53,9 +53,12 @@ def main(job_file: str) -> int:
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        # a job without settings calls llm2vec as its users do: the folders decide the rest
+        settings = {"enable_bidirectional": job["bidirectional"]} if "bidirectional" in job else {}
+        if job.get("merge_peft"):
+            settings["merge_peft"] = True
         l2v = LLM2Vec.from_pretrained(job["model"], peft_model_name_or_path=job.get("peft"),
-                                      enable_bidirectional=job["bidirectional"], merge_peft=True,
-                                      torch_dtype=torch.float32, **job["encoder"])
+                                      torch_dtype=torch.float32, **settings, **job.get("encoder", {}))
     load_s = time.perf_counter() - t0
     # a log record can reach the handler twice (on a logger and its parent): those are counted once; two warnings
     # with one text (each adapter's missing keys) are two
@@ -73,7 +76,9 @@ def main(job_file: str) -> int:
         "versions": {"llm2vec": version("llm2vec"), "transformers": transformers.__version__,
                      "peft": peft.__version__, "torch": torch.__version__},
         "config": {"pooling_mode": l2v.pooling_mode, "max_length": l2v.max_length,
-                   "skip_instruction": l2v.skip_instruction},
+                   "doc_max_length": l2v.doc_max_length, "skip_instruction": l2v.skip_instruction,
+                   # the name its chat template is chosen by, and the model class (bidirectional or not)
+                   "name_or_path": l2v.model.config._name_or_path, "model_class": type(l2v.model).__name__},
     }
     with open(job["report"], "w") as f:
         json.dump(report, f, indent=2)

@@ -12,8 +12,8 @@ SimCSE adapters): ``W = ((W0 + d1) + d2) ...``, all in float32 from the runner's
 Keys are read in either scope peft saves: the bare model's (``base_model.model.layers.N...``: saved from
 ``AutoModel``, what llm2vec and ``lab.adapt`` write) and a head class's (``base_model.model.model.layers.N...``: saved
 from a ``*ForCausalLM``); ``rescope`` rewrites the second to the first. A folder with ``llm2vec_config.json`` beside
-the adapter gives knob defaults (``LoraAdapter.llm2vec``). ``Engine(folder)`` on an adapter folder (alone, or
-LLM2Vec's ``-mntp`` layout: ``config.json`` + tokenizer + adapter, no weights) loads the base its
+the adapter gives knob defaults as llm2vec reads them (``lab.engine.llm2vec``). ``Engine(folder)`` on an adapter
+folder (alone, or LLM2Vec's ``-mntp`` layout: ``config.json`` + tokenizer + adapter, no weights) loads the base its
 ``adapter_config.json`` names (``resolve_base``) with the adapter first.
 
 Everything is read and checked before any weight changes, so a bad adapter raises and leaves the model as it was:
@@ -44,7 +44,7 @@ import torch
 from lab.models.checks import check_finite
 from lab.models.hub import looks_like_hub_id, snapshot_of
 from lab.models.hub import resolve as hub_resolve
-from lab.models.loading import has_model_weights, load_pickle_weights, read_llm2vec_config
+from lab.models.loading import has_model_weights, load_pickle_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -87,8 +87,6 @@ class LoraAdapter:
     config: dict
     digest: str  # sha256 of adapter_config.json and the weights file
     modules: list[LoraModule] = field(default_factory=list)
-    # knob defaults from the folder's llm2vec_config.json (``lab.models.loading.read_llm2vec_config``); {} without
-    llm2vec: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -311,8 +309,7 @@ def read_adapter(path: str | os.PathLike) -> LoraAdapter:
         warnings.warn(f"{where}: fan_in_fan_out is set to True but the target modules are torch.nn.Linear; "
                       "setting fan_in_fan_out to False (as peft does)", stacklevel=3)
     sd, digest = _read_weights(p)
-    return LoraAdapter(path=p, config=config, digest=digest, modules=_lora_modules(sd, config, where),
-                       llm2vec=read_llm2vec_config(p))
+    return LoraAdapter(path=p, config=config, digest=digest, modules=_lora_modules(sd, config, where))
 
 
 def _read_config(p: Path) -> dict:

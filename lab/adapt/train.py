@@ -465,7 +465,9 @@ def _save_adapter(model, out: Path, lora: LoraSpec, *, bare: bool = True, base: 
             written.update(base_model_name_or_path=base.repo_id, revision=base.revision)
         cfg.write_text(json.dumps(written, indent=2, sort_keys=True))
         (tmp / "llm2vec_config.json").write_text(json.dumps(LLM2VEC_CONFIG, indent=4))
-    for f in tmp.iterdir():
+    # adapter_config.json last: it marks a folder as a finished adapter (resume refuses one), so a run killed while
+    # the files move leaves no config beside missing weights, and resume=True finishes the move from the checkpoint
+    for f in sorted(tmp.iterdir(), key=lambda f: f.name == "adapter_config.json"):
         os.replace(f, out / f.name)
     tmp.rmdir()
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from lab.engine import windows
 from lab.engine.inputs import check_texts
+from lab.engine.knobs import plain_scalar
 from lab.outputs.heads import EmbeddingHead, TokensHead
 from lab.outputs.quantize import check_precision, quantize_embeddings
 
@@ -193,6 +194,7 @@ def encode(
     for a ColBERT folder. The model's prompts, default prompt, device, size and knobs (``instruction`` when no
     prompt is given, ``truncate_dim``, ``long_inputs``, ...) are the engine's. See the module docstring for what maps
     to what."""
+    batch_size, truncate_dim = plain_scalar(batch_size), plain_scalar(truncate_dim)  # numpy ints from sweeps
     engine_device, dim, default_truncate_dim = engine.device, engine.model.hidden_size, engine.knobs["truncate_dim"]
     multi_vector = engine.spec.multi_vector is not None
     kwargs = dict(kwargs or {})

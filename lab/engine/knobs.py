@@ -10,7 +10,6 @@ re-casts them).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 import warnings
 from collections.abc import Mapping
@@ -31,8 +30,9 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
     "pooling": (
         "``cls``, ``mean``, ``max``, ``lasttoken``, ``weightedmean``, or llm2vec's ``eos_token`` (``lasttoken`` after "
         "the EOS text llm2vec appends for the base: `` </s>`` for Llama / Mistral, ``<eos>`` Gemma, ``<|endoftext|>`` "
-        "Qwen2); ``None`` = the model's own (``llm2vec_config.json``'s ``pooling_mode``, sentence-transformers Pooling "
-        "config; ``lasttoken`` for decoders; else ``mean``)."
+        "Qwen2); ``None`` = the model's own: an LLM2Vec layout's (``llm2vec_config.json``'s ``pooling_mode``, else "
+        "llm2vec's ``mean``; ``lab.engine.llm2vec``), else the sentence-transformers Pooling config, else ``lasttoken`` "
+        "for decoders and ``mean`` for encoders. ``eng.resolved.sources`` says which."
     ),
     "normalize": (
         "L2-normalize embeddings; ``None`` = whether the model folder has a Normalize module."
@@ -42,8 +42,8 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
     ),
     "max_length": (
         "longest input in tokens (longer ones are truncated and counted in ``stats.truncated``, or split as "
-        "``long_inputs`` says); ``None`` = sentence_bert_config's ``max_seq_length``, else the tokenizer's / "
-        "model's limit."
+        "``long_inputs`` says); ``None`` = an LLM2Vec layout's (``llm2vec_config.json``, else llm2vec's 512), else "
+        "sentence_bert_config's ``max_seq_length``, capped by the tokenizer's and the model's limits."
     ),
     "max_batch_tokens": (
         "the scheduler's token budget per packed step."
@@ -63,7 +63,8 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
         "say what loaded (the id and the snapshot's commit). Adapters by id take theirs as ``org/name@rev``."
     ),
     "bidirectional": (
-        "``None`` = the model's own attention; ``True``/``False`` override (LLM2Vec-style)."
+        "``None`` = the model's own attention (bidirectional for an LLM2Vec layout, as ``LLM2Vec.from_pretrained`` "
+        "enables it; causal for other decoders); ``True``/``False`` override."
     ),
     "chunked_prefill": (
         "tokens per chunk for long inputs under causal attention (``None`` = off); runs layer by layer, holding hidden "
@@ -79,8 +80,9 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
         "embed mask: the input is ``instruction.strip() + ' ' + text``, in the base model's chat template where "
         "llm2vec applies one, and the last n tokens are pooled, n = the text tokenized alone without special tokens) "
         "or ``exact`` (the instruction as given, its own tokens not pooled, as sentence-transformers counts a prompt); "
-        "``None`` = ``llm2vec`` for a folder with ``llm2vec_config.json`` (an LLM2Vec checkpoint or adapter), else "
-        "``exact`` (sentence-transformers models, encoders and decoders alike). Under ``long_inputs='chunk'`` the "
+        "``None`` = ``llm2vec`` for an LLM2Vec layout (``lab.engine.llm2vec``: ``llm2vec_config.json``, a published "
+        "``-mntp`` folder, an adapter llm2vec or ``lab.adapt`` wrote), else ``exact`` (sentence-transformers models, "
+        "encoders and decoders alike). Under ``long_inputs='chunk'`` the "
         "windows of a split input pool their own text tokens."
     ),
     "template": (
@@ -91,8 +93,9 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
         "and the prefix cache; ``long_inputs='chunk'`` refuses it."
     ),
     "include_instruction": (
-        "pool the instruction's tokens too; ``None`` = the model's Pooling config (sentence-transformers' "
-        "``include_prompt``, which pools them unless it says false), else ``False``."
+        "pool the instruction's tokens too; ``None`` = an LLM2Vec layout's (``skip_instruction`` negated, llm2vec's "
+        "default ``False``), else the model's Pooling config (sentence-transformers' ``include_prompt``, which pools "
+        "them unless it says false), else ``False``; under a ``template``, ``False`` (its words are never the text)."
     ),
     "append_eos": (
         "append EOS when the tokenizer does not (``None`` = on for decoders with lasttoken pooling)."
@@ -181,12 +184,11 @@ class Knobs:
             raise TypeError(
                 f"unknown knob(s) {', '.join(unknown)}; valid knobs: {', '.join(f.name for f in fields(self))}"
             )
+        changes = {k: plain_scalar(v) for k, v in changes.items()}  # numpy scalars from sweeps (np.arange, pandas)
         if "dtype" in changes:
             changes["dtype"] = normalize_dtype(changes["dtype"])
         if "adapters" in changes:
             changes["adapters"] = normalize_adapters(changes["adapters"])
-        if isinstance(changes.get("layer"), numbers.Integral) and not isinstance(changes["layer"], bool):
-            changes["layer"] = int(changes["layer"])  # numpy ints from a sweep
         new = dataclasses.replace(self, **changes)
         new.validate()
         return new
@@ -308,6 +310,16 @@ def check_for_model(k: Knobs, m: ModelLimits) -> None:
     if k.chunked_prefill is not None and not m.causal:
         raise ValueError("chunked_prefill needs causal attention, but this model runs bidirectionally: bidirectional "
                          "attention needs the whole sequence at once. Set bidirectional=False or chunked_prefill=None")
+
+
+def plain_scalar(value):
+    """A numpy scalar as the Python value it holds (``np.int64(16)`` -> ``16``, ``np.float32`` -> ``float``,
+    ``np.bool_`` -> ``bool``, so that a bool stays refused where an int is asked); anything else unchanged."""
+    import numpy as np
+
+    if isinstance(value, np.generic) and isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    return value
 
 
 def normalize_adapters(adapters) -> tuple[str, ...]:

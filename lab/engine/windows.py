@@ -36,6 +36,7 @@ import torch
 
 from lab.engine.call import Pass
 from lab.engine.inputs import InputProcessor, Request
+from lab.engine.knobs import plain_scalar
 from lab.kernels.reference import segment_pool
 from lab.outputs.heads import EmbeddingHead, Head
 
@@ -172,6 +173,7 @@ def plan_chunks(proc: InputProcessor, docs: list[str], fr: Frame, chunk_tokens: 
     document that fits ``max_length``; else windows ``room`` tokens long that step by ``room - overlap``, overlap
     at least ``chunk_tokens`` (the default) so that every chunk lies whole in one of them). Each chunk's characters
     are ``chunk_spans``'s."""
+    chunk_tokens, overlap = plain_scalar(chunk_tokens), plain_scalar(overlap)  # numpy ints from sweeps
     room = fr.room(proc.max_length)
     valid = (f"an int from 1 to {room - 1} (max_length={proc.max_length} less the {proc.max_length - room} special "
              "and instruction tokens, less one: windows overlap by at least chunk_tokens and must advance)")

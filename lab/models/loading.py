@@ -79,8 +79,6 @@ class ModelSpec:
     # relu|log1p_relu}; None without one
     splade: dict[str, str] | None = None
     multi_vector: MultiVectorSpec | None = None  # a sentence-transformers MultiVectorEncoder (ColBERT) folder
-    # knob name -> default from the folder's llm2vec_config.json (``read_llm2vec_config``); empty without one
-    llm2vec: dict = field(default_factory=dict)
     # the checkpoint's tensors without their data: name -> (shape, file), from the safetensors headers (a pickle
     # file's: memory-mapped)
     tensors: dict[str, tuple[tuple[int, ...], Path]] = field(default_factory=dict, repr=False)
@@ -131,7 +129,6 @@ def read_folder(path: str | os.PathLike) -> ModelSpec:
     if spec.architecture in REGISTRY:
         check_against_checkpoint(config, spec.tensors, _describe_files(spec), cfg_file)
     _read_sentence_transformers(p, spec)
-    spec.llm2vec = read_llm2vec_config(p)
     return spec
 
 
