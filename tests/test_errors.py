@@ -98,7 +98,7 @@ def test_pytorch_bin_loads_with_a_warning(tmp_path, minilm_path, minilm_engine):
 
 
 def test_wrong_model_type(minilm_path):
-    with pytest.raises(TypeError, match="path to a local model folder"):
+    with pytest.raises(TypeError, match="a local model folder or a hub id"):
         Engine(123)
 
 

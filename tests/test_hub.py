@@ -184,9 +184,13 @@ def test_the_published_llm2vec_layout_by_ids_needs_no_other_argument(cache, llam
     for repo, folder, commit in [(LLAMA3, base_dir, COMMIT_A), (MNTP_ID, mntp_dir, COMMIT_B),
                                  (MNTP_ID + "-supervised", sup_dir, "c" * 40)]:
         write_hub_cache(cache, repo, folder, commit=commit)
-    want = embed(Engine(str(base_dir), adapters=[str(mntp_dir), str(sup_dir)], bidirectional=True, pooling="mean"))
-    eng = Engine(MNTP_ID, adapters=[MNTP_ID + "-supervised"], bidirectional=True, pooling="mean")
+    want = embed(Engine(str(mntp_dir), adapters=[str(sup_dir)]))  # the same folders by path, no knobs either
+    eng = Engine(MNTP_ID, adapters=[MNTP_ID + "-supervised"])
     np.testing.assert_array_equal(embed(eng), want)
+    weights = embed(Engine(str(base_dir), adapters=[str(mntp_dir), str(sup_dir)], bidirectional=True,
+                           pooling="mean", instruction_pooling="exact"))
+    np.testing.assert_array_equal(embed(Engine(MNTP_ID, adapters=[MNTP_ID + "-supervised"],
+                                               instruction_pooling="exact")), weights)  # llm2vec's defaults, its weights
     assert (eng.model_name, eng.revision) == (MNTP_ID, COMMIT_B)
     assert not list(cache.rglob("EXECUTED"))  # the -mntp repository's modeling code never ran
 
