@@ -492,7 +492,8 @@ def write_md(table, path: Path, slug: str) -> None:
         name = r["ref_name_or_path"] or '""'  # llm2vec's name for a config.json without _name_or_path
         ref = (f"{r['ref_pooling']} / {r['ref_max_length']} / {r['ref_doc_max_length']} / "
                f"{r['ref_skip_instruction']} / {name}")
-        ours = (f"{r['pooling']} / {r['max_length']} / {r['doc_max_length']} / {r['include_instruction']} / "
+        cut = "off" if r["doc_max_length"] != r["doc_max_length"] or not r["doc_max_length"] else int(r["doc_max_length"])
+        ours = (f"{r['pooling']} / {r['max_length']} / {cut} / {r['include_instruction']} / "
                 f"{r['template_name']}")
         lines.append(f"| {r['variant']} | {r['layout']} | {r['min_cos']:.6f} | {r['median_cos']:.6f} | {ref} | "
                      f"{ours} | {r['docs_cut']} | {r['missing_adapter_keys']} |")

@@ -212,3 +212,28 @@ def test_the_published_mntp_id_brings_its_bases_template(base, tmp_path):
     name = "meta-llama/Meta-Llama-3-8B-Instruct"
     assert _texts_tokenized(eng, ["A cat."]) == [tok(ref_wrap(name, "A cat."))["input_ids"]]
     assert MNTP_ID.endswith("-mntp")
+
+
+def test_by_hub_id_the_template_name_is_the_adapters_base(base, tmp_path, monkeypatch):
+    """Named by hub id, a repository holding an adapter is loaded by transformers 4.44 under the adapter's
+    ``base_model_name_or_path``, whatever its config.json's ``_name_or_path`` says (llm2vec 0.2.3, run in its own
+    environment: evals/llm2vec_parity.py); by local path, the config.json's name counts."""
+    from hub_cache import write_hub_cache
+    from huggingface_hub import constants
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    base_dir, mntp_dir, _ = published_layout(tmp_path / "p", base, base_ref="tiny-org/base")
+    cfg = json.loads((mntp_dir / "config.json").read_text())
+    cfg["_name_or_path"] = LLAMA2  # the config names a templated model, the adapter a plain base
+    (mntp_dir / "config.json").write_text(json.dumps(cfg))
+    cache = tmp_path / "cache"
+    write_hub_cache(cache, "tiny-org/base", base_dir, commit="a" * 40)
+    write_hub_cache(cache, "tiny-org/x-mntp", mntp_dir, commit="b" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    by_id = Engine("tiny-org/x-mntp")
+    assert by_id.llm2vec.name == "tiny-org/base"
+    assert _texts_tokenized(by_id, ["A cat."]) == [tok(ref_wrap("tiny-org/base", "A cat."))["input_ids"]]
+    by_path = Engine(str(mntp_dir))
+    assert by_path.llm2vec.name == LLAMA2
+    assert _texts_tokenized(by_path, ["A cat."]) == [tok(ref_wrap(LLAMA2, "A cat."))["input_ids"]]

@@ -57,7 +57,7 @@ from lab.engine.call import Stats
 from lab.engine.inputs import check_texts
 from lab.engine.knobs import Knobs
 from lab.engine.scheduler import WAVE_SIZE
-from lab.models.hub import pin
+from lab.models.hub import looks_like_hub_id, pin
 
 __all__ = ["ChunkResult", "RayEngine", "RayStats", "embed_dataset", "read_embeddings", "split_by_tokens"]
 
@@ -440,11 +440,11 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
         raise ValueError("knobs= is for the actors embed_dataset starts; this RayEngine has its own: "
                          "reng.configure(...) before calling embed_dataset(reng, ...)")
     src = read_source(source)
+    result_knobs(dict(knobs or {}))  # a bad knob is named before any actor starts or any model is looked up
     if given:
         model, knobs = model_path.model_path, model_path.knobs
     else:
         model, knobs = actor_model(model_path, dict(knobs or {}))
-    result_knobs(knobs)  # a bad knob is named before any actor starts
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     reng = model_path if given else None
@@ -600,6 +600,8 @@ def actor_model(model, knobs: dict) -> tuple[str, dict]:
     path = os.fspath(model)
     if os.path.exists(path):
         return os.path.abspath(path), dict(knobs)
+    if not looks_like_hub_id(path):  # a folder the actors' nodes hold and this one does not
+        return path, dict(knobs)
     pinned = pin(path, knobs.get("revision"))
     return pinned[0], {**knobs, "revision": pinned[1]}
 

@@ -263,7 +263,7 @@ def model_digest(model_path, adapters=()) -> str:
     from lab.adapt.adapters import split_adapter_model
     from lab.models.hub import resolve
 
-    folders = tuple(str(resolve(a, what="adapter").folder) for a in adapters)  # adapters by hub id: their snapshots
+    folders = tuple(str(resolve(a, what=f"adapter {k}").folder) for k, a in enumerate(adapters))  # ids: snapshots
     model, adapters = split_adapter_model(str(resolve(model_path).folder), folders)
     h = hashlib.sha256()
     for role, root in [("model", Path(model)), *((f"adapter {k}", Path(a)) for k, a in enumerate(adapters))]:

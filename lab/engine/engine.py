@@ -148,9 +148,9 @@ class Engine:
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a local model folder or a hub id ('org/name'), got {type(model).__name__}")
         self._source = hub.resolve(model, self._knobs.revision)  # a hub id: its snapshot folder, fetched if need be
+        self._by_id = not os.path.exists(os.path.expanduser(os.fspath(model)))  # named by hub id, not by path
         self._adapter_folders: dict[str, str] = {}  # adapter name as given (a path or a hub id) -> its folder
         self._folder = str(self._source.folder)  # as given: llm2vec's base argument (lab.engine.llm2vec)
-        self._loaded_as = self._source.repo_id or os.fspath(model)  # the name transformers would record
         model, adapters = split_adapter_model(self._folder, self._knobs.adapters)  # an adapter-only folder: its base
         self._auto = adapters[: len(adapters) - len(self._knobs.adapters)]  # the adapters that came with the folder
         self._knobs = self._knobs.replace(adapters=adapters)
@@ -377,7 +377,7 @@ class Engine:
             auto = len(self._auto) if adapters[: len(self._auto)] == self._auto else 0
             self._layouts[adapters] = llm2vec.layout(
                 self._folder, [self._adapter_folder(a) for a in adapters], auto=auto, base=self.model_path,
-                loaded_as=self._loaded_as, decoder=bool(self.model.is_decoder))
+                repo_id=self._source.repo_id if self._by_id else None, decoder=bool(self.model.is_decoder))
         return self._layouts[adapters]
 
     @property

@@ -9,9 +9,10 @@ is its ``peft_model_name_or_path``. llm2vec then
   from nowhere else; what the file does not set (or everything, without the file) takes the class defaults
   (``DEFAULTS``: mean pooling, ``max_length`` 512, ``doc_max_length`` 400, ``skip_instruction``), and
   ``enable_bidirectional`` defaults to True;
-- chooses its chat template by ``config._name_or_path`` of the model it loaded: the ``_name_or_path`` the base
-  folder's ``config.json`` holds (the ``-mntp`` folder's in the published usage), else the name the folder was
-  loaded by; never ``adapter_config.json``'s ``base_model_name_or_path``;
+- chooses its chat template by ``config._name_or_path`` of the model it loaded (``template_name``): for a local
+  folder, the ``_name_or_path`` its ``config.json`` holds (the ``-mntp`` folder's in the published usage), never
+  ``adapter_config.json``'s ``base_model_name_or_path``; for a hub id, that ``base_model_name_or_path`` when the
+  repository holds an adapter (transformers loads it under its base's name), else the id;
 - cuts a document whose token count (counted as the tokenizer truncates at ``max_length``, special tokens left
   out) exceeds ``doc_max_length`` to ``int(words x doc_max_length / tokens)`` whitespace-separated words, again
   until it fits (``cut_document``); the instruction is never cut.
@@ -64,23 +65,23 @@ class Layout:
 
 
 def layout(model: str | os.PathLike, adapters: list[str], *, auto: int, base: str | os.PathLike,
-           loaded_as: str, decoder: bool) -> Layout:
+           repo_id: str | None, decoder: bool) -> Layout:
     """The LLM2Vec reading of an engine's folders: ``model``, the folder as given (llm2vec's base argument);
     ``adapters``, the adapter folders in merge order, of which the first ``auto`` came with ``model`` (an adapter-only
     folder and the ``-mntp`` folders it names: they stand for llm2vec's base); ``base``, the folder whose weights
-    load; ``loaded_as``: the name the model was given by (a hub id or a path), what transformers records as
-    ``_name_or_path`` when ``config.json`` holds none."""
+    load; ``repo_id``: the hub id the model was named by (``None`` for a local path), which decides the name
+    llm2vec chooses its template by (``template_name``)."""
     model, base = Path(model), Path(base)
     folders = [model, *map(Path, adapters), base]
     why = _recognized_by(folders) if decoder else ""
     config_folder = Path(adapters[-1]) if len(adapters) > auto else model
+    name = template_name([model, *map(Path, adapters[:auto]), base], repo_id)
     if not why:
-        return Layout(False, name=_name_or_path([model, *map(Path, adapters[:auto]), base], loaded_as))
+        return Layout(False, name=name)
     found = read_llm2vec_config(config_folder)
     source = f"{LLM2VEC_CONFIG} in {config_folder}"
     defaults = {k: (found[k], source) if k in found else (v, DEFAULT_SOURCE) for k, v in DEFAULTS.items()}
-    return Layout(True, why, config_folder, defaults,
-                  _name_or_path([model, *map(Path, adapters[:auto]), base], loaded_as))
+    return Layout(True, why, config_folder, defaults, name)
 
 
 def _recognized_by(folders: list[Path]) -> str:
@@ -100,15 +101,20 @@ def _recognized_by(folders: list[Path]) -> str:
     return ""
 
 
-def _name_or_path(candidates: list[Path], loaded_as: str) -> str | None:
-    """``config._name_or_path`` of the model llm2vec loads: the first of ``candidates`` with a ``config.json`` (the
-    folder given, or the ``-mntp`` folder an adapter names, or the base), its ``_name_or_path`` when it holds one,
-    else the name it was loaded by."""
+def template_name(candidates: list[Path], repo_id: str | None) -> str | None:
+    """``config._name_or_path`` of the model llm2vec loads, the name its chat template is chosen by. A hub id:
+    transformers 4.44 loads a repository that holds an adapter under the adapter's ``base_model_name_or_path`` and
+    any other under the id. A local folder: llm2vec takes the ``_name_or_path`` its ``config.json`` holds (``""``
+    without one) from the first of ``candidates`` with a ``config.json`` (the folder given, the ``-mntp`` folder an
+    adapter names, the base)."""
+    if repo_id:
+        base = _json(candidates[0] / ADAPTER_CONFIG).get("base_model_name_or_path")
+        return base if isinstance(base, str) and base else repo_id
     for f in candidates:
         config = _json(f / "config.json")
         if config:
             name = config.get("_name_or_path")
-            return name if isinstance(name, str) and name else loaded_as
+            return name if isinstance(name, str) else ""
     return None
 
 

@@ -210,23 +210,25 @@ _ONEDNN_ACT = {"gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"), "gelu_pyt
                "relu": ("relu", ""), "silu": ("swish", ""), "swish": ("swish", "")}
 
 
-def fusable(x: torch.Tensor, act_name: str) -> bool:
-    """Whether the oneDNN fused path applies to ``x`` (CPU, float32/bfloat16) and this activation."""
-    return _FUSED_CPU and x.device.type == "cpu" and act_name in _ONEDNN_ACT and x.dtype in (torch.float32,
-                                                                                           torch.bfloat16)
+def fusable(x: torch.Tensor, act_name: str, plan: CpuPlan | None = None) -> bool:
+    """Whether the oneDNN fused path applies to ``x`` and this activation under ``plan``: CPU float32, or bfloat16
+    where oneDNN's linear takes it on this CPU (``onednn_bf16``) or the plan widens it to float32 (on a CPU without
+    AVX-512 oneDNN has no bfloat16 linear)."""
+    if not (_FUSED_CPU and x.device.type == "cpu" and act_name in _ONEDNN_ACT):
+        return False
+    return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and (_ONEDNN_BF16 or _widen(x, plan)))
 
 
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act_name: str, act, *,
                plan: CpuPlan | None = None) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` under ``plan``; on CPU one oneDNN call with the activation in the GEMM's
     epilogue."""
-    if fusable(x, act_name):
+    if fusable(x, act_name, plan):
         kind, algorithm = _ONEDNN_ACT[act_name]
         if _widen(x, plan):  # activation on the float32 accumulator, rounded once (as oneDNN's bfloat16 epilogue)
             out = torch.ops.mkldnn._linear_pointwise(x.float(), wide_weight(weight, plan), _f32(bias, plan), kind,
                                                      [], algorithm)
             return out.to(torch.bfloat16)
-        if x.dtype == torch.float32 or _ONEDNN_BF16:  # oneDNN's linear takes bfloat16 only where the CPU does
-            w = gemm_weight(x, weight, plan) if weight.is_contiguous() and not torch.is_grad_enabled() else weight
-            return torch.ops.mkldnn._linear_pointwise(x, w, bias, kind, [], algorithm)
+        w = gemm_weight(x, weight, plan) if weight.is_contiguous() and not torch.is_grad_enabled() else weight
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, kind, [], algorithm)
     return act(linear(x, weight, bias, plan=plan))
