@@ -41,7 +41,6 @@ SCHEDULING_KNOBS = frozenset({"max_batch_tokens", "max_num_seqs", "prefix_cache"
                               "cpu_workers"})
 # Knobs that say which model loaded (already in the results' path and model meta), not how it runs.
 IDENTITY_KNOBS = frozenset({"revision"})
-HUB_URL = "https://huggingface.co/"
 
 
 def as_mteb_model(
@@ -343,7 +342,9 @@ def count_parameters(engine) -> int | None:
 
 def model_reference(name: str) -> str | None:
     """The Hub page of a hub id (``https://huggingface.co/<org>/<name>``); ``None`` for ``local/...`` names."""
-    return None if name.startswith("local/") else HUB_URL + name
+    from lab.models.hub import HUB_PAGE
+
+    return None if name.startswith("local/") else HUB_PAGE + name
 
 
 def model_folder(engine) -> Path | None:

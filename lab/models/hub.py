@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
+HUB_PAGE = "https://huggingface.co/"  # + a hub id: the model's page
 # sentence-transformers keeps its modules in numbered folders (1_Pooling, 2_Dense, 2_Normalize, ...; modules.json)
 _MODULE_FOLDER = re.compile(r"\d+_[^/]+")
 # top-level files the loader, the tokenizer, sentence-transformers' and llm2vec's configs and the model card need
@@ -59,7 +60,7 @@ class Source:
     @property
     def reference(self) -> str | None:
         """The model's hub page, ``None`` for a local folder."""
-        return f"https://huggingface.co/{self.repo_id}" if self.repo_id else None
+        return HUB_PAGE + self.repo_id if self.repo_id else None
 
 
 def split_revision(name: str, revision: str | None = None) -> tuple[str, str | None]:
@@ -115,13 +116,20 @@ def resolve(name: str | os.PathLike, revision: str | None = None, *, what: str =
         if snap is not None:
             return Source(local, snap[0], snap[1], snap[0])
         return Source(local, f"local/{local_name(local.resolve())}")
+    repo_id, rev = _hub_name(text, revision, what)
+    folder = _snapshot(repo_id, rev, what)
+    return Source(folder, repo_id, folder.name, repo_id)
+
+
+def _hub_name(text: str, revision: str | None, what: str) -> tuple[str, str | None]:
+    """``(repo id, revision)`` of a name that is no local path, checked: not shaped like a hub id is a missing
+    path (``FileNotFoundError``), a malformed id a ``ValueError``."""
     if not looks_like_hub_id(text):
         raise FileNotFoundError(f"{what} path {text!r} does not exist (and it is not a hub id such as 'org/name'); "
                                 "pass an existing local folder or a Hugging Face hub id")
     repo_id, rev = split_revision(text, revision)
     _check_id(repo_id, text, what)
-    folder = _snapshot(repo_id, rev, what)
-    return Source(folder, repo_id, folder.name, repo_id)
+    return repo_id, rev
 
 
 GENERIC_NAMES = frozenset({"model", "models", "snapshot", "weights", "checkpoint", "main"})
@@ -169,24 +177,15 @@ def pin(name: str | os.PathLike, revision: str | None = None, *, what: str = "mo
     text = os.fspath(name)
     if Path(text).expanduser().exists():
         return None
-    if not looks_like_hub_id(text):
-        raise FileNotFoundError(f"{what} path {text!r} does not exist (and it is not a hub id such as 'org/name')")
-    repo_id, rev = split_revision(text, revision)
-    _check_id(repo_id, text, what)
+    repo_id, rev = _hub_name(text, revision, what)
     if rev is not None and COMMIT.fullmatch(rev):
         return repo_id, rev
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return repo_id, _cached(repo_id, rev, what, why="HF_HUB_OFFLINE is set").name
-
-    def ask() -> str:
-        try:
-            return HfApi().model_info(repo_id, revision=rev).sha
-        except _network_errors() as e:  # the hub cannot be reached: the cached snapshot's commit
-            return _cached(repo_id, rev, what, why=f"the hub could not be reached ({_first_line(e)})").name
-
-    return repo_id, _asking_hub(repo_id, rev, what, ask)
+    info = _asking_hub(repo_id, rev, what, lambda: _model_info(repo_id, rev, what))
+    return repo_id, info.sha if not isinstance(info, Path) else info.name
 
 
 def _network_errors(*, any_transport: bool = False) -> tuple[type[BaseException], ...]:
@@ -227,8 +226,7 @@ def _asking_hub(repo_id: str, rev: str | None, what: str, ask):
                                 "with access was given (hf auth login, or set HF_TOKEN); a local folder of that "
                                 "name does not exist either") from None
     except _incomplete(hf_errors) as e:  # not reachable, and the cached snapshot lacks files
-        raise FileNotFoundError(f"{what} {_describe(repo_id, rev)}: {_first_line(e)} Fetch it with: "
-                                f"{_fetch_command(repo_id, rev)}") from None
+        raise _incomplete_error(repo_id, rev, what, e) from None
     except hf_errors.LocalEntryNotFoundError as e:  # not reachable and not cached
         raise FileNotFoundError(_not_cached(repo_id, rev, what, f"the hub could not be reached ({_first_line(e)})")
                                 ) from None
@@ -247,18 +245,28 @@ def _first_line(e: BaseException) -> str:
 def _download(repo_id: str, rev: str | None, what: str) -> Path:
     """Online: the file list of ``repo_id`` at ``rev``, then ``snapshot_download`` of the files the Engine reads.
     When the hub cannot be reached (a connection error), the cached snapshot, with a warning."""
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import snapshot_download
 
-    try:
-        info = HfApi().model_info(repo_id, revision=rev)
-    except _network_errors() as e:
-        folder = _cached(repo_id, rev, what, why=f"the hub could not be reached ({_first_line(e)})")
-        warnings.warn(f"the hub could not be reached; {what} {repo_id!r} is the cached snapshot {folder.name}",
-                      stacklevel=4)
-        return folder
+    info = _model_info(repo_id, rev, what)
+    if isinstance(info, Path):
+        return info
     files = [s.rfilename for s in (info.siblings or [])]
     wanted = files_to_fetch(files, name=_describe(repo_id, rev))
     return Path(snapshot_download(repo_id, revision=rev, allow_patterns=wanted))
+
+
+def _model_info(repo_id: str, rev: str | None, what: str):
+    """The hub's ``model_info`` of ``repo_id`` at ``rev`` (its commit and file list); when the hub cannot be
+    reached, the cached snapshot's folder instead, with a warning."""
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().model_info(repo_id, revision=rev)
+    except _network_errors() as e:
+        folder = _cached(repo_id, rev, what, why=f"the hub could not be reached ({_first_line(e)})")
+        warnings.warn(f"the hub could not be reached; {what} {repo_id!r} is the cached snapshot {folder.name}",
+                      stacklevel=5)
+        return folder
 
 
 def _cached(repo_id: str, rev: str | None, what: str, *, why: str) -> Path:
@@ -272,8 +280,7 @@ def _cached(repo_id: str, rev: str | None, what: str, *, why: str) -> Path:
         wanted = files_to_fetch(listing, name=_describe(repo_id, rev)) if listing else None
         return Path(snapshot_download(repo_id, revision=rev, local_files_only=True, allow_patterns=wanted))
     except _incomplete(hf_errors) as e:
-        raise FileNotFoundError(f"{what} {_describe(repo_id, rev)}: {_first_line(e)} Fetch it with: "
-                                f"{_fetch_command(repo_id, rev)}") from None
+        raise _incomplete_error(repo_id, rev, what, e) from None
     except hf_errors.LocalEntryNotFoundError:
         raise FileNotFoundError(_not_cached(repo_id, rev, what, why)) from None
 
@@ -295,6 +302,11 @@ def _incomplete(hf_errors) -> tuple:
     """huggingface_hub's error for a cached snapshot that lacks files (2.x), none before it."""
     found = getattr(hf_errors, "IncompleteSnapshotError", None)
     return (found,) if found else ()
+
+
+def _incomplete_error(repo_id: str, rev: str | None, what: str, e: BaseException) -> FileNotFoundError:
+    return FileNotFoundError(f"{what} {_describe(repo_id, rev)}: {_first_line(e)} Fetch it with: "
+                             f"{_fetch_command(repo_id, rev)}")
 
 
 def _cache_dir() -> str:
