@@ -440,7 +440,7 @@ def bench_throughput(args, path: str, table: Table) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- memory
-def _read_status(field: str) -> int | None:
+def read_status(field: str) -> int | None:
     """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux), else None."""
     try:
         with open("/proc/self/status") as f:
@@ -452,7 +452,8 @@ def _read_status(field: str) -> int | None:
     return None
 
 
-def _reset_hwm() -> bool:
+def reset_hwm() -> bool:
+    """Reset this process's peak-RSS counter (``VmHWM``) to its current RSS (Linux); whether it could."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets the peak-RSS (VmHWM) counter to the current RSS
@@ -486,14 +487,14 @@ def memory_point(spec: dict) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base_alloc = torch.cuda.memory_allocated()
-        rss_before = _read_status("VmRSS")
-        reset = _reset_hwm()
+        rss_before = read_status("VmRSS")
+        reset = reset_hwm()
         c0, t0 = time.process_time(), time.perf_counter()
         eng.embed([text])
         secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = dict(spec, seconds=secs, cpu_seconds=cpu, tokens=eng.stats.tokens, chunks=eng.stats.chunks,
                rss_before=rss_before, malloc_tuning=eng.resolved["malloc_tuning"],
-               hwm=_read_status("VmHWM"), hwm_reset=reset,
+               hwm=read_status("VmHWM"), hwm_reset=reset,
                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     out["state_bytes"] = eng.stats.state_bytes
     from lab.eval.bench import peak_memory

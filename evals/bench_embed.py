@@ -1,5 +1,9 @@
 """Benchmark: Engine.embed vs SentenceTransformer.encode on the same real texts, same process, same weights.
 
+Two engines per dtype: the eager forward (``compile=False``, system ``engine``) and the compiled one
+(``compile=True``, system ``engine-compiled``, ``lab.runtime.compiled``; the first calls of its graphs, built with
+inductor's on-disk cache as the machine has it, in ``compile_seconds``).
+
 Corpora: STSBenchmark test sentences (short), SciFact abstracts (long; cut at all-MiniLM-L6-v2's 256 tokens), and
 ``mixed``: 400 other STSBenchmark sentences and 260 other SciFact abstracts, shuffled.
 For each dtype the two systems run interleaved (engine, baseline, engine, ...) so drift hits both alike; the table
@@ -40,7 +44,7 @@ import torch
 
 from evals.criteria import meets_speed_target, min_cosine
 from evals.data_io import load_corpus
-from evals.results_index import device_slug, stamp, write_meta
+from evals.results_index import save_run, stamp
 from lab.models.hub import local_folder
 
 ROOT = Path(__file__).resolve().parent
@@ -62,7 +66,8 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
         base = SentenceTransformerBaseline(model, dtype=dtype)
         # probes its CPU fast paths at load (eng.cpu_paths); tunes glibc's allocator for this process, the
         # baseline's runs included (lab.runtime.allocator; the rows' malloc_tuning)
-        eng = Engine(model, dtype=dtype, tune_allocator=True)
+        eng = Engine(model, dtype=dtype, tune_allocator=True, compile=False)
+        comp = Engine(model, dtype=dtype, tune_allocator=True, compile=True)  # the compiled forward (own rows)
         paths = ";".join(f"{k}={v}" for k, v in eng.cpu_paths.items())
         cfg = eng.spec.config
         roof = gemm_roofline(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
@@ -76,9 +81,12 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
                 base(texts)
                 alone.append(time.perf_counter() - t0)
             a = eng.embed(texts)  # warm-up, and the parity check
-            cos = min_cosine(a, b)
-            times = {"engine": [], "sentence-transformers": []}
+            cos = {"engine": min_cosine(a, b), "engine-compiled": min_cosine(comp.embed(texts), b)}
+            # the warm-up built the graphs (one per thread layout): each one's first call, trace + compile + run
+            compile_seconds = sum(comp.runner.compiled.compile_seconds.values())
+            times = {"engine": [], "engine-compiled": [], "sentence-transformers": []}
             systems = (("engine", lambda t=texts, e=eng: e.embed(t)),
+                       ("engine-compiled", lambda t=texts, e=comp: e.embed(t)),
                        ("sentence-transformers", lambda t=texts, b=base: b(t)))
             for _ in range(repeats):
                 for name, fn in systems:
@@ -89,26 +97,29 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
             assert real == eng.stats.tokens, (real, eng.stats.tokens)  # identical tokens on both sides
             kernels = kernel_seconds(eng, texts, roof)
             for name, secs in times.items():
-                med = statistics.median(secs)
+                med, engine = statistics.median(secs), name != "sentence-transformers"
                 rows.append({
                     "corpus": corpus, "dtype": dtype, "system": name, "model": eng.model_name,
                     "revision": eng.revision, "texts": len(texts), "tokens": real,
-                    "padded_tokens": eng.stats.padded_tokens if name == "engine" else padded,
+                    "padded_tokens": eng.stats.padded_tokens if engine else padded,
                     "seconds_median": med, "seconds_min": min(secs), "seconds_max": max(secs), "repeats": repeats,
-                    "tokens_per_s": real / med, "min_cosine": cos,
+                    "tokens_per_s": real / med, "min_cosine": cos.get(name, 1.0),
                     "gemm_gflops": roof["gemm_gflops"], "roofline_tokens_per_s": roof["roofline_tokens_per_s"],
                     "roofline_fraction": real / med / roof["roofline_tokens_per_s"], "threads": torch.get_num_threads(),
                     **kernels, "kernel_share": kernels["kernel_seconds"] / med if name == "engine" else None,
                     # the baseline timed alone before the engine ran: > 1 here means the engine slowed it down
-                    "baseline_slowdown": med / statistics.median(alone) if name != "engine" else None,
+                    "baseline_slowdown": med / statistics.median(alone) if not engine else None,
                     "cpu_paths": paths if name == "engine" else None, "malloc_tuning": eng.resolved["malloc_tuning"],
+                    "compile_seconds": compile_seconds if name == "engine-compiled" else None,
                     **machine,
                 })
-            print(f"{corpus:13s} {dtype:9s} engine {rows[-2]['tokens_per_s']:8,.0f} tok/s  "
+            print(f"{corpus:13s} {dtype:9s} engine {rows[-3]['tokens_per_s']:8,.0f} tok/s  "
+                  f"compiled {rows[-2]['tokens_per_s']:8,.0f} tok/s (compile {compile_seconds:.0f} s)  "
                   f"sentence-transformers {rows[-1]['tokens_per_s']:8,.0f} tok/s  "
-                  f"ratio {rows[-2]['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f}  min cos {cos:.6f}  "
-                  f"roofline {rows[-2]['roofline_fraction']:.0%} / {rows[-1]['roofline_fraction']:.0%}  "
-                  f"GEMMs + attention {rows[-2]['kernel_share']:.0%} of the engine's time  "
+                  f"ratio {rows[-3]['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f} / "
+                  f"{rows[-2]['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f}  min cos {cos['engine']:.6f}  "
+                  f"roofline {rows[-3]['roofline_fraction']:.0%} / {rows[-1]['roofline_fraction']:.0%}  "
+                  f"GEMMs + attention {rows[-3]['kernel_share']:.0%} of the engine's time  "
                   f"baseline after/alone {rows[-1]['baseline_slowdown']:.3f}  [{paths}]", flush=True)
     df = pd.DataFrame(rows)
     st = df[df.system == "sentence-transformers"].set_index(["corpus", "dtype"])["tokens_per_s"]
@@ -162,17 +173,20 @@ def plot(df: pd.DataFrame):
 
     groups = list(df.groupby(["corpus", "dtype"], sort=False))
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.38
+    systems = [s for s in ("sentence-transformers", "engine", "engine-compiled") if s in set(df.system)]
+    width = 0.8 / len(systems)
     for i, ((corpus, dtype), g) in enumerate(groups):
-        for j, system in enumerate(["sentence-transformers", "engine"]):
+        for j, system in enumerate(systems):
             r = g[g.system == system].iloc[0]
-            x = i + (j - 0.5) * width
-            ax.bar(x, r.tokens_per_s, width, color=["#999999", "#1f77b4"][j], label=system if i == 0 else None)
+            x = i + (j - (len(systems) - 1) / 2) * width
+            ax.bar(x, r.tokens_per_s, width, color=["#999999", "#1f77b4", "#2ca02c"][j],
+                   label=system if i == 0 else None)
             ax.errorbar(x, r.tokens_per_s, yerr=[[r.tokens_per_s - r.tokens / r.seconds_max],
                                                  [r.tokens / r.seconds_min - r.tokens_per_s]], color="k", capsize=3)
         eng = g[g.system == "engine"].iloc[0]
         top = eng.tokens / eng.seconds_min  # above the error bar
-        ax.text(i + width / 2, top, f"{eng.ratio_vs_sentence_transformers:.2f}x", ha="center", va="bottom",
+        ax.text(i + (systems.index("engine") - (len(systems) - 1) / 2) * width, top,
+                f"{eng.ratio_vs_sentence_transformers:.2f}x", ha="center", va="bottom",
                 fontsize=9, fontweight="bold")
         ax.hlines(eng.roofline_tokens_per_s, i - 0.45, i + 0.45, colors="r", linestyles="dotted",
                   label="GEMM roofline" if i == 0 else None)
@@ -181,7 +195,8 @@ def plot(df: pd.DataFrame):
                       label="GEMMs at roofline + attention kernel" if i == 0 else None)
     ax.set_xticks(range(len(groups)), [f"{c}\n{d}" for (c, d), _ in groups])
     ax.set_ylabel("tokens / s (median)")
-    ax.set_title(f"all-MiniLM-L6-v2 on {df.cpu_model.iloc[0]} ({torch.get_num_threads()} threads)", fontsize=9)
+    isa = f"{df.isa.iloc[0]}, " if "isa" in df else ""
+    ax.set_title(f"all-MiniLM-L6-v2 on {df.cpu_model.iloc[0]} ({isa}{torch.get_num_threads()} threads)", fontsize=9)
     tops = [(df.tokens / df.seconds_min).max(), df.roofline_tokens_per_s.max()]
     if "kernel_seconds" in df:
         tops.append((df.tokens / df.kernel_seconds).max())
@@ -208,12 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         args.model = minilm_path()
     args.model = local_folder(args.model)
     df = stamp(run(args.model, args.corpora, args.dtypes, args.repeats, args.scifact_docs))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    csv_path = out / f"bench_embed_{device_slug()}.csv"
-    df.to_csv(csv_path, index=False)
-    write_meta(csv_path)
-    plot(df).savefig(csv_path.with_suffix(".png"), dpi=120)
+    save_run(df, Path(args.out), "bench_embed", plot(df))
     cols = ["corpus", "dtype", "system", "tokens_per_s", "ratio_vs_sentence_transformers", "roofline_fraction",
             "roofline_cap", "kernel_share", "ratio_at_kernel_seconds", "min_cosine", "baseline_slowdown",
             "meets_ratio_target", "meets_roofline_target"]

@@ -9,7 +9,9 @@ Systems (``--systems``; ``SYSTEMS``), all on the bundled all-MiniLM-L6-v2, batch
   (``model_kwargs={"ov_config": {"INFERENCE_PRECISION_HINT": "f32"}}``);
 - ``fastembed-float32``: fastembed's ``TextEmbedding`` on the same ONNX export, registered as a custom model with
   the folder's mean pooling and normalization, truncating where sentence-transformers does;
-- ``engine-float32``, ``engine-bfloat16``: ``lab.Engine`` (``tune_allocator=True``, as ``evals/bench_embed.py``);
+- ``engine-float32``, ``engine-bfloat16``: ``lab.Engine`` (``tune_allocator=True``, as ``evals/bench_embed.py``;
+  ``compile=False``); ``engine-compiled-float32``, ``engine-compiled-bfloat16``: the same with ``compile=True``
+  (``lab.runtime.compiled``; its graphs built at load, their first calls in ``compile_seconds``);
 - with CUDA: ``st-torch-cuda-float16``, ``st-torch-cuda-bfloat16``, ``engine-cuda-triton`` and ``engine-cuda-torch``
   (float16, ``attention_backend`` triton / torch); without CUDA they are skipped.
 
@@ -110,6 +112,10 @@ SYSTEMS = {s.name: s for s in [
     System("fastembed-float32", "fastembed/onnxruntime", "fastembed", "peers", "float32", model="export"),
     System("engine-float32", "prefill-lab Engine", ENGINE, "project", "float32", (("dtype", "float32"),)),
     System("engine-bfloat16", "prefill-lab Engine", ENGINE, "project", "bfloat16", (("dtype", "bfloat16"),)),
+    System("engine-compiled-float32", "prefill-lab Engine, torch.compile", ENGINE, "project", "float32",
+           (("dtype", "float32"), ("compile", True))),
+    System("engine-compiled-bfloat16", "prefill-lab Engine, torch.compile", ENGINE, "project", "bfloat16",
+           (("dtype", "bfloat16"), ("compile", True))),
     System("st-torch-cuda-float16", "sentence-transformers/torch", "st-torch", "project", "float16",
            (("dtype", "float16"), ("device", "cuda")), device="cuda"),
     System("st-torch-cuda-bfloat16", "sentence-transformers/torch", "st-torch", "project", "bfloat16",
@@ -297,6 +303,7 @@ def assemble(records: list[dict], loads: dict, machine: dict, *, run_date: str |
             "cpu_count": os.cpu_count(), "loadavg_before": rec["loadavg_before"],
             "loadavg_after": rec["loadavg_after"], "roofline_tokens_per_s": info.get("roofline_tokens_per_s"),
             "weights_mb": info.get("weights_mb"), "derived_weights_mb": info.get("derived_weights_mb"),
+            "compile_seconds": info.get("compile_seconds"), "isa": machine.get("isa"),
         })
     df = pd.DataFrame(rows)
     if df.empty:

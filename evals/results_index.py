@@ -127,9 +127,36 @@ def write_meta(path: Path, command: str | None = None, when: str | None = None) 
     """Writes ``<path>.meta.json`` beside a result file: ``{"date": ISO date, "command": how it was made}``."""
     meta = Path(str(path) + META_SUFFIX)
     meta.parent.mkdir(parents=True, exist_ok=True)
-    body = {"date": when or run_date(), "command": command if command is not None else command_line()}
-    meta.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+    write_meta_to(meta, command, when)
     return meta
+
+
+def save_run(df, folder: Path, name: str, fig=None) -> Path:
+    """A benchmark's results: ``<folder>/<name>_<machine>.csv`` (``df``), its ``.meta.json`` and, with ``fig``, the
+    plot ``<name>_<machine>.png``. Each file is written under a temporary name beside it, then renamed, so a run
+    that fails (a full disk, an interrupt) leaves the files written before whole. Returns the CSV's path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    csv_path = folder / f"{name}_{device_slug()}.csv"
+
+    def replace(path: Path, write) -> None:
+        tmp = path.with_name(f".{path.name}.partial")
+        try:
+            write(tmp)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    replace(csv_path, lambda tmp: df.to_csv(tmp, index=False))
+    if fig is not None:
+        replace(csv_path.with_suffix(".png"), lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    replace(Path(str(csv_path) + META_SUFFIX), lambda tmp: write_meta_to(tmp))
+    return csv_path
+
+
+def write_meta_to(target: Path, command: str | None = None, when: str | None = None) -> None:
+    body = {"date": when or run_date(), "command": command if command is not None else command_line()}
+    target.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------------------ reading side

@@ -191,7 +191,8 @@ def chosen(choice: str | None, backend: str) -> bool:
     """Whether a layer runs one of this library's kernels for a step its probe decided: the probe's ``choice`` is
     ``lab``, the ``backend`` is not Triton (which keeps its own kernels), and nothing records gradients (these
     kernels have no backward: training, e.g. ``lab.adapt``, runs torch's ops)."""
-    return choice == "lab" and backend != "triton" and not torch.is_grad_enabled()
+    return (choice == "lab" and backend != "triton" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
 
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:

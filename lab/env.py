@@ -11,11 +11,12 @@ default. The readers live in ``lab.kernels.env`` (``kernels/`` reads two of the 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 from lab.kernels.env import OFF, ON, choice, flag, path, setting
 
-__all__ = ["OFF", "ON", "VARIABLES", "Variable", "choice", "flag", "path", "setting", "table"]
+__all__ = ["OFF", "ON", "VARIABLES", "Variable", "cache_root", "choice", "flag", "path", "setting", "table"]
 
 
 class Variable(NamedTuple):
@@ -29,7 +30,8 @@ _SWITCH = f"a switch: {' / '.join(ON)} or {' / '.join(OFF)} (any case)"
 VARIABLES: dict[str, Variable] = {
     "LAB_CPU_<NAME>": Variable(
         "one of that fast path's choices (the CPU fast paths above), or `auto` (any case)", "unset: measured at load",
-        "forces a CPU fast path for the process (`lab.ops.probes.decide`); an engine's `cpu_paths` wins over it"),
+        "forces a CPU fast path for the process (`lab.ops.probes.decide`); an engine's `cpu_paths` wins over it; a "
+        "`LAB_CPU_` name that is no fast path is refused when an engine loads"),
     "LAB_CPU_NATIVE_KERNELS": Variable(
         _SWITCH, "on", "off: never build or offer the C kernels (attention, norms, rotary; `lab.kernels.cpu_attention`)"),
     "LAB_KERNEL_CACHE": Variable(
@@ -53,6 +55,11 @@ VARIABLES: dict[str, Variable] = {
     "LAB_LLM2VEC_VENV": Variable(
         "a folder", "`~/.cache/prefill-lab/venvs/llm2vec`", "llm2vec's virtual environment (`evals/llm2vec_parity.py`)"),
 }
+
+
+def cache_root() -> Path:
+    """``$LAB_CACHE`` or ``~/.cache/prefill-lab``; a file in its place is a ``ValueError`` naming the variable."""
+    return path("LAB_CACHE", Path.home() / ".cache" / "prefill-lab", folder=True)
 
 
 def table() -> str:

@@ -35,7 +35,7 @@ from tiny_models import KINDS, tiny_config, tiny_llama
 
 from lab import Engine
 from lab.models import model_class
-from lab.ops.probes import CANDIDATES, cpu_info, env_name
+from lab.ops.probes import CALL_PROBES, CANDIDATES, cpu_info, env_name
 
 DTYPES = (torch.float32, torch.bfloat16)
 WORKERS = (1, 2)
@@ -350,7 +350,7 @@ def test_every_fast_path_is_asked_by_a_family():
     found = [f for by_dtype in EXPLORED.values() for offered in by_dtype.values() for f in offered.items()]
     assert any(info["c_functions"] for _, info in found) == cpu_attention.available()
     asked = {name for (name, _), _ in found}
-    missing = [name for name in CANDIDATES if name not in asked]
+    missing = [name for name in CANDIDATES if name not in asked and name not in CALL_PROBES]  # forward: test_compiled
     if missing and not cpu_attention.available():
         pytest.skip(f"no family asks {', '.join(missing)} on this machine; prefill-lab's C library is not available: "
                     f"{cpu_attention.unavailable_reason()}")

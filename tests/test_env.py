@@ -11,6 +11,7 @@ import pytest
 from lab.kernels import cpu_attention
 
 from lab import env
+from lab.ops import probes
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [*sorted((ROOT / "lab").rglob("*.py")), *sorted((ROOT / "kernels").rglob("*.py")),
@@ -87,3 +88,16 @@ def test_every_lab_variable_is_read_through_lab_env():
     assert names - cpu_paths - {"LAB_CPU"} <= set(env.VARIABLES), sorted(names - cpu_paths - set(env.VARIABLES))
     table = env.table()
     assert all(f"| `{name}` |" in table for name in env.VARIABLES)
+
+
+def test_an_unknown_cpu_path_variable_is_refused(monkeypatch, minilm_path):
+    """A ``LAB_CPU_<NAME>`` with a typo in its name would force nothing; the engine refuses it before loading,
+    naming it and the valid names."""
+    from lab import Engine
+
+    monkeypatch.setenv("LAB_CPU_BF16_GEM", "widened")
+    with pytest.raises(ValueError, match=r"LAB_CPU_BF16_GEM: no such CPU fast path; .*LAB_CPU_BF16_GEMM"):
+        Engine(minilm_path)
+    monkeypatch.delenv("LAB_CPU_BF16_GEM")
+    monkeypatch.setenv("LAB_CPU_BF16_GEMM", "widened")  # a real name is no error
+    probes.check_environment()

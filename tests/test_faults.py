@@ -1,6 +1,7 @@
 """Real OS faults while the GGUF cache writes a conversion: a file size limit (``RLIMIT_FSIZE``: the write fails
 with EFBIG) and a SIGKILL in the middle of the write, each in a child process, and a file where the destination
-folder should be; a ``lab.adapt`` run killed while its adapter's files move into place. Each ends in an error naming the folder (or a killed child), the folder that was there before
+folder should be; a ``lab.adapt`` run killed while its adapter's files move into place; a benchmark's result files
+(``evals.results_index.save_run``) under the size limit. Each ends in an error naming the folder (or a killed child), the folder that was there before
 left whole, nothing half-written that looks complete, and the next run correct.
 
 The tests run as root, where a read-only folder (``chmod``) does not stop a write, so the file in place of a folder
@@ -178,3 +179,31 @@ def test_an_adapter_run_killed_while_its_files_move_resumes_to_the_same_adapter(
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
     assert not (out / "checkpoint").exists()
+
+
+SAVE_RUN = """
+import resource, sys
+import pandas as pd
+from evals.results_index import save_run
+rows = int(sys.argv[2])
+if sys.argv[3] == "efbig":  # every file this process writes stops at 4 KiB
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 12, resource.RLIM_INFINITY))
+print(save_run(pd.DataFrame({"tokens_per_s": range(rows)}), sys.argv[1], "bench_fault"))
+"""
+
+
+def test_a_benchmark_run_that_cannot_write_keeps_the_previous_results(tmp_path):
+    """``evals.results_index.save_run`` under a real file size limit (EFBIG in a child): the run fails, the CSV and
+    its meta file written before stay whole, no partial file is left; the next run replaces them."""
+    def run(rows: int, fault: str = "none") -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", SAVE_RUN, str(tmp_path), str(rows), fault], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    first = run(3)
+    assert first.returncode == 0, first.stderr
+    csv = Path(first.stdout.strip())
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    failed = run(5000, "efbig")  # a CSV of ~25 KB cannot be written
+    assert failed.returncode != 0 and "File too large" in failed.stderr + failed.stdout
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing lost, nothing half-written
+    assert run(4).returncode == 0 and csv.read_text().count("\n") == 5

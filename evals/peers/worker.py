@@ -208,19 +208,23 @@ class FastEmbed:
 
 
 class EngineSystem:
-    """``lab.Engine`` in ``dtype`` on ``device`` (CPU: ``tune_allocator=True``, as ``evals/bench_embed.py``); on the CPU
+    """``lab.Engine`` in ``dtype`` on ``device`` (CPU: ``tune_allocator=True``, as ``evals/bench_embed.py``;
+    ``compile``: the engine's, ``False`` unless the system names the compiled forward; the first calls of its
+    graphs, built at load, are ``compile_seconds``); on the CPU
     ``info`` also carries the GEMM roofline for its dtype (``lab.eval.bench.gemm_roofline`` under its plan), the
     weights' size and the size of the copies its plan derives from them (``weights_mb``, ``derived_weights_mb``)."""
 
-    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", attention_backend: str = "auto"):
+    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", attention_backend: str = "auto",
+                 compile: bool | None = False):
         _on_repo_path()
         import torch
 
         from lab import Engine
 
         cpu = device == "cpu"
+        # compile: False unless the system asks for the compiled forward (True), so the plain rows stay eager
         self.engine = Engine(model, dtype=dtype, device=device, attention_backend=attention_backend,
-                             tune_allocator=True if cpu else None)
+                             tune_allocator=True if cpu else None, compile=compile)
         paths = ";".join(f"{k}={v}" for k, v in self.engine.cpu_paths.items()) if cpu else ""
         self.info = {"precision": dtype, "packages": versions("prefill-lab", "torch", "tokenizers"),
                      "settings": f"device={device} attention_backend={attention_backend} "
@@ -235,6 +239,9 @@ class EngineSystem:
             # the packed / widened weight copies the plan keeps, against the weights themselves (one warm-up call
             # makes every copy the first call would)
             self.engine.embed(["a warm-up sentence for the weight layouts"])
+            if compile:  # the graphs of a step run whole and of one shared among the CPU workers, built now
+                self.engine.embed([f"warm-up sentence number {i}" for i in range(64)])
+                self.info["compile_seconds"] = sum(self.engine.runner.compiled.compile_seconds.values())
             params = sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
             self.info["weights_mb"] = params / 2**20
             self.info["derived_weights_mb"] = self.engine.runner.plan.derived_bytes() / 2**20

@@ -100,6 +100,7 @@ class ExecSettings:
     max_num_seqs: int
     chunked_prefill: int | None
     prefix_cache: bool
+    items: int = 0  # inputs of the whole call (the compiled forward's payback: ``Runner.forward_path``); 0: unknown
 
 
 @dataclass(frozen=True)

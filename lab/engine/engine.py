@@ -46,6 +46,7 @@ from lab.outputs.kinds import output_pooler
 from lab.outputs.pooling import pooling_method
 from lab.outputs.quantize import check_precision, quantize_output
 from lab.runtime import allocator
+from lab.runtime.compiled import check_compile
 from lab.runtime.runner import Runner
 
 __all__ = ["Engine", "Stats"]
@@ -103,6 +104,10 @@ class Engine:
         cpu_paths: CPU fast-path choices forced for this engine alone, name -> choice (e.g. ``{"f32_gemm":
             "onednn"}``; ``lab.ops.probes.CANDIDATES`` lists them); the others are probed on this machine. Fixed
             for the engine's life.
+        compile: the packed forward through ``torch.compile`` (``lab.runtime.compiled``): ``True`` for every step
+            it takes, ``False`` never, ``None`` (the default) where a call's eager time would pay the compile back
+            and the compiled forward measured faster on this machine (``lab.runtime.planner.forward_choice``; the
+            choice is ``cpu_paths["forward"]``). Fixed for the engine's life.
 
     Every other argument is a knob (``lab.engine.knobs.KNOB_DOCS``, listed below and in the README's knob table).
 
@@ -140,6 +145,7 @@ class Engine:
         doc_max_length: int | None = None,
         cpu_paths: dict[str, str] | None = None,
         tune_allocator: bool | None = None,
+        compile: bool | None = None,
     ):
         tune = allocator.malloc_tuning_requested(tune_allocator)  # a bad LAB_MALLOC_TUNING fails before anything loads
         args = locals()  # every knob is a keyword argument of the same name (a KeyError here says which is not)
@@ -158,12 +164,13 @@ class Engine:
         self.spec: ModelSpec = read_folder(model)
         self.device = resolve_device(self._knobs.device)
         forced = check_forced(cpu_paths)  # before anything loads: a bad name or choice changes nothing
+        check_compile(compile, forced)
         if tune and self.device.type == "cpu":
             allocator.tune_cpu_allocator()
         self.tokenizer = load_tokenizer(self.spec)
         dtype = resolve_dtype(self._knobs.dtype, self.device)
         self.model = self._build_model(dtype, forced)
-        self.runner = Runner(self.model, device=self.device, dtype=dtype, cpu_paths=forced)
+        self.runner = Runner(self.model, device=self.device, dtype=dtype, cpu_paths=forced, compile=compile)
         self.executor = Executor(self.runner)
         self._gate = Gate()  # one call at a time, configure between calls (lab.engine.gate)
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
@@ -245,7 +252,8 @@ class Engine:
         choice, e.g. ``{"rope_layout": "pairs", "bf16_gemm": "native"}``; ``{}`` off the CPU.
         They belong to this engine: ``Engine(..., cpu_paths={"f32_gemm": "onednn"})`` forces choices for it alone
         (``lab.ops.probes.CANDIDATES`` lists the names and choices), ``LAB_CPU_<NAME>`` for every engine made while
-        it is set; ``runner.decisions`` says how each was made and ``lab.ops.probes.decisions()`` has the timings."""
+        it is set; ``runner.decisions`` says how each was made and ``lab.ops.probes.decisions()`` has the timings.
+        ``forward`` (``eager`` / ``compiled``, the ``compile`` argument) appears once a call has decided it."""
         return {**self.model.layout, **{d.name: d.choice for d in self.runner.decisions}}
 
     @property
@@ -687,18 +695,18 @@ class Engine:
                            **st_compat.task_kw(self.spec, "document", kwargs))
 
     # ------------------------------------------------------------------------------------------- the pipeline
-    def _settings(self) -> ExecSettings:
+    def _settings(self, items: int = 0) -> ExecSettings:
         k = self._knobs
         return ExecSettings(causal=self.causal, backend=self._backend, workers=self._workers, num_layers=self.layer,
                             max_batch_tokens=k.max_batch_tokens, max_num_seqs=k.max_num_seqs,
-                            chunked_prefill=k.chunked_prefill, prefix_cache=k.prefix_cache)
+                            chunked_prefill=k.chunked_prefill, prefix_cache=k.prefix_cache, items=items)
 
     @_call
     def run_passes(self, passes: list[Pass], desc: str, show_progress: bool | None = None, *, split: int = 0) -> list:
         """Run ``passes`` in one call: each pass's outputs in its input order (``desc``: the progress bar's label;
         ``split``: the inputs cut into windows, for ``stats.split``). ``stats`` are published only when every pass
         finished (a failed or interrupted call leaves the engine, its stats included, as it was)."""
-        settings = self._settings()
+        settings = self._settings(sum(len(p.items) for p in passes))
         stats = Stats(path="packed" if self.model.packed else "transformers-fallback (padded)",
                       backend=self._backend, adapters=tuple(self.adapter_names), split=split, model=self.model_name,
                       revision=self.revision)

@@ -61,10 +61,13 @@ class Executor:
                 stats.add(delta)
                 yield reqs, pooler.outputs(pooled, reqs)
             return
+        tokens = sum(r.length for r in requests)
+        path = self.runner.forward_path(tokens * max(1, s.items) // max(1, len(requests)), causal=s.causal,
+                                        num_layers=s.num_layers, workers=s.workers)
         batches = plan_batches(requests, s.max_batch_tokens, s.max_num_seqs)
         if s.workers > 1:  # the steps' shares streamed through the CPU workers, outputs by the head in the workers
             def share(reqs):
-                pooled, delta = self._forward_pool(reqs, pooler.method, s)
+                pooled, delta = self._forward_pool(reqs, pooler.method, s, path)
                 return pooler.outputs(pooled, reqs), delta
 
             for reqs, out, delta, first in self.runner.pool.run_stream(share, batches, s.workers):
@@ -73,18 +76,19 @@ class Executor:
                 yield reqs, out
             return
         for batch in batches:
-            pooled, delta = self.packed_step(batch, pooler.method, s)
+            pooled, delta = self.packed_step(batch, pooler.method, s, path)
             delta.batches = 1
             stats.add(delta)
             yield batch, pooler.outputs(pooled, batch)
 
-    def packed_step(self, batch: list[Request], method: PoolingMethod, s: ExecSettings):
-        """One packed step, shared among the CPU workers: ``(pooled aligned with batch, Stats delta)``."""
-        pooled, deltas = self.runner.pool.run_shared(lambda reqs: self._forward_pool(reqs, method, s), batch,
+    def packed_step(self, batch: list[Request], method: PoolingMethod, s: ExecSettings, path: str = "eager"):
+        """One packed step, shared among the CPU workers: ``(pooled aligned with batch, Stats delta)``; ``path``:
+        the forward's (``Runner.forward_path``)."""
+        pooled, deltas = self.runner.pool.run_shared(lambda reqs: self._forward_pool(reqs, method, s, path), batch,
                                                      s.workers)
         return pooled, Stats.concurrent(deltas)
 
-    def _forward_pool(self, requests: list[Request], method: PoolingMethod, s: ExecSettings):
+    def _forward_pool(self, requests: list[Request], method: PoolingMethod, s: ExecSettings, path: str):
         batch = pack(requests, causal=s.causal, device=self.runner.device, backend=s.backend)
         delta = Stats(tokens_computed=batch.meta.num_tokens, padded_tokens=self.model.padding(batch.meta))
         rows = None
@@ -92,6 +96,6 @@ class Executor:
             rows = method.rows(batch.meta.seqlens, [r.pool_start for r in requests])
         if rows is not None:
             sel = OutputRows.build(batch.meta, rows, self.runner.device)
-            return method.from_rows(self.runner.forward(batch, s.num_layers, output_rows=sel)), delta
-        return pool_spans(method, self.runner.forward(batch, s.num_layers), batch.meta, batch.pool_start,
+            return method.from_rows(self.runner.forward(batch, s.num_layers, output_rows=sel, path=path)), delta
+        return pool_spans(method, self.runner.forward(batch, s.num_layers, path=path), batch.meta, batch.pool_start,
                           batch.pool_end), delta

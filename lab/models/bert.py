@@ -43,7 +43,7 @@ PROBE_ROWS = 512  # tokens per probe step (``BertModel.cpu_probes``): one worker
 def _cpu_default(x: torch.Tensor, name: str, plan: CpuPlan) -> str:
     """The plan's choice for ``name`` on CPU; without a probe, CPU float32 takes the narrow paths (``split``,
     ``blocks``) and everything else the stacked / fused ones."""
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
         return "stacked" if name == "bert_qkv" else "fused"
     narrow = "split" if name == "bert_qkv" else "blocks"
     wide = "stacked" if name == "bert_qkv" else "fused"

@@ -224,7 +224,7 @@ class DecoderLayer(nn.Module):
         1.04-1.07x faster in blocks.
         """
         i = self.inter
-        if h.device.type != "cpu" or self.plan.get("decoder_mlp") == "stacked":
+        if h.device.type != "cpu" or self.plan.get("decoder_mlp") == "stacked" or torch.compiler.is_compiling():
             gu = self.gate_up(h)  # (T, 2 I)
             return self.down(self.act(gu[:, :i]).mul_(gu[:, i:]))
         w, b = self.gate_up.weight, self.gate_up.bias

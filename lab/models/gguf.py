@@ -64,8 +64,8 @@ def _load_with_transformers(path: str | os.PathLike):
 
 
 def default_cache_dir() -> Path:
-    """``$LAB_CACHE`` or ``~/.cache/prefill-lab``; a file in its place is a ``ValueError`` naming the variable."""
-    return env.path("LAB_CACHE", Path.home() / ".cache" / "prefill-lab", folder=True)
+    """``$LAB_CACHE`` or ``~/.cache/prefill-lab`` (``lab.env.cache_root``)."""
+    return env.cache_root()
 
 
 def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:

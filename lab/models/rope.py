@@ -148,7 +148,8 @@ def pairs_rows(heads: int, head_dim: int) -> torch.Tensor:
 @dataclass
 class RopeTables:
     """One step's rotation, per token: ``cos`` / ``sin`` ``(T, D/2)`` in the activations' dtype for ``halves``, or
-    ``cis = cos + i sin`` ``(T, D/2)`` complex64 for ``pairs`` (the rotation runs in float32 whatever the dtype);
+    ``cis = cos + i sin`` ``(T, D/2)`` complex64 for ``pairs`` (the rotation runs in float32 whatever the dtype;
+    in the compiled forward ``(T, D/2, 2)`` float32 pairs ``(cos, sin)``, as ``rotate_pairs_`` takes them too);
     ``cis is None`` tells the layouts apart."""
 
     cos: torch.Tensor | None = None
@@ -160,6 +161,8 @@ class RopeTables:
            dtype: torch.dtype) -> RopeTables:
         if layout == "pairs":
             cos, sin = rotary_cos_sin(positions, inv_freq, attention_scaling)
+            if torch.compiler.is_compiling():  # real pairs: inductor generates no code for complex tensors
+                return cls(cis=torch.stack((cos, sin), -1))
             return cls(cis=torch.complex(cos, sin))
         cos, sin = rotary_cos_sin(positions, inv_freq, attention_scaling, dtype=dtype)
         return cls(cos=cos, sin=sin)
@@ -172,13 +175,18 @@ class RopeTables:
 
 
 def rotate_pairs_(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``(T, H, D)`` (``pairs`` layout) in place by ``cis`` ``(T, D/2)``; returns ``x``.
+    """Rotate ``x`` ``(T, H, D)`` (``pairs`` layout) in place by ``cis`` ``(T, D/2)`` (or its real ``(T, D/2, 2)``
+    pairs, ``RopeTables``); returns ``x``.
 
     float32 / float64 rotate as a complex view of ``x`` itself (its last dim contiguous, other strides even: the
     q/k columns of a fused projection qualify); other dtypes through one float32 copy, rounded once at the end.
     On one AMD EPYC (one thread, 4096 tokens, SmolLM2's 9 query + 3 key heads of 64) that took 1.7 ms in float32
     and 2.0 ms in bfloat16 against 11.3 and 4.3 ms for the six half-width passes of the ``halves`` rotation."""
     t, h, d = x.shape
+    if not cis.is_complex():  # (T, D/2, 2) real (cos, sin) pairs (``RopeTables.at`` under compilation)
+        xf = x.float().view(t, h, d // 2, 2)
+        a, b, c, s = xf[..., 0], xf[..., 1], cis[:, None, :, 0], cis[:, None, :, 1]
+        return x.copy_(torch.stack((a * c - b * s, a * s + b * c), -1).view(t, h, d))
     wide = x.dtype == torch.float64
     cis = cis.to(torch.complex128 if wide else torch.complex64)[:, None, :]
     if x.dtype in (torch.float32, torch.float64) and x.stride(-1) == 1 and all(s % 2 == 0 for s in x.stride()[:-1]):

@@ -105,6 +105,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+    if torch.compiler.is_compiling():  # inside the compiled forward (``lab.runtime.compiled``): one opaque op
+        return torch.ops.lab.varlen_attention(q, k, v, meta.cu_seqlens, meta.causal, kernel, causal_block or 0)
+    return _attention(q, k, v, meta, layer, causal_block, kernel)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, layer: int,
+               causal_block: int | None, kernel: str) -> torch.Tensor:
+    """``attention``'s eager kernels (what the registered op runs, whatever another thread is tracing: dynamo's
+    ``is_compiling`` flag is one per process)."""
     if meta.key_lens is not None:
         return visible_keys_attention(q, k, v, meta)
     kw = {}
@@ -130,6 +139,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     return k_ops.varlen_attention(
         q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=meta.causal, seqlens=meta.seqlens, **kw
     )
+
+
+@torch.library.custom_op("lab::varlen_attention", mutates_args=())
+def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
+                       kernel: str, causal_block: int) -> torch.Tensor:
+    """``attention`` as one registered op (``torch.ops.lab.varlen_attention``), what the compiled forward
+    (``lab.runtime.compiled``) calls: the graph stays whole across it, and at run time it reads the step's lengths
+    from ``cu_seqlens`` (one host copy) and runs the kernel the plan chose, eagerly. Plain prefill steps only (no
+    cached keys/values, every key visible): the compiled forward takes no other."""
+    seqlens = torch.diff(cu_seqlens).tolist()
+    meta = AttnMeta(cu_seqlens, max(seqlens, default=0), causal, seqlens)
+    return _attention(q, k, v, meta, 0, causal_block or None, kernel).contiguous()
+
+
+@compiled_attention.register_fake
+def _(q, k, v, cu_seqlens, causal, kernel, causal_block):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool, *,

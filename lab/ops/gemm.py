@@ -84,6 +84,8 @@ def row_blocks(x: torch.Tensor, down_w: torch.Tensor, down_b: torch.Tensor | Non
                inner: Callable[[torch.Tensor], torch.Tensor], *, plan: CpuPlan | None = None) -> torch.Tensor:
     """``linear(inner(x), down_w, down_b)`` for 2-D ``x``, ``rows`` tokens at a time, each block's result written
     into its rows of the output (module doc)."""
+    if torch.compiler.is_compiling():  # the compiled forward: one graph, inductor tiles it
+        return linear(inner(x), down_w, down_b, plan=plan)
     t = x.shape[0]
     out = x.new_empty(t, down_w.shape[0])
     for s in range(0, t, rows):
@@ -143,11 +145,15 @@ def onednn_gemms(dtype: torch.dtype, plan: CpuPlan | None) -> bool:
 def _onednn(x: torch.Tensor, weight: torch.Tensor, plan: CpuPlan | None) -> bool:
     """Whether ``linear`` calls ``onednn_linear`` (``onednn_gemms``): CPU, matching contiguous weight, no autograd
     (the op has no backward)."""
+    if torch.compiler.is_compiling():
+        return False
     return (onednn_gemms(x.dtype, plan) and x.device.type == "cpu" and weight.dtype == x.dtype
             and weight.is_contiguous() and not torch.is_grad_enabled())
 
 
 def _widen(x: torch.Tensor, plan: CpuPlan | None) -> bool:
+    if torch.compiler.is_compiling():
+        return False
     return plan is not None and plan.bf16_gemm == "widened" and x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
 
@@ -214,7 +220,7 @@ def fusable(x: torch.Tensor, act_name: str, plan: CpuPlan | None = None) -> bool
     """Whether the oneDNN fused path applies to ``x`` and this activation under ``plan``: CPU float32, or bfloat16
     where oneDNN's linear takes it on this CPU (``onednn_bf16``) or the plan widens it to float32 (on a CPU without
     AVX-512 oneDNN has no bfloat16 linear)."""
-    if not (_FUSED_CPU and x.device.type == "cpu" and act_name in _ONEDNN_ACT):
+    if not (_FUSED_CPU and x.device.type == "cpu" and act_name in _ONEDNN_ACT) or torch.compiler.is_compiling():
         return False
     return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and (_ONEDNN_BF16 or _widen(x, plan)))
 

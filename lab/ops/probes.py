@@ -54,7 +54,10 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
     "causal_attention": ("whole", "blocks"),
     "add_rms_norm": ("torch", "lab"),
     "rope_kernel": ("torch", "lab"),
+    "forward": ("eager", "compiled"),  # lab.runtime.compiled (decided per call: lab.runtime.planner.forward_choice)
 }
+# choices made per call rather than by a model family's probes at load (``lab.runtime.planner.forward_choice``)
+CALL_PROBES = ("forward",)
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "avx_vnni", "fma")
 
 
@@ -101,8 +104,22 @@ def env_name(name: str) -> str:
     return f"LAB_CPU_{name.upper()}"
 
 
+def check_environment() -> None:
+    """Refuse a ``LAB_CPU_<NAME>`` variable that names no fast path (a typo would otherwise force nothing, silently):
+    a ``ValueError`` naming it and the valid names."""
+    import os
+
+    known = {env_name(n) for n in CANDIDATES} | {"LAB_CPU_NATIVE_KERNELS"}
+    unknown = sorted(k for k in os.environ if k.startswith("LAB_CPU_") and k not in known)
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: no such CPU fast path; the LAB_CPU_<NAME> variables are "
+                         f"{', '.join(sorted(known))} (unset the variable, or correct its name)")
+
+
 def check_forced(forced: dict[str, str] | None) -> dict[str, str]:
-    """An engine's ``cpu_paths`` argument, checked against ``CANDIDATES``: a dict of name -> candidate."""
+    """An engine's ``cpu_paths`` argument, checked against ``CANDIDATES``: a dict of name -> candidate; the
+    process's ``LAB_CPU_<NAME>`` variables checked too (``check_environment``)."""
+    check_environment()
     if forced is None:
         return {}
     if not isinstance(forced, dict):
@@ -119,6 +136,19 @@ def decide(probe: Probe, *, forced: dict[str, str] | None = None, context: tuple
     """The choice for ``probe``: ``forced[probe.name]`` (an engine's ``cpu_paths``), else ``LAB_CPU_<NAME>`` (read
     now; ``auto`` or unset: no force), else the measurement cached for ``probe.key``, its thread layout and
     ``context`` (the choices made before it, which its candidates run with), measuring now if there is none."""
+    made = forced_choice(probe, forced)
+    if made is not None:
+        return made
+    k = (probe.name, probe.key, probe.threads, tuple(probe.candidates), context)
+    with _LOCK:
+        if k not in _MEASURED:
+            _MEASURED[k] = _measure(probe)
+        return _MEASURED[k]
+
+
+def forced_choice(probe: Probe, forced: dict[str, str] | None = None) -> Decision | None:
+    """``probe``'s choice forced by ``forced`` (an engine's ``cpu_paths``) or ``LAB_CPU_<NAME>`` (read now), else
+    ``None`` (``auto`` or unset: measure)."""
     choice = (forced or {}).get(probe.name)
     if choice not in (None, "auto"):
         if choice not in probe.candidates:
@@ -129,11 +159,7 @@ def decide(probe: Probe, *, forced: dict[str, str] | None = None, context: tuple
                         what=f"a {probe.name} choice on this machine at this shape")
     if choice != "auto":
         return Decision(probe.name, probe.key, choice, "env", threads=probe.threads)
-    k = (probe.name, probe.key, probe.threads, tuple(probe.candidates), context)
-    with _LOCK:
-        if k not in _MEASURED:
-            _MEASURED[k] = _measure(probe)
-        return _MEASURED[k]
+    return None
 
 
 def decisions() -> list[Decision]:
@@ -184,27 +210,40 @@ def cpu_info() -> dict[str, str]:
                     break
     except OSError:
         pass
-    return {"cpu_model": model, "cpu_flags": " ".join(f for f in FLAGS if f in flags),
+    return {"cpu_model": model, "cpu_flags": " ".join(f for f in FLAGS if f in flags), "isa": isa(flags),
             "torch": torch.__version__, "threads": str(torch.get_num_threads())}
+
+
+def isa(flags) -> str:
+    """The widest matrix / vector ISA of a CPU by its flags, what decides which GEMMs win there: ``amx`` (AMX
+    bfloat16 tiles), ``avx512_bf16``, ``avx512``, ``avx2`` or ``none``."""
+    flags = set(flags)
+    for name, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if flag in flags:
+            return name
+    return "none"
 
 
 def machine_slug(info: dict[str, str] | None = None) -> str:
     """A short file-name-safe name for this CPU, the suffix of every benchmark result file: the model name's words
     lower-cased, trademarks, "CPU", "Processor", core counts and clock speeds dropped
-    (``Intel(R) Xeon(R) Platinum 8488C CPU @ 2.40GHz`` -> ``intel-xeon-platinum-8488c``). A name with no model
-    number (a VM that reports only ``AMD EPYC``) gets the CPU family and model from ``/proc/cpuinfo``
-    (``amd-epyc-f25m17``), so two generations never share a file.
+    (``Intel(R) Xeon(R) Platinum 8488C CPU @ 2.40GHz`` -> ``intel-xeon-platinum-8488c``), then the ISA (``isa``)
+    where the flags are known (this machine's, or ``info["cpu_flags"]``): ``intel-xeon-platinum-8488c-amx``. A name
+    with no model number (a VM that reports only ``AMD EPYC``) gets the CPU family and model from ``/proc/cpuinfo``
+    (``amd-epyc-f25m1-avx2``), so two generations never share a file.
 
         >>> machine_slug({"cpu_model": "Intel(R) Xeon(R) Platinum 8488C CPU @ 2.40GHz"})
         'intel-xeon-platinum-8488c'
     """
     import re
 
-    name = (info or cpu_info())["cpu_model"]
+    live = info is None
+    info = info or cpu_info()
+    name = info["cpu_model"]
     name = re.sub(r"\((R|TM|r|tm)\)|@.*$|\b(CPU|Processor|[0-9]+-Core)\b", " ", name)
     words = [w for w in re.split(r"[^A-Za-z0-9.]+", name.lower()) if w]
     slug = "-".join(words) or platform.machine().lower() or "cpu"
-    if info is None and not any(ch.isdigit() for ch in slug):
+    if live and not any(ch.isdigit() for ch in slug):
         fields = {}
         try:
             with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -218,6 +257,8 @@ def machine_slug(info: dict[str, str] | None = None) -> str:
             pass
         if "cpu family" in fields and "model" in fields:
             slug += f"-f{fields['cpu family']}m{fields['model']}"
+    if "cpu_flags" in info:
+        slug += f"-{isa(info['cpu_flags'].split())}"
     return slug
 
 

@@ -5,7 +5,9 @@ Each concern has its own object, and the runner ties them for the engine:
 - ``weights`` (``lab.runtime.weights.Weights``): the master copy, dtype casts, adapter merges;
 - ``plan`` (the model's ``lab.ops.plan.CpuPlan``): the CPU fast-path choices and the weight copies made for them,
   decided by ``plan_cpu_paths`` (``lab.runtime.planner``) with this engine's forced choices (``cpu_paths``);
-- ``pool`` (``lab.runtime.pool.WorkerPool``): the CPU worker threads a packed step is shared among.
+- ``pool`` (``lab.runtime.pool.WorkerPool``): the CPU worker threads a packed step is shared among;
+- ``compiled`` (``lab.runtime.compiled.CompiledForward``): the forward through ``torch.compile``, which a call runs
+  where ``forward_path`` chooses it (``compile``: ``None`` measures, ``True`` / ``False`` force).
 
 Which steps run, on which path, and how outputs are pooled is the executor's business (``lab.engine.executor``).
 
@@ -16,26 +18,40 @@ Which steps run, on which path, and how outputs are pooled is the executor's bus
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from lab.models.base import PackedModel
 from lab.ops.batch import OutputRows, PackedBatch
 from lab.ops.probes import Decision, check_forced
-from lab.runtime.planner import plan_cpu_paths
+from lab.runtime import compiled
+from lab.runtime.planner import forward_choice, plan_cpu_paths
 from lab.runtime.pool import WorkerPool, workers_for
 from lab.runtime.weights import Weights
 
 
 class Runner:
     def __init__(self, model: PackedModel, *, device: torch.device, dtype: torch.dtype,
-                 cpu_paths: dict[str, str] | None = None):
+                 cpu_paths: dict[str, str] | None = None, compile: bool | None = None):
         self.model = model.eval().to(device)
         self.device = device
         self.plan = self.model.plan
         self.forced = check_forced(cpu_paths)  # this engine's forced CPU choices
+        self.compile = compiled.check_compile(compile, self.forced)
+        if self.compile and not (self.model.packed and self.model.staged):
+            warnings.warn(f"compile=True: {type(self.model).__name__} runs transformers' padded forward, which the "
+                          "compiled forward does not take; it runs eagerly", stacklevel=3)
         self.weights = Weights(self.model, device=device, dtype=dtype)
         self.pool = WorkerPool()
-        self.decisions: list[Decision] = []  # how the plan in force was decided (``plan_cpu_paths``)
+        self.compiled = compiled.CompiledForward(self.model, self.weights)
+        self._plan_decisions: list[Decision] = []  # how the plan in force was decided (``plan_cpu_paths``)
+        self._forward: Decision | None = None  # how the last call's forward path was decided (``forward_path``)
+
+    @property
+    def decisions(self) -> list[Decision]:
+        """How the CPU plan in force was decided, then (once a call chose it) the forward path (``forward``)."""
+        return self._plan_decisions + ([self._forward] if self._forward is not None else [])
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -45,8 +61,19 @@ class Runner:
     def plan_cpu_paths(self, workers: int) -> list[Decision]:
         """Decide this model's CPU plan for the current dtype, timed with one worker's share of the intra-op threads
         (``lab.runtime.planner.plan_cpu_paths``)."""
-        self.decisions = plan_cpu_paths(self.model, self.weights.dtype, self.device, workers, self.forced)
+        self._plan_decisions = plan_cpu_paths(self.model, self.weights.dtype, self.device, workers, self.forced)
         return self.decisions
+
+    def forward_path(self, tokens: int, *, causal: bool, num_layers: int | None, workers: int) -> str:
+        """``"compiled"`` or ``"eager"``: how a call of about ``tokens`` tokens runs its packed steps
+        (``lab.runtime.planner.forward_choice``: forced by ``compile`` / ``cpu_paths`` / ``LAB_CPU_FORWARD``, else
+        measured once the call's eager time pays the compile back)."""
+        depth = self.model.layers_to_run(num_layers)
+        threads = max(1, torch.get_num_threads() // max(1, workers))
+        d = forward_choice(self, tokens, causal=causal, depth=depth, threads=threads)
+        if d is not None:
+            self._forward = d
+        return "eager" if d is None else d.choice
 
     def cpu_workers(self, knob: int | None, backend: str) -> int:
         """Workers a step may be split across under the ``cpu_workers`` knob (``lab.runtime.pool.workers_for``)."""
@@ -54,8 +81,14 @@ class Runner:
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, num_layers: int | None = None,
-                output_rows: OutputRows | None = None) -> torch.Tensor:
+                output_rows: OutputRows | None = None, *, path: str = "eager") -> torch.Tensor:
         """Hidden states ``(T, hidden)`` of one packed step after its first ``num_layers`` layers (``None`` = all;
-        the Engine's ``layer`` knob, resolved), or with ``output_rows`` only those rows ``(B, hidden)``."""
+        the Engine's ``layer`` knob, resolved), or with ``output_rows`` only those rows ``(B, hidden)``. ``path``
+        ``"compiled"`` (``forward_path``) runs the compiled graph where it takes the step
+        (``lab.runtime.compiled.supports``: every row computed, then the kept ones taken), else the eager forward."""
+        depth = self.model.layers_to_run(num_layers)
+        if path == "compiled" and compiled.supports(self.model, batch, depth):
+            hidden = self.compiled(batch, depth)
+            return hidden if output_rows is None else hidden[output_rows.rows]
         return self.model(batch.input_ids, batch.positions, batch.meta, batch.token_type_ids,
                           output_rows=output_rows, num_layers=num_layers)

@@ -11,6 +11,8 @@ those parameters' source. Every swap drops the copies the model's CPU plan deriv
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from lab.models.base import PackedModel
@@ -23,6 +25,7 @@ class Weights:
         self._master = {name: p.detach() for name, p in model.named_parameters()}
         # float32 copies of the parameters LoRA adapters changed (``set_merged``); the live weights cast these
         self._merged: dict[str, torch.Tensor] = {}
+        self._digest = "base"  # of ``_merged`` (``state``)
         self.dtype: torch.dtype | None = None
         self.set_dtype(dtype)
 
@@ -30,6 +33,12 @@ class Weights:
     def base(self) -> dict[str, torch.Tensor]:
         """The master copy of every parameter as loaded (no adapters merged); read it, do not change it."""
         return self._master
+
+    @property
+    def state(self) -> tuple[str, str]:
+        """What the live weights hold: their dtype and a digest of the merged copies (``"base"``: none), the key
+        under which a compiled forward froze them (``lab.runtime.compiled``)."""
+        return str(self.dtype), self._digest
 
     def set_dtype(self, dtype: torch.dtype, *, force: bool = False) -> None:
         """Re-cast the live weights from the master copy, or a parameter's merged copy when adapters changed it
@@ -60,10 +69,23 @@ class Weights:
                 raise ValueError(f"merged {name}: shape {tuple(t.shape)} != {tuple(self._master[name].shape)}")
         live = {name: merged.get(name, self._master[name]).detach().to(self.device, self.dtype)
                 for name in set(self._merged) | set(merged)}
+        digest = _digest(merged)
         self._swap(params, live)
-        self._merged = dict(merged)
+        self._merged, self._digest = dict(merged), digest
 
     def _swap(self, params: dict[str, torch.nn.Parameter], live: dict[str, torch.Tensor]) -> None:
         for name, t in live.items():
             params[name].data = t
             self.model.plan.drop(params[name])
+
+
+def _digest(merged: dict[str, torch.Tensor]) -> str:
+    """A digest of merged weights by name and content (``"base"`` for none)."""
+    if not merged:
+        return "base"
+    h = hashlib.blake2b(digest_size=12)
+    for name in sorted(merged):
+        t = merged[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(t.numpy().data)
+    return h.hexdigest()
