@@ -140,7 +140,7 @@ def plot(df: pd.DataFrame):
     ax.set_xticks(range(len(sizes)), [f"Qwen2-{s} shapes" for s in sizes])
     ax.set_ylabel("tokens / s (median)")
     r = df.iloc[0]
-    ax.set_title(f"{r.dtype}, {r.texts} mixed texts, on {r.cpu_model} ({r.isa}, {r.threads} threads)", fontsize=9)
+    ax.set_title(f"{r['dtype']}, {r.texts} mixed texts, on {r.cpu_model} ({r.isa}, {r.threads} threads)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
