@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from evals.results_index import device_slug, stamp, write_meta
+from evals.results_index import save_run, stamp
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"all-MiniLM-L6-v2": (12, 12, 32), "SmolLM2-135M": (9, 3, 64)}  # query heads, key/value heads, head size
@@ -107,12 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="folder (default evals/results/bench_attention)")
     args = parser.parse_args(argv)
     df = stamp(run(args.lengths, args.dtypes, args.tokens, args.rounds))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    csv_path = out / f"bench_attention_{device_slug()}.csv"
-    df.to_csv(csv_path, index=False)
-    write_meta(csv_path)
-    plot(df).savefig(csv_path.with_suffix(".png"), dpi=120)
+    save_run(df, Path(args.out), "bench_attention", plot(df))
     cols = ["model", "dtype", "length", "kernel", "seconds_median", "gflops", "time_vs_sdpa"]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:,.4f}"))
 
