@@ -5,6 +5,7 @@ made to consider a call, decides by measuring both paths."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -133,6 +134,21 @@ def test_compile_argument_errors(tmp_path, minilm_path):
     eng = Engine(str(path), cpu_paths={"forward": "eager"})
     eng.embed(TEXTS)
     assert eng.cpu_paths["forward"] == "eager" and not eng.runner.compiled.compile_seconds
+
+
+def test_compile_on_the_padded_fallback_says_it_runs_eagerly(tmp_path, minilm_path):
+    path = tiny_encoder(tmp_path / "fb", minilm_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["SomethingElseModel"]  # not in our registry: transformers AutoModel, padded
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="runs transformers' padded forward, which the compiled forward does not "
+                                         "take; it runs eagerly"):
+        eng = Engine(str(path), pooling="mean", compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = Engine(str(path), pooling="mean", compile=False).embed(TEXTS)
+    np.testing.assert_array_equal(eng.embed(TEXTS), plain)
+    assert not eng.runner.compiled.compile_seconds
 
 
 def test_weights_state_names_dtype_and_merged_content(tmp_path):
