@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -81,6 +80,7 @@ def systems(path: Path, dtype: str, max_length: int) -> dict:
 
 def run(sizes: list[str], dtype: str, n_texts: int, repeats: int, max_length: int) -> pd.DataFrame:
     from evals.bench_decoder import read_status, reset_hwm
+    from lab.eval.bench import interleaved
     from lab.ops.probes import cpu_info
 
     texts = load_corpus("mixed")[:n_texts]
@@ -94,12 +94,8 @@ def run(sizes: list[str], dtype: str, n_texts: int, repeats: int, max_length: in
             first[name] = fn(texts)
             first[name + ":peak"] = None if before is None else read_status("VmHWM") - before
         tokens = sum(r.length for r in runs["engine"][0].tokenize(texts))
-        secs = {name: [] for name in runs}
-        for _ in range(repeats):
-            for name, (_, fn) in runs.items():
-                start = time.perf_counter()
-                fn(texts)
-                secs[name].append(time.perf_counter() - start)
+        timed = interleaved({name: (lambda f=fn: f(texts)) for name, (_, fn) in runs.items()}, repeats, warmup=0)
+        secs = {name: wall for name, (wall, _, _) in timed.items()}
         for name, (obj, _) in runs.items():
             model = obj.model if hasattr(obj, "runner") else obj
             med = statistics.median(secs[name])

@@ -127,36 +127,35 @@ def write_meta(path: Path, command: str | None = None, when: str | None = None) 
     """Writes ``<path>.meta.json`` beside a result file: ``{"date": ISO date, "command": how it was made}``."""
     meta = Path(str(path) + META_SUFFIX)
     meta.parent.mkdir(parents=True, exist_ok=True)
-    write_meta_to(meta, command, when)
+    meta.write_text(meta_text(command, when), encoding="utf-8")
     return meta
 
 
 def save_run(df, folder: Path, name: str, fig=None) -> Path:
     """A benchmark's results: ``<folder>/<name>_<machine>.csv`` (``df``), its ``.meta.json`` and, with ``fig``, the
-    plot ``<name>_<machine>.png``. Each file is written under a temporary name beside it, then renamed, so a run
-    that fails (a full disk, an interrupt) leaves the files written before whole. Returns the CSV's path."""
+    plot ``<name>_<machine>.png``. Each file is written whole through ``lab.distributed.shards.atomic_write``
+    (a temporary file, then renamed), so a run that fails (a full disk, an interrupt) leaves the files written
+    before whole. Returns the CSV's path."""
+    import io
+
+    from lab.distributed.shards import atomic_write
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     csv_path = folder / f"{name}_{device_slug()}.csv"
-
-    def replace(path: Path, write) -> None:
-        tmp = path.with_name(f".{path.name}.partial")
-        try:
-            write(tmp)
-            tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    replace(csv_path, lambda tmp: df.to_csv(tmp, index=False))
+    atomic_write(csv_path, df.to_csv(index=False).encode("utf-8"))
     if fig is not None:
-        replace(csv_path.with_suffix(".png"), lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    replace(Path(str(csv_path) + META_SUFFIX), lambda tmp: write_meta_to(tmp))
+        png = io.BytesIO()
+        fig.savefig(png, dpi=120, format="png")
+        atomic_write(csv_path.with_suffix(".png"), png.getvalue())
+    atomic_write(Path(str(csv_path) + META_SUFFIX), meta_text().encode("utf-8"))
     return csv_path
 
 
-def write_meta_to(target: Path, command: str | None = None, when: str | None = None) -> None:
+def meta_text(command: str | None = None, when: str | None = None) -> str:
+    """The body of a ``.meta.json``: ``{"date": ISO date, "command": how it was made}``."""
     body = {"date": when or run_date(), "command": command if command is not None else command_line()}
-    target.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+    return json.dumps(body, indent=1) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------ reading side

@@ -386,13 +386,17 @@ class Manifest:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, flush it to disk, then rename it over ``path``."""
+    """Write ``data`` to a temporary file beside ``path``, flush it to disk, then rename it over ``path``; a write
+    that fails (a full disk, a size limit) removes the temporary file and leaves ``path`` as it was."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_shard(out_dir: Path, shard: int, ids: list, embeddings: np.ndarray) -> dict:

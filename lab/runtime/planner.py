@@ -21,6 +21,7 @@ import torch
 from lab.models.base import PackedModel
 from lab.ops.batch import PackedBatch
 from lab.ops.probes import Decision, Probe, decide, forced_choice
+from lab.runtime.pool import worker_threads
 
 
 def plan_cpu_paths(model: PackedModel, dtype: torch.dtype, device: torch.device, workers: int,
@@ -31,7 +32,7 @@ def plan_cpu_paths(model: PackedModel, dtype: torch.dtype, device: torch.device,
     if device.type != "cpu" or not model.packed:
         model.plan.replace({})
         return []
-    threads = max(1, torch.get_num_threads() // max(1, workers))
+    threads = worker_threads(workers)
     decisions = []
     with model.plan.trial() as trial:
         for probe in model.cpu_probes(dtype, threads):

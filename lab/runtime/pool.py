@@ -58,6 +58,11 @@ def split_for_workers(lengths: list[int], workers: int) -> list[list[int]] | Non
     return parts
 
 
+def worker_threads(workers: int) -> int:
+    """The intra-op threads each of ``workers`` CPU workers runs with: an even share of this thread's, at least 1."""
+    return max(1, torch.get_num_threads() // max(1, workers))
+
+
 def workers_for(knob: int | None, *, device: torch.device, packed: bool, backend: str) -> int:
     """Workers a step may be split across: the ``cpu_workers`` knob's value (``None`` = ``torch.get_num_threads()``)
     on CPU with the torch kernels; 1 elsewhere, for the padded transformers fallback, and for the Triton backend (on
@@ -140,7 +145,7 @@ class WorkerPool:
     def _workers(self, n: int) -> ThreadPoolExecutor:
         """A pool of ``n`` threads with ``torch.get_num_threads() // n`` (at least 1) intra-op threads each, kept
         across calls and rebuilt when either number changes."""
-        shape = (n, max(1, torch.get_num_threads() // n))
+        shape = (n, worker_threads(n))
         if self._pool is None or self._pool_shape != shape:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)

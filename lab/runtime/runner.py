@@ -27,7 +27,7 @@ from lab.ops.batch import OutputRows, PackedBatch
 from lab.ops.probes import Decision, check_forced
 from lab.runtime import compiled
 from lab.runtime.planner import forward_choice, plan_cpu_paths
-from lab.runtime.pool import WorkerPool, workers_for
+from lab.runtime.pool import WorkerPool, worker_threads, workers_for
 from lab.runtime.weights import Weights
 
 
@@ -69,8 +69,7 @@ class Runner:
         (``lab.runtime.planner.forward_choice``: forced by ``compile`` / ``cpu_paths`` / ``LAB_CPU_FORWARD``, else
         measured once the call's eager time pays the compile back)."""
         depth = self.model.layers_to_run(num_layers)
-        threads = max(1, torch.get_num_threads() // max(1, workers))
-        d = forward_choice(self, tokens, causal=causal, depth=depth, threads=threads)
+        d = forward_choice(self, tokens, causal=causal, depth=depth, threads=worker_threads(workers))
         if d is not None:
             self._forward = d
         return "eager" if d is None else d.choice
@@ -86,9 +85,10 @@ class Runner:
         the Engine's ``layer`` knob, resolved), or with ``output_rows`` only those rows ``(B, hidden)``. ``path``
         ``"compiled"`` (``forward_path``) runs the compiled graph where it takes the step
         (``lab.runtime.compiled.supports``: every row computed, then the kept ones taken), else the eager forward."""
-        depth = self.model.layers_to_run(num_layers)
-        if path == "compiled" and compiled.supports(self.model, batch, depth):
-            hidden = self.compiled(batch, depth)
-            return hidden if output_rows is None else hidden[output_rows.rows]
+        if path == "compiled":
+            depth = self.model.layers_to_run(num_layers)
+            if compiled.supports(self.model, batch, depth):
+                hidden = self.compiled(batch, depth)
+                return hidden if output_rows is None else hidden[output_rows.rows]
         return self.model(batch.input_ids, batch.positions, batch.meta, batch.token_type_ids,
                           output_rows=output_rows, num_layers=num_layers)
