@@ -40,6 +40,9 @@ VARIABLES: dict[str, Variable] = {
     "LAB_MALLOC_TUNING": Variable(
         _SWITCH, "off", "on: tune glibc's allocator for the process (as `Engine(tune_allocator=True)`, which wins "
                         "over it); keeps the peak heap"),
+    "LAB_MEMORY_CHECK": Variable(
+        _SWITCH, "on", "off: calls skip the memory check (`lab.runtime.memory`: steps cut to fit, or refused, under "
+                       "`RLIMIT_AS`, a cgroup's limit or the machine's available memory)"),
     "LAB_CACHE": Variable(
         "a folder (created if absent)", "`~/.cache/prefill-lab`",
         "where a `.gguf` file is converted to a safetensors folder, once (`lab.models.gguf`)"),

@@ -54,6 +54,7 @@ class Stats:
     split: int = 0  # inputs past max_length split into windows (long_inputs="chunk"; each window is a sequence)
     model: str = ""  # the engine's model_name (a hub id or local/<folder>) ...
     revision: str = ""  # ... and revision (the snapshot's commit, or a local folder's content hash)
+    memory_budget: int = 0  # the token budget steps were cut to so they fit the memory ceiling (0: not cut)
 
     COUNTS = ("sequences", "tokens", "batches", "padded_tokens", "truncated", "tokens_computed", "chunks", "split")
 

@@ -26,6 +26,8 @@ Adding an execution path: a class like ``KVPath`` that yields ``(requests, poole
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Iterator
 
 from lab.engine.call import ExecSettings, Stats
@@ -33,8 +35,10 @@ from lab.engine.inputs import Request, pack
 from lab.engine.kv_path import KVPath
 from lab.engine.scheduler import plan_batches
 from lab.ops.batch import OutputRows
-from lab.outputs.heads import Pooler
+from lab.outputs.heads import Pooler, SparseShape
+from lab.outputs.kinds import LOGIT_BLOCK_BYTES
 from lab.outputs.pooling import PoolingMethod, pool_spans
+from lab.runtime import memory
 from lab.runtime.runner import Runner
 
 
@@ -54,16 +58,20 @@ class Executor:
             shared_prefix: bool) -> Iterator[tuple[list[Request], object]]:
         """Yield ``(requests, outputs)`` per step or group, outputs aligned with those requests (after the head);
         every request of ``requests`` exactly once. Counts batches, chunks, computed and padded tokens in
-        ``stats`` (the caller counts what was served)."""
+        ``stats`` (the caller counts what was served). Before anything runs, the wave's memory is checked against
+        the process's ceiling (``lab.runtime.memory``): steps of fewer tokens where the largest would not fit
+        (``stats.memory_budget``), ``MemoryLimitError`` where one input or the outputs would not."""
         if self.uses_kv_path(s, shared_prefix=shared_prefix):
-            kv = KVPath(self.runner, s, pooler.method)
-            for reqs, pooled, delta in kv.run(requests, shared_prefix=shared_prefix):
+            s = self.memory_budget(requests, pooler, s, stats, chunked=s.chunked_prefill is not None,
+                                   prefix=shared_prefix and s.prefix_cache)
+            for reqs, pooled, delta in KVPath(self.runner, s, pooler.method).run(requests, shared_prefix=shared_prefix):
                 stats.add(delta)
                 yield reqs, pooler.outputs(pooled, reqs)
             return
         tokens = sum(r.length for r in requests)
         path = self.runner.forward_path(tokens * max(1, s.items) // max(1, len(requests)), causal=s.causal,
                                         num_layers=s.num_layers, workers=s.workers)
+        s = self.memory_budget(requests, pooler, s, stats, eager=path == "eager")
         batches = plan_batches(requests, s.max_batch_tokens, s.max_num_seqs)
         if s.workers > 1:  # the steps' shares streamed through the CPU workers, outputs by the head in the workers
             def share(reqs):
@@ -80,6 +88,42 @@ class Executor:
             delta.batches = 1
             stats.add(delta)
             yield batch, pooler.outputs(pooled, batch)
+
+    def memory_budget(self, requests: list[Request], pooler: Pooler, s: ExecSettings, stats: Stats, *,
+                      eager: bool = True, chunked: bool = False, prefix: bool = False) -> ExecSettings:
+        """``s`` with the token budget this wave's steps fit in (``lab.runtime.memory.fit_budget``); a budget cut
+        is recorded in ``stats.memory_budget`` and warned about once per call. ``eager``: the eager forward runs
+        (not the compiled one); ``chunked``: chunked prefill (its steps hold ``chunked_prefill`` tokens per input
+        and the inputs' kept states); ``prefix``: a shared prefix's keys/values may be kept."""
+        dtype = self.runner.dtype
+        if not requests or dtype is None:
+            return s
+        sh, width = memory.shapes(self.model, self.runner.device, dtype, eager=eager), dtype.itemsize
+        lengths = [r.length for r in requests]
+        longest, seqs = max(lengths), min(len(requests), s.max_num_seqs)
+        shape = pooler.shape
+        shapes = shape.values() if isinstance(shape, dict) else [shape]
+        head = sum(LOGIT_BLOCK_BYTES + 4 * seqs * x.cols for x in shapes if isinstance(x, SparseShape))
+        per_token = 4 * sh.hidden * sum(x is None for x in shapes)  # per-token rows copied to float32
+        shared = min(r.pool_start for r in requests) if prefix else 0
+
+        def step(tokens: int) -> int:
+            run = min(tokens, s.chunked_prefill * seqs) if chunked else tokens
+            kept = memory.state_bytes(sh, tokens if chunked else 0, shared, dtype_bytes=width)
+            return memory.step_bytes(sh, run, dtype_bytes=width, sequences=seqs, longest=longest) + kept + head \
+                + per_token * tokens
+
+        need = memory.Need(step=step, kept=memory.kept_bytes(shape, lengths, self.model.hidden_size))
+        budget = memory.fit_budget(need, budget=s.max_batch_tokens, tokens=sum(lengths), longest=longest)
+        if budget == s.max_batch_tokens:
+            return s
+        if not stats.memory_budget:
+            warnings.warn(f"max_batch_tokens={s.max_batch_tokens}: a step that large needs more memory than the "
+                          f"process may allocate (lab.runtime.memory.ceiling()); this call runs steps of at most "
+                          f"{budget} tokens (stats.memory_budget). Set max_batch_tokens={budget} or lower to run so "
+                          "without this warning", memory.MemoryNotice, stacklevel=4)
+        stats.memory_budget = min(budget, stats.memory_budget or budget)
+        return dataclasses.replace(s, max_batch_tokens=budget)
 
     def packed_step(self, batch: list[Request], method: PoolingMethod, s: ExecSettings, path: str = "eager"):
         """One packed step, shared among the CPU workers: ``(pooled aligned with batch, Stats delta)``; ``path``:

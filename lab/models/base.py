@@ -86,6 +86,11 @@ class PackedModel(nn.Module):
         run with earlier choices; a candidate may set its own choice in ``plan`` before it runs a layer."""
         return iter(())
 
+    def ffn_rows(self, device: torch.device, dtype: torch.dtype) -> int | None:
+        """The most tokens whose MLP inner rows an eager step holds at once under the current plan (``None``: the
+        whole step's); ``lab.runtime.memory`` reads it to size a step."""
+        return None
+
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                 token_type_ids: torch.Tensor | None = None, *, output_rows: OutputRows | None = None,

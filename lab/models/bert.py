@@ -41,13 +41,18 @@ PROBE_ROWS = 512  # tokens per probe step (``BertModel.cpu_probes``): one worker
 
 
 def _cpu_default(x: torch.Tensor, name: str, plan: CpuPlan) -> str:
+    """The plan's choice for ``name`` for a step on ``x`` (``_cpu_choice``)."""
+    return _cpu_choice(x.device, x.dtype, name, plan)
+
+
+def _cpu_choice(device: torch.device, dtype: torch.dtype, name: str, plan: CpuPlan) -> str:
     """The plan's choice for ``name`` on CPU; without a probe, CPU float32 takes the narrow paths (``split``,
     ``blocks``) and everything else the stacked / fused ones."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
+    if device.type != "cpu" or torch.compiler.is_compiling():
         return "stacked" if name == "bert_qkv" else "fused"
     narrow = "split" if name == "bert_qkv" else "blocks"
     wide = "stacked" if name == "bert_qkv" else "fused"
-    return plan.get(name) or (narrow if x.dtype == torch.float32 else wide)
+    return plan.get(name) or (narrow if dtype == torch.float32 else wide)
 
 
 def _lab_norm(x: torch.Tensor, norm: nn.LayerNorm, meta: AttnMeta, plan: CpuPlan) -> bool:
@@ -189,6 +194,10 @@ class BertModel(PackedModel):
         for i in layers:
             x = self.layers[i](x, meta)
         return x, None
+
+    def ffn_rows(self, device: torch.device, dtype: torch.dtype) -> int | None:
+        """``FFN_ROWS`` where the FFN runs in row blocks (``BertLayer._ffn``: the plan's ``bert_ffn``)."""
+        return FFN_ROWS if _cpu_choice(device, dtype, "bert_ffn", self.plan) == "blocks" else None
 
     def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
         """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the FFN's

@@ -290,6 +290,10 @@ class DecoderModel(PackedModel):
         (``lab.models.rope``), fixed when the weights load (``layout_probes``)."""
         return self.layout.get("rope_layout", "halves")
 
+    def ffn_rows(self, device: torch.device, dtype: torch.dtype) -> int | None:
+        """``MLP_ROWS`` where ``DecoderLayer._mlp`` runs in row blocks (CPU, unless the plan stacked it)."""
+        return None if device.type != "cpu" or self.plan.get("decoder_mlp") == "stacked" else MLP_ROWS
+
     def layout_probes(self, dtype: torch.dtype) -> Iterator[Probe]:
         """The rotary layout: ``halves`` (``apply_rotary``'s six half-width passes over the query and key heads) or
         ``pairs`` (query / key projection rows permuted at load, the rotation one complex multiply in place; on
