@@ -74,7 +74,7 @@ if str(ROOT) not in sys.path:
 # after the path set-up: this runs as a script
 from evals.criteria import COSINE_TARGET, cosine_note, meets_speed_target, min_cosine
 from evals.data_io import mixed_corpus, read_jsonl, scifact_text, spread
-from evals.results_index import companion, device_slug, stamp, write_meta
+from evals.results_index import companion, device_slug, save_file, save_table, stamp
 from lab.eval.bench import interleaved
 from lab.models.hub import local_folder
 
@@ -440,28 +440,6 @@ def bench_throughput(args, path: str, table: Table) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- memory
-def read_status(field: str) -> int | None:
-    """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux), else None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_hwm() -> bool:
-    """Reset this process's peak-RSS counter (``VmHWM``) to its current RSS (Linux); whether it could."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak-RSS (VmHWM) counter to the current RSS
-        return True
-    except OSError:
-        return False
-
-
 def memory_point(spec: dict) -> dict:
     """Runs in a fresh subprocess: one long input through ``chunked_prefill=spec['chunk']``; peak memory and time."""
     import torch
@@ -469,6 +447,7 @@ def memory_point(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     from lab import Engine
+    from lab.runtime import memory
 
     length, chunk = spec["length"], spec["chunk"]
     eng = Engine(spec["path"], pooling="mean", max_length=length, dtype=spec["dtype"], device=spec["device"],
@@ -487,14 +466,14 @@ def memory_point(spec: dict) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base_alloc = torch.cuda.memory_allocated()
-        rss_before = read_status("VmRSS")
-        reset = reset_hwm()
+        rss_before = memory.status_bytes("VmRSS")
+        reset = memory.reset_peak()
         c0, t0 = time.process_time(), time.perf_counter()
         eng.embed([text])
         secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = dict(spec, seconds=secs, cpu_seconds=cpu, tokens=eng.stats.tokens, chunks=eng.stats.chunks,
                rss_before=rss_before, malloc_tuning=eng.resolved["malloc_tuning"],
-               hwm=read_status("VmHWM"), hwm_reset=reset,
+               hwm=memory.status_bytes("VmHWM"), hwm_reset=reset,
                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     out["state_bytes"] = eng.stats.state_bytes
     from lab.eval.bench import peak_memory
@@ -622,6 +601,11 @@ def plot(df, csv_path: Path, slug: str | None = None) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
+
+    def save(kind: str) -> None:  # the current figure, then closed
+        written.append(save_file(companion(csv_path, kind, "png", slug), plt.gcf()))
+        plt.close()
+
     run = df["run"].iloc[0] if len(df) else ""
     tp = df[(df.section == "throughput") & (df.metric == "time")]
     if len(tp):
@@ -640,10 +624,7 @@ def plot(df, csv_path: Path, slug: str | None = None) -> list[Path]:
                 ax.annotate(f"{float(r.value.iloc[0]):.2f}x", (i, pivot.loc[group].max()), ha="center",
                             va="bottom", fontsize=9, xytext=(0, 3), textcoords="offset points")
         plt.tight_layout()
-        p = companion(csv_path, "throughput", "png", slug)
-        plt.savefig(p, dpi=120)
-        plt.close()
-        written.append(p)
+        save("throughput")
     mem = df[df.section == "memory"]
     if len(mem):
         m = mem.assign(length=mem.setting.str.extract(r"length=(\d+)")[0].astype(int),
@@ -670,10 +651,7 @@ def plot(df, csv_path: Path, slug: str | None = None) -> list[Path]:
         axes[0].legend()
         fig.suptitle(f"SmolLM2-135M, one long input, chunked prefill ({run})", fontsize=11)
         plt.tight_layout()
-        p = companion(csv_path, "memory", "png", slug)
-        plt.savefig(p, dpi=120)
-        plt.close()
-        written.append(p)
+        save("memory")
     pre = df[(df.section == "prefix") & (df.metric == "time")]
     if len(pre):
         pivot = pre.pivot_table(index="pooling", columns="setting", values="seconds_median", sort=False)
@@ -682,10 +660,7 @@ def plot(df, csv_path: Path, slug: str | None = None) -> list[Path]:
         ax.set_title(f"shared-instruction queries: prefix cache\n({run})", fontsize=10)
         ax.legend(title="setting", loc="upper left", fontsize=8)
         plt.tight_layout()
-        p = companion(csv_path, "prefix", "png", slug)
-        plt.savefig(p, dpi=120)
-        plt.close()
-        written.append(p)
+        save("prefix")
     return written
 
 
@@ -776,14 +751,10 @@ def main(argv=None) -> int:
         print(f"[{section}]", flush=True)
         {"throughput": bench_throughput, "memory": bench_memory, "prefix": bench_prefix}[section](args, path, table)
     df = stamp(table.frame())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(args.out, index=False)
-    write_meta(args.out)
+    save_table(args.out, df)
     pngs = plot(df, args.out, args.slug)
     if PROFILES:
-        prof_path = companion(args.out, "profile", "txt", args.slug)
-        prof_path.write_text("\n\n".join(PROFILES) + "\n")
-        pngs.append(prof_path)
+        pngs.append(save_file(companion(args.out, "profile", "txt", args.slug), "\n\n".join(PROFILES) + "\n"))
     print()
     print(summary(df))
     print(f"\nwrote {args.out} ({len(df)} rows)" + "".join(f", {p}" for p in pngs)

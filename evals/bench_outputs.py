@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from evals.data_io import load_corpus
-from evals.results_index import result_path, stamp, write_meta
+from evals.results_index import result_path, save_table, stamp
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -58,10 +58,7 @@ def main(argv=None) -> pd.DataFrame:
     med = df.groupby("output").tokens_per_s.median()
     df["ratio_vs_dense"] = df.output.map(med / med["dense"])
     df = stamp(df)
-    out = Path(args.out) if args.out else result_path("bench_outputs", root=RESULTS)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out, index=False)
-    write_meta(out)
+    save_table(Path(args.out) if args.out else result_path("bench_outputs", root=RESULTS), df)
     print(f"{info['cpu_model']}, load {load:.2f} before; median tokens/s over {args.rounds} rounds:")
     print((med.to_frame("tokens_per_s").assign(ratio_vs_dense=med / med["dense"])).round(3).to_string())
     return df

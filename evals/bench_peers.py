@@ -72,7 +72,7 @@ import pandas as pd
 from evals.criteria import min_cosine
 from evals.data_io import CORPORA, load_corpus, spread
 from evals.peers.worker import decode_array
-from evals.results_index import write_meta
+from evals.results_index import save_table
 from lab import env as lab_env
 from lab.models.hub import local_folder
 
@@ -468,12 +468,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"skipped (no CUDA device): {', '.join(skipped)}", file=sys.stderr)
     df = run(systems, load_texts(corpora, args.scifact_docs, max_texts), repeats, model=args.model,
              settle=args.settle)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    csv, png = output_paths(out, machine_slug(), args.smoke)
-    df.to_csv(csv, index=False)
-    plot(df).savefig(png, dpi=120)
-    write_meta(csv)
+    csv, png = output_paths(Path(args.out), machine_slug(), args.smoke)
+    save_table(csv, df, {png: plot(df)})
     cols = ["corpus", "system", "precision_class", "tokens_per_s", "ratio_vs_st_float32", "ratio_vs_fastest_peer",
             "min_cosine_vs_st_float32", "matches", "rss_load_delta_mb", "peak_rss_mb"]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:,.3f}"))

@@ -49,7 +49,7 @@ import pandas as pd
 
 from evals.criteria import min_cosine
 from evals.data_io import read_jsonl
-from evals.results_index import device_slug, stamp, write_meta
+from evals.results_index import save_run, stamp
 from lab.models.hub import local_folder
 
 ROOT = Path(__file__).resolve().parent
@@ -110,7 +110,7 @@ def overhead(reng_one, reng_many, texts: list[str], shard_texts: int, local) -> 
     emb = local.embed(texts[:shard_texts])
     with tempfile.TemporaryDirectory() as out:  # the driver's part of a shard, alone: Parquet write + manifest
         src = read_source(texts[:shard_texts])
-        man = Manifest.open(Path(out), job_record(src, shard_texts=shard_texts, model="m", knobs={}))
+        man = Manifest.open(Path(out), job_record(src, shard_texts=shard_texts, model="m", digest="m", knobs={}))
         driver = []
         for k in range(10):
             t0 = time.perf_counter()
@@ -237,14 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     proj = projection(params, args.rates, [1, 2, 4, 8, 16, 32, 64])
     machine = {**cpu_info(), "cores": cores, "ray": ray.__version__, "model": eng.model_name, "corpus": note}
     tp, ov, proj = (stamp(df.assign(**machine)) for df in (tp, ov, proj))
-    out, suffix, slug = Path(args.out), "_quick" if args.quick else "", device_slug()
-    out.mkdir(parents=True, exist_ok=True)
-    for df, name in ((tp, "bench_ray"), (ov, "bench_ray_overhead"), (proj, "bench_ray_projection")):
-        df.to_csv(out / f"{name}{suffix}_{slug}.csv", index=False)
-        write_meta(out / f"{name}{suffix}_{slug}.csv")
+    out, suffix = Path(args.out), "_quick" if args.quick else ""
     title = (f"{machine['model']} on {machine['cpu_model']} ({cores} cores), {len(texts):,} texts, median of "
              f"{args.rounds}; Ray {ray.__version__}")
-    plot(tp, proj, title).savefig(out / f"bench_ray{suffix}_{slug}.png", dpi=120)
+    save_run(tp, out, f"bench_ray{suffix}", plot(tp, proj, title))
+    save_run(ov, out, f"bench_ray_overhead{suffix}")
+    save_run(proj, out, f"bench_ray_projection{suffix}")
     fmt = {"float_format": lambda v: f"{v:,.4g}", "index": False}
     print(note)
     print(tp[["system", "tokens", "seconds_median", "tokens_per_s", "ratio_vs_engine", "min_cosine"]].to_string(**fmt))

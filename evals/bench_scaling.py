@@ -79,9 +79,9 @@ def systems(path: Path, dtype: str, max_length: int) -> dict:
 
 
 def run(sizes: list[str], dtype: str, n_texts: int, repeats: int, max_length: int) -> pd.DataFrame:
-    from evals.bench_decoder import read_status, reset_hwm
     from lab.eval.bench import interleaved
     from lab.ops.probes import cpu_info
+    from lab.runtime import memory
 
     texts = load_corpus("mixed")[:n_texts]
     rows = []
@@ -90,9 +90,9 @@ def run(sizes: list[str], dtype: str, n_texts: int, repeats: int, max_length: in
         runs = systems(path, dtype, max_length)
         first = {}
         for name, (_, fn) in runs.items():  # warm-up (the compiled engine builds its graphs here)
-            before = read_status("VmRSS") if reset_hwm() else None
+            before = memory.status_bytes("VmRSS") if memory.reset_peak() else None
             first[name] = fn(texts)
-            first[name + ":peak"] = None if before is None else read_status("VmHWM") - before
+            first[name + ":peak"] = None if before is None else memory.status_bytes("VmHWM") - before
         tokens = sum(r.length for r in runs["engine"][0].tokenize(texts))
         timed = interleaved({name: (lambda f=fn: f(texts)) for name, (_, fn) in runs.items()}, repeats, warmup=0)
         secs = {name: wall for name, (wall, _, _) in timed.items()}

@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from evals.data_io import read_jsonl, spread  # after the path set-up: this runs as a script
-from evals.results_index import device_slug, run_date, write_meta
+from evals.results_index import device_slug, run_date, save_table
 from lab.models.hub import local_folder
 
 DATA = ROOT / "evals" / "data" / "stsbenchmark" / "test.jsonl.gz"
@@ -114,10 +114,7 @@ def write(rows: list[dict], out: Path) -> list[Path]:
     import pandas as pd
 
     df = pd.DataFrame(rows)
-    out.parent.mkdir(parents=True, exist_ok=True)
     csv, md, png = (out.with_name(out.name + ext) for ext in (".csv", ".md", ".png"))
-    df.to_csv(csv, index=False)
-    write_meta(csv)
     table = df.pivot_table(index="pooling", columns="attention", values="spearman_x100", sort=False)
     table = table[[c for c in ("causal", "bidirectional") if c in table.columns]]
     r0 = rows[0]
@@ -139,7 +136,6 @@ def write(rows: list[dict], out: Path) -> list[Path]:
     lines += ["", "All rows:", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, r in df[cols].iterrows():
         lines.append("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r) + " |")
-    md.write_text("\n".join(lines) + "\n")
 
     import matplotlib
 
@@ -153,8 +149,8 @@ def write(rows: list[dict], out: Path) -> list[Path]:
     ax.set_title(f"{r0['model']}: STSBenchmark test, {r0['pairs']} pairs ({r0['run']})", fontsize=10)
     ax.legend(title="attention")
     plt.tight_layout()
-    plt.savefig(png, dpi=120)
-    plt.close()
+    save_table(csv, df, {md: "\n".join(lines) + "\n", png: ax.figure})
+    plt.close(ax.figure)
     return [csv, md, png]
 
 

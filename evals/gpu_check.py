@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import csv
 import functools
+import io
 import os
 import statistics
 import sys
@@ -497,12 +498,13 @@ def check_decoder(ck: Check, tokenizer_from: str | None) -> None:
 
 
 # -------------------------------------------------------------------------------------------------------- main
-def write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+def csv_text(rows: list[dict]) -> str:
+    """The rows as CSV, ``COLUMNS`` in order."""
+    text = io.StringIO()
+    w = csv.DictWriter(text, fieldnames=COLUMNS)
+    w.writeheader()
+    w.writerows(rows)
+    return text.getvalue()
 
 
 def print_table(rows: list[dict]) -> None:
@@ -544,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     sys.path.insert(0, str(REPO))
-    from evals.results_index import device_slug, write_meta
+    from evals.results_index import device_slug, save_table
 
     device = "cpu" if args.smoke else "cuda"
     if args.csv is None:
@@ -566,8 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                 step()
             print(f"[{time.perf_counter() - ck.t0:6.1f}s] {name} done in {time.perf_counter() - t:.1f}s", flush=True)
     finally:
-        write_csv(ck.rows, Path(args.csv))
-        write_meta(Path(args.csv))
+        save_table(Path(args.csv), csv_text(ck.rows))
     print_table(ck.rows)
     print(f"\nwrote {len(ck.rows)} rows to {args.csv} in {time.perf_counter() - ck.t0:.0f}s; "
           f"{'SOME CHECKS FAILED' if ck.failed else 'all correctness checks passed'}")

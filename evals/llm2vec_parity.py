@@ -445,20 +445,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"missing adapter keys {report['missing_adapter_keys']}; llm2vec {ref}, Engine "
                   f"{rows[-1]['pooling']}/{rows[-1]['max_length']}/{rows[-1]['doc_max_length']}/"
                   f"include_instruction={rows[-1]['include_instruction']}/{rows[-1]['template_name']!r}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    from evals.results_index import save_run
+
     slug = machine_slug()
     table = pd.DataFrame(rows)
-    csv = args.out / f"llm2vec_parity_{slug}.csv"
-    table.to_csv(csv, index=False)
-    from evals.results_index import write_meta
-
-    write_meta(csv)  # the date and command for evals/results/README.md
-    write_md(table, args.out / f"llm2vec_parity_{slug}.md", slug)
+    csv = save_run(table, args.out, "llm2vec_parity", slug=slug, extra={".md": markdown(table, slug)})
     print(f"wrote {csv}")
     return 0
 
 
-def write_md(table, path: Path, slug: str) -> None:
+def markdown(table, slug: str) -> str:
+    """The ``.md`` beside the CSV: how the rows were made, and one line per variant."""
     versions = table.iloc[0]
     sts = table[table["texts"] == "sts"]["sentences"]
     docs = table[table["texts"] == "scifact"]["sentences"]
@@ -497,7 +494,7 @@ def write_md(table, path: Path, slug: str) -> None:
                 f"{r['template_name']}")
         lines.append(f"| {r['variant']} | {r['layout']} | {r['min_cos']:.6f} | {r['median_cos']:.6f} | {ref} | "
                      f"{ours} | {r['docs_cut']} | {r['missing_adapter_keys']} |")
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

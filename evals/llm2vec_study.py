@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from evals.data_io import DATA, read_jsonl  # after the path set-up: this runs as a script
+from evals.results_index import save_file
 from lab import env
 from lab.models.hub import local_folder
 
@@ -490,7 +491,7 @@ def plots(results, layers, out: Path, compared: dict | None = None) -> None:
     ax.legend(handles=[matplotlib.patches.Patch(color=c, label=label) for label, c, _ in series], frameon=False,
               loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, title="training text", title_fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "variants.png", dpi=120)
+    save_file(out / "variants.png", fig)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
@@ -507,7 +508,7 @@ def plots(results, layers, out: Path, compared: dict | None = None) -> None:
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "layers.png", dpi=120)
+    save_file(out / "layers.png", fig)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
@@ -521,7 +522,7 @@ def plots(results, layers, out: Path, compared: dict | None = None) -> None:
     if ax.lines:
         ax.legend(frameon=False)
     fig.tight_layout()
-    fig.savefig(out / "losses.png", dpi=120)
+    save_file(out / "losses.png", fig)
     plt.close(fig)
 
 
@@ -718,7 +719,7 @@ def seed_plot(runs: dict, out: Path) -> None:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(frameon=False, fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "seeds.png", dpi=120)
+    save_file(out / "seeds.png", fig)
     plt.close(fig)
 
 
@@ -792,7 +793,7 @@ def write_readme(results, layers, out: Path, counts: dict, seconds: dict, comman
             lines.append(f"| {name} | {len(log)} | {log.seconds.sum():.0f} | {log.seconds.median() * len(log):.0f} |")
     if seconds:
         lines += ["", "Trained by this command: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())]
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    save_file(out / "README.md", "\n".join(lines) + "\n")
 
 
 def _read_csv(path: Path):
@@ -861,7 +862,7 @@ def main(argv=None) -> int:
     order = {n: i for i, n in enumerate(VARIANTS)}
     tasks = {t: i for i, t in enumerate(SETS)}
     results = results.sort_values(["variant", "task"], key=lambda s: s.map(order if s.name == "variant" else tasks))
-    results.to_csv(args.out / "results.csv", index=False)
+    save_file(args.out / "results.csv", results)
 
     sweep = args.sweep
     if sweep is None:
@@ -874,7 +875,7 @@ def main(argv=None) -> int:
     if args.variants:
         layers = _merge(layers, args.out / "layers.csv", ["variant", "layer"])
         layers = layers.sort_values(["variant", "layer"], key=lambda s: s.map(order) if s.name == "variant" else s)
-    layers.to_csv(args.out / "layers.csv", index=False)
+    save_file(args.out / "layers.csv", layers)
 
     compared = {}
     for label, (res, lay, _) in COMPARED.items():

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from evals.data_io import read_jsonl, spread
-from evals.results_index import device_slug, stamp, write_meta
+from evals.results_index import save_run, stamp
 from lab import env
 
 ROOT = Path(__file__).resolve().parent
@@ -134,10 +134,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                          "queries": len(queries), "pairs": n_pairs, "limit": args.limit, "seconds": res["seconds"],
                          "threads": torch.get_num_threads(), "machine": platform.machine()})
     df = stamp(pd.DataFrame(rows))
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"rerank_twitter_{device_slug()}"
-    df.to_csv(args.out / f"{stem}.csv", index=False)
-    write_meta(args.out / f"{stem}.csv")
     table = df.pivot_table(index=["model", "mode"], columns="metric", values="value", sort=False).reset_index()
     table["seconds"] = df.groupby(["model", "mode"], sort=False)["seconds"].first().to_numpy()
     table["pairs/s"] = n_pairs / table["seconds"]
@@ -147,7 +143,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
           "float32. MAP over each query's full candidate list; MRR@10. LLM prompt: Qwen3-Reranker's system text "
           f"through SmolLM2's chat template, instruction {INSTRUCTION!r}, score = P(yes) over {{yes, no}}.\n\n"
           + markdown_table(table, {"seconds": 1, "pairs/s": 1}) + "\n")
-    (args.out / f"{stem}.md").write_text(md)
+    save_run(df, args.out, "rerank_twitter", extra={".md": md})
     print()
     print(md)
     return df

@@ -9,8 +9,9 @@ per benchmark and machine is kept: a new run overwrites the file, and the older 
 
 Every run dates itself from its own files, never from git or file times, so the index is the same on every
 checkout: a CSV's ``run_date`` column (ISO date; ``stamp``), or a sidecar ``<file>.meta.json`` with ``date`` and
-``command`` (``write_meta``; the scripts write both). A folder with its own ``README.md`` documents itself and is
-listed as one entry.
+``command`` (``meta_text``; the scripts write both). The scripts write their files through ``save_run`` /
+``save_table`` / ``save_file``, each file whole (a temporary file, then renamed), so a run that fails leaves the
+files written before whole. A folder with its own ``README.md`` documents itself and is listed as one entry.
 
     python -m evals.results_index            # rewrite evals/results/README.md and README.md's speed block
     python -m evals.results_index --check    # exit 1 when either is stale
@@ -124,32 +125,57 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def write_meta(path: Path, command: str | None = None, when: str | None = None) -> Path:
-    """Writes ``<path>.meta.json`` beside a result file: ``{"date": ISO date, "command": how it was made}``."""
-    meta = Path(str(path) + META_SUFFIX)
-    meta.parent.mkdir(parents=True, exist_ok=True)
-    meta.write_text(meta_text(command, when), encoding="utf-8")
-    return meta
+    """Writes ``<path>.meta.json`` beside a result file (``save_file``): ``{"date": ISO date, "command": how it was
+    made}``."""
+    return save_file(Path(str(path) + META_SUFFIX), meta_text(command, when))
 
 
-def save_run(df, folder: Path, name: str, fig=None) -> Path:
-    """A benchmark's results: ``<folder>/<name>_<machine>.csv`` (``df``), its ``.meta.json`` and, with ``fig``, the
-    plot ``<name>_<machine>.png``. Each file is written whole through ``lab.distributed.shards.atomic_write``
-    (a temporary file, then renamed), so a run that fails (a full disk, an interrupt) leaves the files written
-    before whole. Returns the CSV's path."""
+def save_file(path: Path, data) -> Path:
+    """Writes one result file whole through ``lab.distributed.shards.atomic_write`` (a temporary file beside it,
+    flushed, then renamed over ``path``), its folder made where missing: a run that fails (a full disk, a size
+    limit, an interrupt) leaves the file written before as it was. ``data``: bytes as they are, a str as UTF-8, a
+    pandas DataFrame as CSV without its index, a matplotlib figure as an image in the format of ``path``'s suffix
+    at 120 dpi. Returns ``path``."""
     import io
 
     from lab.distributed.shards import atomic_write
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    csv_path = folder / f"{name}_{device_slug()}.csv"
-    atomic_write(csv_path, df.to_csv(index=False).encode("utf-8"))
-    if fig is not None:
-        png = io.BytesIO()
-        fig.savefig(png, dpi=120, format="png")
-        atomic_write(csv_path.with_suffix(".png"), png.getvalue())
-    atomic_write(Path(str(csv_path) + META_SUFFIX), meta_text().encode("utf-8"))
-    return csv_path
+    path = Path(path)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    elif hasattr(data, "to_csv"):
+        data = data.to_csv(index=False).encode("utf-8")
+    elif hasattr(data, "savefig"):
+        image = io.BytesIO()
+        data.savefig(image, dpi=120, format=path.suffix.lstrip(".") or "png")
+        data = image.getvalue()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, bytes(data))
+    return path
+
+
+def save_table(path: Path, table, files: dict | None = None) -> Path:
+    """A run's results at a path of the caller's choosing: the table at ``path`` (a DataFrame, or CSV text), each of
+    ``files`` (path -> what ``save_file`` takes; a None value is skipped) and last ``<path>.meta.json``, every one
+    through ``save_file``. Returns ``path``."""
+    path = Path(path)
+    save_file(path, table)
+    for other, data in (files or {}).items():
+        if data is not None:
+            save_file(other, data)
+    save_file(Path(str(path) + META_SUFFIX), meta_text())
+    return path
+
+
+def save_run(df, folder: Path, name: str, fig=None, *, slug: str | None = None, extra: dict | None = None) -> Path:
+    """A benchmark's results: ``<folder>/<name>_<machine>.csv`` (``df``), its ``.meta.json`` and, with ``fig``, the
+    plot ``<name>_<machine>.png``; ``extra`` maps a suffix to more files of the same stem (``{".md": text}`` ->
+    ``<name>_<machine>.md``). The machine is ``slug``, default this CPU's (``device_slug``). Each file is written
+    whole (``save_table``), so a run that fails leaves the files written before whole. Returns the CSV's path."""
+    csv_path = Path(folder) / f"{name}_{slug or device_slug()}.csv"
+    files = {csv_path.with_suffix(".png"): fig}
+    files.update({csv_path.with_suffix(suffix): data for suffix, data in (extra or {}).items()})
+    return save_table(csv_path, df, files)
 
 
 def meta_text(command: str | None = None, when: str | None = None) -> str:

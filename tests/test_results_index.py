@@ -169,3 +169,27 @@ def test_writing_helpers(tmp_path):
     assert json.loads(meta.read_text()) == {"date": "2030-01-02", "command": "python x.py"}
     assert ri.stamp([{"a": 1}], "2030-01-02") == [{"a": 1, "run_date": "2030-01-02"}]
     assert ri.command_line([str(ROOT / "evals" / "bench_x.py"), "--n", "a b"]) == "python evals/bench_x.py --n 'a b'"
+
+
+def test_save_helpers_write_each_file_whole(tmp_path):
+    """save_run names its files by benchmark and machine (``extra`` files by suffix), save_table writes the table,
+    its other files and the sidecar; a file whose data fails to render leaves the one written before as it was and no
+    temporary file beside it."""
+    pd = pytest.importorskip("pandas")
+    df = pd.DataFrame({"a": [1, 2]})
+    csv_path = ri.save_run(df, tmp_path / "bench_x", "bench_x", slug="h200", extra={".md": "# x\n"})
+    assert sorted(p.name for p in csv_path.parent.iterdir()) == \
+        ["bench_x_h200.csv", "bench_x_h200.csv.meta.json", "bench_x_h200.md"]
+    assert csv_path.read_text() == "a\n1\n2\n" and json.loads(Path(f"{csv_path}.meta.json").read_text())["date"]
+
+    class Broken:  # a figure whose rendering fails half-way
+        def savefig(self, f, **kw):
+            f.write(b"half")
+            raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        ri.save_table(csv_path, "a\n3\n", {csv_path.with_suffix(".md"): Broken()})
+    assert csv_path.with_suffix(".md").read_text() == "# x\n"
+    assert sorted(p.name for p in csv_path.parent.iterdir()) == \
+        ["bench_x_h200.csv", "bench_x_h200.csv.meta.json", "bench_x_h200.md"]
+    assert ri.save_file(tmp_path / "new" / "b.bin", b"\x00").read_bytes() == b"\x00"
