@@ -127,7 +127,7 @@ def test_bert_layers_in_place_match_transformers(tmp_path, minilm_path, ffn, mon
     from transformers import AutoModel, AutoTokenizer
 
     from lab.models import bert
-    from lab.models.loading import read_folder, read_state_dict
+    from lab.models.folder import read_folder, read_state_dict
     from lab.ops.batch import PackedBatch
 
     monkeypatch.setattr(bert, "FFN_ROWS", 5)
@@ -163,7 +163,7 @@ def test_bert_under_autograd_keeps_torchs_norms(tmp_path, minilm_path, monkeypat
     from tiny_encoders import tiny_encoder
 
     from lab.models.bert import BertModel
-    from lab.models.loading import read_folder, read_state_dict
+    from lab.models.folder import read_folder, read_state_dict
     from lab.ops.batch import PackedBatch
 
     calls, real = [], cpu_norms.add_layer_norm

@@ -206,7 +206,7 @@ def _quick_probes_and_weights():
     test reuses them. Each checkpoint's weights are read from disk once (a copy for each engine)."""
     from lab.engine import engine as engine_module
     from lab.models import bert, decoder
-    from lab.models.loading import Checkpoint
+    from lab.models.folder import Checkpoint
     from lab.ops import probes
 
     read, cache, before = engine_module.read_state_dict, {}, set(probes._MEASURED)

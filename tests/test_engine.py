@@ -38,7 +38,7 @@ def test_output_keeps_input_order(minilm_engine, sentences):
 
 
 def test_the_public_seam_runs_what_embed_runs(minilm_engine, sentences):
-    """``embed_pass`` + ``run_passes`` (what ``lab.engine.rerank`` and ``lab.engine.encode`` build on): one call
+    """``embed_pass`` + ``run_passes`` (what ``lab.engine.rerank`` and ``lab.engine.st_encode`` build on): one call
     over several passes gives each pass's outputs in input order, and one ``Stats`` for all of them."""
     from lab.outputs.heads import TokensHead
 

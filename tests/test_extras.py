@@ -38,7 +38,7 @@ def test_import_lab_is_light_and_an_engine_needs_no_optional_package(minilm_path
 
 def test_reading_a_gguf_file_without_gguf_names_the_extra(monkeypatch, tmp_path):
     from lab.models import gguf
-    from lab.models.loading import read_folder
+    from lab.models.folder import read_folder
 
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF")  # never read: the missing package is named first

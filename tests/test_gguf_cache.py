@@ -87,7 +87,7 @@ def test_an_interrupted_conversion_leaves_no_complete_folder(tmp_path, monkeypat
 def test_a_damaged_cached_model_is_rebuilt_from_the_source(tmp_path, fake_loader, damage):
     """A cached model.safetensors that cannot be read (cut short, or garbage over it) is converted again from the
     GGUF, whose digest still matches gguf_source.json, with a warning naming both; no temporary folder is left."""
-    from lab.models.loading import read_folder, read_state_dict
+    from lab.models.folder import read_folder, read_state_dict
 
     src = _write(tmp_path / "m.gguf", b"weights" * 100)
     out = tmp_path / "cache" / "m"
@@ -176,7 +176,7 @@ def test_two_processes_converting_at_once_leave_one_valid_entry(tmp_path):
     import subprocess
     import sys
 
-    from lab.models.loading import read_folder, read_state_dict
+    from lab.models.folder import read_folder, read_state_dict
 
     src = _write(tmp_path / "m.gguf", b"weights" * 100)
     out = tmp_path / "cache" / "m"

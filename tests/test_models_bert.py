@@ -12,7 +12,7 @@ from tiny_encoders import tiny_encoder
 
 from lab import Engine
 from lab.models.bert import BertModel
-from lab.models.loading import read_folder, read_state_dict
+from lab.models.folder import read_folder, read_state_dict
 from lab.ops.batch import PackedBatch
 
 TEXTS = ["a", "hello world", "the quick brown fox jumps over the lazy dog", "", "naïve café 東京",

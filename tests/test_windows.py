@@ -213,7 +213,7 @@ def test_pooling_module_outside_the_model_folder_is_refused(minilm_path, tmp_pat
     import json
     from pathlib import Path
 
-    from lab.models.loading import read_folder
+    from lab.models.folder import read_folder
 
     model = tmp_path / "model"
     model.mkdir()

@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 
 from lab.models.checks import check_finite
+from lab.models.folder import has_model_weights, load_pickle_weights
 from lab.models.hub import looks_like_hub_id, snapshot_of
 from lab.models.hub import resolve as hub_resolve
-from lab.models.loading import has_model_weights, load_pickle_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")

@@ -5,7 +5,7 @@ pooler) -> ``InputProcessor`` (tokenize, instruction, truncation records; the ne
 runs) -> ``Executor`` (packed path or KV path, CPU workers on both; ``lab.engine.executor``) -> ``Pooler`` (method x head:
 ``lab.outputs.pooling``, ``lab.outputs.heads``) -> ``OutputBuffer`` (input order), all inside one ``Call`` (one ``Stats``, timer,
 progress bar, truncation warning; ``lab.engine.call``). ``embed`` is one pass; ``score`` builds its passes in
-``lab.engine.rerank``, ``encode`` in ``lab.engine.encode``, both on the engine's public seam: ``embed_pass`` (the
+``lab.engine.rerank``, ``encode`` in ``lab.engine.st_encode``, both on the engine's public seam: ``embed_pass`` (the
 pass ``embed`` runs, with another pooling or head if asked) and ``run_passes`` (passes run as one call).
 
     >>> eng = Engine("sentence-transformers/all-MiniLM-L6-v2")   # a hub id, or a local folder
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from lab.adapt.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
-from lab.engine import encode as st_compat
 from lab.engine import framing, llm2vec, rerank, resolve, windows
+from lab.engine import st_encode as st_compat
 from lab.engine.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.engine.executor import Executor
 from lab.engine.gate import Gate
@@ -35,8 +35,9 @@ from lab.engine.inputs import InputProcessor, Request, check_inputs, check_texts
 from lab.engine.knobs import Knobs, ModelLimits, Resolved, check_for_model, knobs_doc, resolve_device, resolve_dtype
 from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
 from lab.models import hub, model_class
+from lab.models.folder import load_tokenizer, read_folder, read_state_dict
 from lab.models.hf_fallback import HFFallbackModel
-from lab.models.loading import ModelSpec, load_tokenizer, read_folder, read_state_dict
+from lab.models.spec import ModelSpec
 from lab.ops.attention import resolve_backend
 from lab.ops.probes import check_forced
 from lab.outputs import kinds as outputs
@@ -111,7 +112,7 @@ class Engine:
 
     Every other argument is a knob (``lab.engine.knobs.KNOB_DOCS``, listed below and in the README's knob table).
 
-    Call kinds are built on two public methods (the seam ``lab.engine.rerank`` and ``lab.engine.encode`` use):
+    Call kinds are built on two public methods (the seam ``lab.engine.rerank`` and ``lab.engine.st_encode`` use):
     ``embed_pass`` builds a ``Pass`` of texts as ``embed`` tokenizes and pools them, and ``run_passes`` runs passes
     as one call (one ``Stats``, published when every pass finished) and returns their outputs in input order.
     """
@@ -670,7 +671,7 @@ class Engine:
         """``SentenceTransformer.encode``: same arguments, same results (a single string gives one 1-D vector;
         ``convert_to_numpy=None``: numpy). On a ColBERT folder, ``MultiVectorEncoder.encode`` (with its ``task``):
         a list of per-token tensors. ``inputs=`` (sentence-transformers >= 5's name) is accepted for ``sentences``.
-        See ``lab.engine.encode``."""
+        See ``lab.engine.st_encode``."""
         args = {k: v for k, v in locals().items() if k not in ("self", "kwargs")}
         if "inputs" in kwargs:
             if sentences is not None:
@@ -681,7 +682,7 @@ class Engine:
     @_call
     def encode_query(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
         """``encode`` with the model's ``query`` prompt (unless another is given, or the ``instruction`` knob is set:
-        then the knob), as sentence-transformers (``lab.engine.encode``)."""
+        then the knob), as sentence-transformers (``lab.engine.st_encode``)."""
         name = st_compat.query_prompt_name(self, prompt, prompt_name)
         return self.encode(sentences, prompt_name=name, prompt=prompt, **st_compat.task_kw(self.spec, "query", kwargs))
 
@@ -689,7 +690,7 @@ class Engine:
     def encode_document(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
         """``encode`` with the model's ``document`` / ``passage`` / ``corpus`` prompt (the first it has, unless
         another is given), as sentence-transformers; the ``instruction`` knob is the query side's and does not apply
-        (``lab.engine.encode``)."""
+        (``lab.engine.st_encode``)."""
         name = st_compat.document_prompt_name(self.spec.prompts, prompt, prompt_name)
         return self.encode(sentences, prompt_name=name, prompt=prompt,
                            **st_compat.task_kw(self.spec, "document", kwargs))

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab.adapt.adapters import ADAPTER_CONFIG
-from lab.models.loading import LLM2VEC_CONFIG, read_llm2vec_config
+from lab.models.folder import LLM2VEC_CONFIG, read_llm2vec_config
 
-# llm2vec 0.2.3's LLM2Vec class defaults, as knob values (``lab.models.loading.read_llm2vec_config`` maps the file)
+# llm2vec 0.2.3's LLM2Vec class defaults, as knob values (``lab.models.folder.read_llm2vec_config`` maps the file)
 DEFAULTS = {"pooling": "mean", "max_length": 512, "doc_max_length": 400, "include_instruction": False}
 DEFAULT_SOURCE = "llm2vec default"
 

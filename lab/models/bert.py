@@ -20,7 +20,7 @@ from torch import nn
 from lab.kernels import cpu_norms
 from lab.models.base import PackedModel
 from lab.models.checks import check_shape
-from lab.models.loading import KeyTracker, warn_unexpected
+from lab.models.folder import KeyTracker, warn_unexpected
 from lab.ops.attention import attention, ops
 from lab.ops.batch import AttnMeta, OutputRows
 from lab.ops.gemm import (
@@ -430,7 +430,7 @@ class MaskedLMHead(nn.Module):
 
 def _m3_linear(sd: dict[str, torch.Tensor], name: str, hidden: int) -> Linear | None:
     """bge-m3's ``sparse_linear`` / ``colbert_linear`` (``sparse_linear.pt`` / ``colbert_linear.pt`` beside the
-    weights, read under these prefixes by ``lab.models.loading.read_state_dict``), or ``None``; its input width must
+    weights, read under these prefixes by ``lab.models.folder.read_state_dict``), or ``None``; its input width must
     be the model's ``hidden`` size, and a bias its output width."""
     w = sd.get(f"{name}.weight")
     if w is None:

@@ -140,7 +140,7 @@ def check_against_checkpoint(config: dict, tensors: dict[str, tuple[tuple[int, .
 
 
 def file_of(sd, key: str) -> Path | None:
-    """The file tensor ``key`` came from, when ``sd`` has ``files`` (a ``lab.models.loading.Checkpoint``, or a
+    """The file tensor ``key`` came from, when ``sd`` has ``files`` (a ``lab.models.folder.Checkpoint``, or a
     ``KeyTracker`` over one); ``key`` may have lost a prefix (``bert.``, ``model.``) on the way."""
     files = getattr(sd, "files", None) or {}
     if key in files:

@@ -23,7 +23,7 @@ from torch import nn
 from lab.kernels import cpu_norms, cpu_rope
 from lab.models.base import PackedModel
 from lab.models.checks import check_shape
-from lab.models.loading import KeyTracker, warn_unexpected
+from lab.models.folder import KeyTracker, warn_unexpected
 from lab.models.rope import (
     RopeSpec,
     RopeTables,

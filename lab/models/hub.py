@@ -325,7 +325,7 @@ def _not_cached(repo_id: str, rev: str | None, what: str, why: str) -> str:
 def files_to_fetch(files: list[str], *, name: str = "the repository") -> list[str]:
     """The files of a repository the Engine reads, from its file list: the top-level configs, tokenizer files and
     model card (``*.json``, ``*.txt``, ``*.model``, ``*.jinja``, ``README.md``), the weights in the one format the
-    loader would read (``lab.models.loading``: ``model.safetensors`` or its shards, else ``pytorch_model.bin`` or
+    loader would read (``lab.models.folder``: ``model.safetensors`` or its shards, else ``pytorch_model.bin`` or
     its shards, else the first ``.gguf``), an adapter's weights, bge-m3's heads, and the files of
     sentence-transformers' numbered module folders (``1_Pooling``, ``2_Dense``, ...). Raises ``ValueError`` for a
     repository with neither ``config.json``, ``adapter_config.json`` nor a ``.gguf`` file, or a ``config.json``
@@ -352,7 +352,7 @@ def files_to_fetch(files: list[str], *, name: str = "the repository") -> list[st
 
 
 def _weights(top: list[str]) -> list[str]:
-    """The model weight files the loader reads, by name (``lab.models.loading``'s order)."""
+    """The model weight files the loader reads, by name (``lab.models.folder``'s order)."""
     if "model.safetensors.index.json" in top:
         return ["model.safetensors.index.json",
                 *(f for f in top if f.endswith(".safetensors") and not f.startswith("adapter_model"))]

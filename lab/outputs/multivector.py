@@ -2,7 +2,7 @@
 ``encode_query`` / ``encode_document`` give them, from one packed forward.
 
 Such a folder is a Transformer, a token-level ``Dense`` projection, a ``MultiVectorMask`` and a ``Normalize``
-(``lab.models.loading.MultiVectorSpec``). The task of a call is its ``prompt_name`` when that is ``"query"`` or
+(``lab.models.spec.MultiVectorSpec``). The task of a call is its ``prompt_name`` when that is ``"query"`` or
 ``"document"`` (``None`` otherwise, which sentence-transformers treats as a document for the skiplist), and it
 decides, as sentence-transformers' ``Transformer.preprocess`` and ``MultiVectorMask`` do:
 

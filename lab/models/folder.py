@@ -1,18 +1,20 @@
-"""Model folders -> our modules: config and weights reading, sentence-transformers defaults, tokenizer.
+"""Model folders -> our modules: the folder's spec, its weights as a state dict, its tokenizer.
 
 Reads a local Hugging Face / sentence-transformers folder (the weight files transformers reads:
 ``model.safetensors`` or the shards ``model.safetensors.index.json`` names, else ``pytorch_model.bin`` with a
 warning; a ``.gguf`` file through ``lab.models.gguf``), maps the architecture to our implementation through the
-registry in ``lab.models`` and collects what sentence-transformers would use as defaults (pooling mode, Normalize
-module, max_seq_length, prompts). No ``trust_remote_code``.
+registry in ``lab.models`` and collects what sentence-transformers would use as defaults (``lab.models.st_config``:
+pooling mode, Normalize module, max_seq_length, prompts) and an ``llm2vec_config.json``'s knob defaults. No
+``trust_remote_code``.
 
 Before any model is built, ``read_folder`` checks the config against itself (sizes, epsilons, RoPE settings) and
 against the checkpoint's tensor index (names and shapes, from the safetensors headers): a config that asks for
 layers the checkpoint lacks, or for an embedding of another size, fails naming the key and the file instead of
 allocating a model the weights cannot fill. ``read_state_dict`` refuses non-finite weights, naming the tensor.
+``KeyTracker`` / ``warn_unexpected`` let a family's loader name the tensors it left unread.
 
     >>> spec = read_folder(path)                 # what is there, no weights loaded
-    >>> loaded = load(spec, dtype=torch.float32, device=torch.device("cpu"))
+    >>> sd, tokenizer = read_state_dict(spec), load_tokenizer(spec)
 """
 
 from __future__ import annotations
@@ -22,79 +24,13 @@ import json
 import os
 import pickle
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from lab.models.checks import check_against_checkpoint, check_config, check_finite, is_int
-from lab.models.hub import local_name
-
-# sentence-transformers' pooling config keys -> our pooling names, in the order it checks them
-_ST_POOLING_KEYS = (
-    ("pooling_mode_cls_token", "cls"),
-    ("pooling_mode_lasttoken", "lasttoken"),
-    ("pooling_mode_weightedmean_tokens", "weightedmean"),
-    ("pooling_mode_max_tokens", "max"),
-    ("pooling_mode_mean_tokens", "mean"),
-)
-
-
-@dataclass(frozen=True)
-class MultiVectorSpec:
-    """A sentence-transformers ``MultiVectorEncoder`` (ColBERT) folder: Transformer, optional token-level Dense,
-    MultiVectorMask, optional Normalize, and the Transformer's per-task lengths and query expansion
-    (``lab.outputs.multivector`` applies them)."""
-
-    dense: Path | None  # the Dense module's folder (a projection of every token), None without one
-    activation: str  # the Dense's activation: "identity" or "tanh"
-    normalize: bool  # a token-level Normalize module follows
-    skiplist_words: tuple[str, ...]  # MultiVectorMask: tokens left out of scoring ...
-    skiplist_tasks: tuple[str, ...]  # ... for these tasks ("document" also covers no task)
-    query_expansion: dict | None  # {"strategy": "fixed" | "min", "attend": bool, "token": str | None, "length": int}
-    query_length: int | None
-    document_length: int | None
-    # PyLate's query / document prefixes (e.g. "[unused0]"): made single special tokens if the vocabulary has them
-    prefix_tokens: tuple[str, ...] = ()
-
-
-@dataclass
-class ModelSpec:
-    """What a model folder holds and what sentence-transformers would default to."""
-
-    path: Path
-    config: dict
-    weights: list[Path]
-    weight_format: str  # "safetensors" | "bin" | "gguf"
-    pooling: str | None = None
-    include_prompt: bool | None = None  # the Pooling config's (True when it does not say); None: no Pooling config
-    normalize: bool = False
-    max_seq_length: int | None = None
-    # prompt name -> text: sentence-transformers' (>= 5) defaults, empty ``query`` and ``document`` prompts, updated
-    # with config_sentence_transformers.json's ``prompts``
-    prompts: dict[str, str] = field(default_factory=lambda: {"query": "", "document": ""})
-    default_prompt_name: str | None = None  # config_sentence_transformers.json's: the prompt used when none is named
-    gguf_file: Path | None = None
-    # a sentence-transformers SparseEncoder's SpladePooling: {"pooling_strategy": max|sum, "activation_function":
-    # relu|log1p_relu}; None without one
-    splade: dict[str, str] | None = None
-    multi_vector: MultiVectorSpec | None = None  # a sentence-transformers MultiVectorEncoder (ColBERT) folder
-    # the checkpoint's tensors without their data: name -> (shape, file), from the safetensors headers (a pickle
-    # file's: memory-mapped)
-    tensors: dict[str, tuple[tuple[int, ...], Path]] = field(default_factory=dict, repr=False)
-
-    @property
-    def name(self) -> str:
-        """The folder's name (its parent's when the folder has a generic name such as ``model``)."""
-        return local_name(self.path)
-
-    @property
-    def architecture(self) -> str:
-        archs = self.config.get("architectures") or []
-        return archs[0] if archs else _ARCH_BY_TYPE.get(self.config.get("model_type", ""), "")
-
-
-_ARCH_BY_TYPE = {"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel"}
+from lab.models.spec import ModelSpec
+from lab.models.st_config import read_json, read_sentence_transformers, register_prefix_tokens
 
 
 def read_folder(path: str | os.PathLike) -> ModelSpec:
@@ -116,7 +52,7 @@ def read_folder(path: str | os.PathLike) -> ModelSpec:
         raise FileNotFoundError(
             f"no config.json in {str(p)!r}: a transformers model folder needs config.json next to its weights"
         )
-    config = _read_json(cfg_file, dict, "a JSON object of model settings")
+    config = read_json(cfg_file, dict, "a JSON object of model settings")
     check_config(config, cfg_file)
     weights, fmt = _find_weights(p)
     spec = ModelSpec(path=p, config=config, weights=weights, weight_format=fmt)
@@ -128,7 +64,7 @@ def read_folder(path: str | os.PathLike) -> ModelSpec:
 
     if spec.architecture in REGISTRY:
         check_against_checkpoint(config, spec.tensors, _describe_files(spec), cfg_file)
-    _read_sentence_transformers(p, spec)
+    read_sentence_transformers(p, spec)
     return spec
 
 
@@ -154,7 +90,7 @@ def read_llm2vec_config(folder: str | os.PathLike) -> dict:
     f = Path(folder).expanduser() / LLM2VEC_CONFIG
     if not f.is_file():
         return {}
-    cfg = _read_json(f, dict, "a JSON object of LLM2Vec settings (pooling_mode, max_length, skip_instruction)")
+    cfg = read_json(f, dict, "a JSON object of LLM2Vec settings (pooling_mode, max_length, skip_instruction)")
     out: dict = {}
     mode = cfg.get("pooling_mode")
     if mode is not None:
@@ -285,211 +221,6 @@ def _describe_files(spec: ModelSpec) -> str:
     return f"the {len(spec.weights)} shards of {spec.path / index}"
 
 
-def _read_json(path: Path, kind: type, what: str):
-    """``path``'s JSON, which must be ``kind``; a clear error naming the file otherwise."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); it should hold {what}") from None
-    if not isinstance(value, kind):
-        raise ValueError(f"{path} should hold {what}, got a {type(value).__name__}")  # noqa: TRY004 (bad file)
-    return value
-
-
-def _read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
-    """Fill pooling / normalize / max_seq_length / prompts from sentence-transformers files when present."""
-    modules = p / "modules.json"
-    if modules.exists():
-        entries = _read_json(modules, list, "a JSON list of sentence-transformers modules")
-        for m in entries:
-            if not isinstance(m, dict):
-                raise ValueError(  # noqa: TRY004 (a bad file, not a bad argument)
-                    f"{modules}: every entry must be an object with 'type' and 'path', got {m!r}")
-            kind = m.get("type", "")
-            if kind.endswith("SpladePooling"):
-                spec.splade = _read_splade(_module_folder(p, m) / "config.json")
-                spec.include_prompt = True  # SpladePooling pools every attended token, a prompt's too
-            elif kind.endswith("Pooling"):
-                cfg_path = _module_folder(p, m) / "config.json"
-                if cfg_path.exists():
-                    pcfg = _read_json(cfg_path, dict, "a JSON object (the Pooling config)")
-                    mode = pcfg.get("pooling_mode")
-                    if mode is None:
-                        mode = next((name for key, name in _ST_POOLING_KEYS if pcfg.get(key)), None)
-                    if pcfg.get("pooling_mode_mean_sqrt_len_tokens"):
-                        raise ValueError(f"{cfg_path}: pooling 'mean_sqrt_len_tokens' is not supported")
-                    spec.pooling = {"mean_tokens": "mean", "max_tokens": "max", "cls_token": "cls"}.get(mode, mode)
-                    spec.include_prompt = bool(pcfg.get("include_prompt", True))
-            elif kind.endswith("Normalize"):
-                spec.normalize = True
-        if any(str(m.get("type", "")).endswith("MultiVectorMask") for m in entries):
-            spec.multi_vector = _read_multi_vector(p, entries)
-    sbert = p / "sentence_bert_config.json"
-    if sbert.exists():
-        scfg = _read_json(sbert, dict, "a JSON object (the Transformer module's config)")
-        length = scfg.get("max_seq_length")
-        if length is not None and (not is_int(length) or length < 1):
-            raise ValueError(f"{sbert}: max_seq_length must be a positive integer (tokens) or null, got {length!r}")
-        spec.max_seq_length = length
-    st_cfg = p / "config_sentence_transformers.json"
-    if st_cfg.exists():
-        cfg = _read_json(st_cfg, dict, "a JSON object (sentence-transformers' model config)")
-        prompts = cfg.get("prompts") or {}
-        if not isinstance(prompts, dict) or not all(
-                isinstance(k, str) and isinstance(v, str | None) for k, v in prompts.items()):
-            raise ValueError(f"{st_cfg}: 'prompts' must map prompt names to prompt strings, got {prompts!r}")
-        spec.prompts.update({k: v or "" for k, v in prompts.items()})
-        if cfg.get("model_type") == "ColBERT" and spec.multi_vector is None:  # a PyLate (<= 3) ColBERT folder
-            spec.multi_vector = _read_pylate(p, cfg, spec)
-        spec.default_prompt_name = cfg.get("default_prompt_name")
-        if spec.default_prompt_name is not None and spec.default_prompt_name not in spec.prompts:
-            raise ValueError(f"{st_cfg}: default_prompt_name {spec.default_prompt_name!r} is not one of its prompts "
-                             f"{sorted(spec.prompts)}; add it to 'prompts' or remove default_prompt_name")
-
-
-_SPLADE_CHOICES = {"pooling_strategy": ("max", "sum"), "activation_function": ("relu", "log1p_relu")}
-
-
-def _read_splade(cfg_path: Path) -> dict[str, str]:
-    """A SpladePooling config with sentence-transformers' defaults (max, relu) filled in; unknown values refused."""
-    cfg = _read_json(cfg_path, dict, "a JSON object (the SpladePooling config)") if cfg_path.exists() else {}
-    out = {}
-    for key, choices in _SPLADE_CHOICES.items():
-        out[key] = cfg.get(key) or choices[0]
-        if out[key] not in choices:
-            raise ValueError(f"{cfg_path}: {key}={out[key]!r} is not supported; valid: {', '.join(choices)}")
-    return out
-
-
-def _module_folder(p: Path, entry: dict) -> Path:
-    """The folder of a ``modules.json`` entry; ``ValueError`` when its path leads outside the model folder (an
-    absolute path, or ``..`` above it). Checked on the path as written: a module folder that is a symlink (a folder
-    assembled from links) is followed."""
-    rel = str(entry.get("path", ""))
-    norm = os.path.normpath(rel) if rel else "."
-    if os.path.isabs(rel) or norm == ".." or norm.startswith(("../", "..\\")):
-        raise ValueError(f"{p / 'modules.json'}: module path {entry.get('path')!r} is outside the model folder; "
-                         "refusing to read from there")
-    return p / rel
-
-
-_MV_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
-_QUERY_EXPANSION_KEYS = {"strategy", "attend", "token", "length"}
-
-
-def _multi_vector_modules(p: Path, entries: list) -> tuple[Path | None, str, bool, dict]:
-    """The Dense folder and activation, whether Normalize follows, and MultiVectorMask's config."""
-    dense, activation, normalize, mask = None, "identity", False, {}
-    for m in entries:
-        kind, folder = str(m.get("type", "")), _module_folder(p, m)
-        cfg_path = folder / "config.json"
-        reads_config = kind.endswith(("Dense", "MultiVectorMask"))  # the Transformer's config.json is read already
-        cfg = _read_json(cfg_path, dict, "a JSON object (the module's config)") \
-            if reads_config and cfg_path.exists() else {}
-        if kind.endswith("Dense"):
-            if dense is not None:
-                raise ValueError(f"{p / 'modules.json'}: more than one Dense in a multi-vector model is not supported")
-            if cfg.get("module_input_name", "token_embeddings") != "token_embeddings":
-                raise ValueError(f"{cfg_path}: a Dense over {cfg.get('module_input_name')!r} in a multi-vector model "
-                                 "is not supported; only a projection of every token (token_embeddings)")
-            name = cfg.get("activation_function", "torch.nn.modules.linear.Identity")
-            if name not in _MV_ACTIVATIONS:
-                raise ValueError(f"{cfg_path}: activation_function {name!r} is not supported; valid: "
-                                 f"{', '.join(_MV_ACTIVATIONS)}")
-            dense, activation = folder, _MV_ACTIVATIONS[name]
-        elif kind.endswith("Normalize"):
-            normalize = True
-        elif kind.endswith("MultiVectorMask"):
-            mask = cfg
-        elif not kind.endswith("Transformer"):
-            raise ValueError(f"{p / 'modules.json'}: module {kind!r} in a multi-vector model is not supported "
-                             "(Transformer, Dense, MultiVectorMask and Normalize are)")
-    return dense, activation, normalize, mask
-
-
-def _read_multi_vector(p: Path, entries: list) -> MultiVectorSpec:
-    """A MultiVectorEncoder folder's modules (``MultiVectorSpec``); what we cannot reproduce is refused by name."""
-    dense, activation, normalize, mask = _multi_vector_modules(p, entries)
-    if mask.get("keep_only_token_ids"):
-        raise ValueError(f"{p}: MultiVectorMask keep_only_token_ids (image-patch documents) is not supported")
-    tcfg = _read_json(p / "sentence_bert_config.json", dict, "a JSON object (the Transformer module's config)") \
-        if (p / "sentence_bert_config.json").exists() else {}
-    qe = _query_expansion(tcfg.get("query_expansion"), p / "sentence_bert_config.json")
-    tasks = mask.get("skiplist_tasks") or ["document"]
-    return MultiVectorSpec(
-        dense=dense, activation=activation, normalize=normalize,
-        skiplist_words=tuple(mask.get("skiplist_words") or ()),
-        skiplist_tasks=(tasks,) if isinstance(tasks, str) else tuple(tasks),
-        query_expansion=qe, query_length=tcfg.get("query_length"), document_length=tcfg.get("document_length"))
-
-
-def _query_expansion(qe, where: Path) -> dict | None:
-    """A checked ``query_expansion`` with sentence-transformers' defaults (``attend`` False, ``token`` None)."""
-    if qe is not None:
-        if (not isinstance(qe, dict) or set(qe) - _QUERY_EXPANSION_KEYS or qe.get("strategy") not in ("fixed", "min")
-                or not isinstance(qe.get("length"), int) or qe["length"] < 1):
-            raise ValueError(f"{where}: query_expansion {qe!r} is not valid: expected "
-                             "{'strategy': 'fixed' | 'min', 'attend': bool, 'token': str | None, 'length': int >= 1}")
-        qe = {"strategy": qe["strategy"], "attend": bool(qe.get("attend", False)), "token": qe.get("token"),
-              "length": qe["length"]}
-    return qe
-
-
-def _read_pylate(p: Path, cfg: dict, spec: ModelSpec) -> MultiVectorSpec:
-    """A PyLate (<= 3) ColBERT folder, read as sentence-transformers' ``MultiVectorEncoder`` reads it: the top-level
-    ``query_prefix`` / ``document_prefix`` start the ``query`` / ``document`` prompts (and become single special
-    tokens when the vocabulary has them); ``query_length`` is the expansion length (32 when absent) unless
-    ``do_query_expansion`` is false; ``attend_to_expansion_tokens`` is ``attend``; the skiplist is the config's or
-    ``string.punctuation``; a token-level Normalize follows the Dense."""
-    import string
-
-    where = p / "config_sentence_transformers.json"
-    entries = _read_json(p / "modules.json", list, "a JSON list of sentence-transformers modules") \
-        if (p / "modules.json").exists() else []
-    dense, activation, _, _ = _multi_vector_modules(p, entries)
-    prefixes = {}
-    for key, name in (("query_prefix", "query"), ("document_prefix", "document")):
-        if key in cfg:
-            prefixes[name] = cfg[key] or ""
-            spec.prompts[name] = prefixes[name] + ((cfg.get("prompts") or {}).get(name) or "").removeprefix(
-                prefixes[name])
-    lengths = {k: cfg[k] for k in ("query_length", "document_length") if cfg.get(k) is not None}
-    if "query_expansion" in cfg:
-        qe = _query_expansion(cfg["query_expansion"], where)
-    elif cfg.get("do_query_expansion") is False:
-        qe = None
-    else:
-        attend = cfg.get("attend_to_expansion_tokens", cfg.get("attend_to_mask_tokens"))
-        qe = _query_expansion({"strategy": "fixed", "attend": bool(attend),
-                               "length": lengths.pop("query_length", None) or 32}, where)
-    skip = cfg.get("skiplist_words")
-    return MultiVectorSpec(
-        dense=dense, activation=activation, normalize=True,
-        skiplist_words=tuple(string.punctuation if skip is None else skip), skiplist_tasks=("document",),
-        query_expansion=qe, query_length=lengths.get("query_length"), document_length=lengths.get("document_length"),
-        prefix_tokens=tuple(v for v in prefixes.values() if v))
-
-
-def register_prefix_tokens(tokenizer, prefixes: tuple[str, ...]) -> None:
-    """PyLate's prefixes as single, case-kept special tokens when the vocabulary (or its added tokens) holds them
-    but text would split them (``[unused0]`` -> ``[``, ``unused``, ...), so prepending them as text gives the
-    tokens they were trained with, as sentence-transformers does; prefixes the tokenizer does not know stay text."""
-    from tokenizers import AddedToken
-
-    known = set(tokenizer.get_vocab()) | set(getattr(tokenizer, "added_tokens_encoder", None) or {})
-    new = []
-    for value in prefixes:
-        if not value.split():
-            continue
-        for prefix in (value, value.split(None, 1)[0]):
-            if prefix in known:
-                if tokenizer.tokenize(prefix) != [prefix]:
-                    new.append(AddedToken(prefix, normalized=False, special=True))
-                break
-    if new:
-        tokenizer.add_special_tokens({"additional_special_tokens": new})
-
-
 def _read_multi_vector_dense(folder: Path) -> dict[str, torch.Tensor]:
     """The Dense module's ``linear.weight`` (and ``linear.bias``) as the model's ``colbert_linear`` head."""
     st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
@@ -611,7 +342,7 @@ def _check_tokenizer_files(p: Path) -> None:
             start = f.read(4096).lstrip()
         if not start.startswith(b"{"):  # not an object: parsed in full only then, for the message
             try:
-                _read_json(tok, dict, "a JSON object (the fast tokenizer: its model, vocabulary and rules)")
+                read_json(tok, dict, "a JSON object (the fast tokenizer: its model, vocabulary and rules)")
             except ValueError as e:
                 raise ValueError(f"{e}; download or save the tokenizer again (tokenizer.save_pretrained)") from None
         return
