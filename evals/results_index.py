@@ -131,14 +131,14 @@ def write_meta(path: Path, command: str | None = None, when: str | None = None) 
 
 
 def save_file(path: Path, data) -> Path:
-    """Writes one result file whole through ``lab.distributed.shards.atomic_write`` (a temporary file beside it,
+    """Writes one result file whole through ``lab._files.atomic_write`` (a temporary file beside it,
     flushed, then renamed over ``path``), its folder made where missing: a run that fails (a full disk, a size
     limit, an interrupt) leaves the file written before as it was. ``data``: bytes as they are, a str as UTF-8, a
     pandas DataFrame as CSV without its index, a matplotlib figure as an image in the format of ``path``'s suffix
     at 120 dpi. Returns ``path``."""
     import io
 
-    from lab.distributed.shards import atomic_write
+    from lab._files import atomic_write
 
     path = Path(path)
     if isinstance(data, str):

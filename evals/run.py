@@ -16,8 +16,11 @@ writes ``<cache>/results/<org__name>/<revision>/<Task>.json`` and ``model_meta.j
 memory, embedding size, token limit, license / languages from the model card): the folder the MTEB leaderboard reads,
 and ``mteb.ResultCache(<cache>).load_results(models=["org/name"])`` reads it back. Variants go to
 ``<cache>/results/<org__name>/<revision>/experiments/<knob values>/`` and never overwrite it. The run is resumable:
-started again (after it was killed, say) it evaluates only the tasks the cache does not hold. Tasks whose data
-cannot be loaded (offline, not in the datasets cache) are skipped with the reason; the others run.
+started again (after it was killed, say) it evaluates only the tasks the cache does not hold. Every result file is
+written whole (``lab.eval.sweeps.result_cache_class``): a full disk or a killed run leaves the results written before
+readable, a write that fails names the folder, and a result file found damaged is named and computed again. A file
+in place of the ``--cache`` or ``--out`` folder is named before any work. Tasks whose data cannot be loaded
+(offline, not in the datasets cache) are skipped with the reason; the others run.
 
 Submitting to the leaderboard: the leaderboard is built from the results repository
 https://github.com/embeddings-benchmark/results. Open a pull request there that adds the run's
@@ -29,7 +32,8 @@ submitted.
 
 Also writes ``<out>/<model>_<machine>.csv`` (every metric, with the run's ``run_date``), ``<out>/<model>_<machine>.md``
 (main scores x100, variant x task, then the per-task table), the command in ``<csv>.meta.json`` and, when
-``lab.eval.plots.scores`` exists, ``<out>/<model>_<machine>.png``; ``<out>`` defaults to ``evals/results/mteb``, the
+``lab.eval.plots.scores`` exists, ``<out>/<model>_<machine>.png``, each written whole (a temporary file, then
+renamed: ``evals.results_index.save_table``); ``<out>`` defaults to ``evals/results/mteb``, the
 machine is the engine's device's (``evals.results_index.device_slug``: the CPU's ``lab.ops.probes.machine_slug()``
 or the GPU's name). The per-task table (``lab.eval.sweeps.task_table``) has each task's main score, whether it was
 computed, read from the cache or skipped (and why), and the engine's tokens/s over the task's encode calls.
@@ -111,12 +115,14 @@ def tasks_markdown(view) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save_plot(df, path: Path) -> Path | None:
-    """``lab.eval.plots.scores(df)`` saved as PNG when the plotting module exists; otherwise nothing."""
+def plot_png(df) -> bytes | None:
+    """``lab.eval.plots.scores(df)`` as PNG bytes when the plotting module exists; otherwise ``None``."""
     try:
         from lab.eval.plots import scores
     except ImportError:
         return None
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,8 +132,9 @@ def save_plot(df, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
 
         fig = plt.gcf()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    return path
+    png = io.BytesIO()
+    fig.savefig(png, dpi=120, bbox_inches="tight", format="png")
+    return png.getvalue()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,9 +193,12 @@ def main(argv: list[str] | None = None, *, engine=None):
             parser.error(f"--benchmark {args.benchmark!r}: {e.args[0] if e.args else e}; the names are "
                          "[b.name for b in mteb.get_benchmarks()]")
     from evals.tasks import get_tasks
+    from lab._files import make_folder
     from lab.eval.mteb_adapter import model_name
-    from lab.eval.sweeps import DEFAULT_CACHE, evaluate, task_table
+    from lab.eval.sweeps import DEFAULT_CACHE, evaluate, resolve_cache, task_table
 
+    make_folder(args.out, "the run's table and plot", "pass --out a folder that can be written")  # before any work
+    cache = None if args.no_cache else resolve_cache(args.cache or DEFAULT_CACHE)  # its folder too
     if engine is None:
         from lab.engine import Engine
 
@@ -197,7 +207,6 @@ def main(argv: list[str] | None = None, *, engine=None):
     elif args.fixed:
         engine.configure(**dict(args.fixed))
     tasks = benchmark if benchmark is not None else get_tasks(args.tasks, limit=args.limit)
-    cache = None if args.no_cache else (args.cache or DEFAULT_CACHE)
     df = evaluate(
         engine,
         tasks,
@@ -206,14 +215,11 @@ def main(argv: list[str] | None = None, *, engine=None):
         overwrite=args.overwrite,
         use_task_instructions=args.task_instructions,
     )
-    from evals.results_index import device_slug, stamp, write_meta
+    from evals.results_index import device_slug, save_table, stamp
 
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[^\w.-]+", "_", model_name(engine).replace("/", "__"))
     stem += "_" + device_slug(str((getattr(engine, "resolved", None) or {}).get("device", "cpu")))
-    csv_path, md_path = args.out / f"{stem}.csv", args.out / f"{stem}.md"
-    stamp(df).to_csv(csv_path, index=False)
-    write_meta(csv_path)
+    csv_path, md_path, png_path = (args.out / f"{stem}{suffix}" for suffix in (".csv", ".md", ".png"))
     table = main_table(df) if df["main"].any() else None
     view = tasks_view(task_table(df))
     what = f"benchmark: {benchmark.name}" if benchmark is not None else f"tasks: {', '.join(args.tasks)}"
@@ -221,11 +227,10 @@ def main(argv: list[str] | None = None, *, engine=None):
     if args.limit:
         header += f" (first {args.limit} items each, smoke run)"
     body = to_markdown(table) if table is not None else "no task was evaluated (see the tasks below)\n"
-    md_path.write_text(header + "\n\n" + body + "\n## Tasks\n\n" + tasks_markdown(view), encoding="utf-8")
-    written = [csv_path, md_path]
-    png = save_plot(df, args.out / f"{stem}.png") if table is not None else None
-    if png:
-        written.append(png)
+    png = plot_png(df) if table is not None else None
+    save_table(csv_path, stamp(df), {md_path: header + "\n\n" + body + "\n## Tasks\n\n" + tasks_markdown(view),
+                                     png_path: png})
+    written = [csv_path, md_path, *([png_path] if png else [])]
     if table is not None:
         print(table.to_string())
     print(view.to_string(index=False))

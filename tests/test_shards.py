@@ -185,3 +185,42 @@ def test_ids_parquet_cannot_store_are_refused_up_front(tmp_path):
     man = Manifest.open(tmp_path / "out", job_record(src, shard_texts=2, model="m", digest="d", knobs={}))
     man.record(0, write_shard(tmp_path / "out", 0, src.ids, np.zeros((2, 3), np.float32)))
     assert read_embeddings(tmp_path / "out")[0] == [2**63 - 1, -(2**63)]
+
+
+def test_a_file_source_is_read_in_batches_and_cut_into_the_shards_a_list_gives(tmp_path, monkeypatch):
+    """Batches of 4 rows (``BATCH_ROWS``) over 23 rows in shards of 5: the same shards, ids and fingerprint from a
+    ``.jsonl``, a ``.jsonl.gz`` and a ``.parquet``; the rows are read again for each pass, never kept."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lab.distributed import shards
+
+    monkeypatch.setattr(shards, "BATCH_ROWS", 4)
+    rows = [{"id": f"d{i}", "text": f"text number {i}"} for i in range(23)]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "c.jsonl").write_text(lines)
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
+        f.write(lines)
+    pq.write_table(pa.table({"id": [r["id"] for r in rows], "text": [r["text"] for r in rows]}), tmp_path / "c.parquet")
+    want = [(k, [r["id"] for r in rows[5 * k:5 * k + 5]], [r["text"] for r in rows[5 * k:5 * k + 5]])
+            for k in range(5)]
+    sources = [read_source(tmp_path / name) for name in ("c.jsonl", "c.jsonl.gz", "c.parquet")]
+    for src in sources:
+        assert len(src) == 23 and list(src.shards(5)) == want
+        assert [k for k, _, _ in src.shards(23)] == [0] and src.ids == [r["id"] for r in rows]
+        assert all(len(ids) <= 4 for ids, _ in src.batches())
+    assert len({src.fingerprint() for src in sources}) == 1
+    listed = read_source([r["text"] for r in rows])
+    assert [t for _, _, texts in listed.shards(5) for t in texts] == [r["text"] for r in rows]
+
+
+def test_a_duplicate_id_across_batches_is_named_with_both_rows(tmp_path, monkeypatch):
+    from lab.distributed import shards
+
+    monkeypatch.setattr(shards, "BATCH_ROWS", 4)
+    rows = [{"id": i, "text": "t"} for i in range(10)] + [{"id": 3, "text": "again"}, {"id": 7, "text": "again"}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"id 3 appears twice \(rows 3 and 10\)"):
+        read_source(tmp_path / "c.jsonl")

@@ -44,6 +44,7 @@ except ImportError as e:  # the core engine does not need Ray; only this module 
     raise ImportError('lab.distributed needs Ray, which prefill-lab installs with its "ray" extra: '
                       'pip install -e ".[ray]"  (or: pip install "ray[data]>=2.9")') from e
 
+from lab._files import make_folder
 from lab.distributed.shards import (
     Manifest,
     job_record,
@@ -337,21 +338,30 @@ class RayEngine:
         """Embed chunks on the actors and yield each ``ChunkResult`` as it comes back (completion order).
 
         ``chunks``: ``(key, texts, actor)``, ``actor`` an index for a fixed actor or ``None`` for whichever is free
-        first. Each actor has up to ``in_flight`` calls queued, and its next is sent before a result is yielded, so
+        first, read as the actors take them (an iterator of chunks is never held whole). Each actor has up to
+        ``in_flight`` calls queued, and its next is sent before a result is yielded, so
         the actors work while the caller handles it. A call that an actor's death interrupts is retried by Ray on
         the restarted actor; an error inside a call is raised here. Closing the iterator early (an exception,
         Ctrl-C) cancels the calls still queued."""
         actors, call = self._live(), dict(call or {})
-        own, shared = [deque() for _ in actors], deque()
-        for key, texts, actor in chunks:
-            (shared if actor is None else own[actor]).append((key, texts))
+        own, rest = [deque() for _ in actors], iter(chunks)
         pending: dict = {}
 
+        def take(i: int) -> tuple | None:
+            """Actor ``i``'s next chunk: one waiting for it, else the next of ``chunks`` it may take (those for
+            another fixed actor met on the way wait for it)."""
+            if own[i]:
+                return own[i].popleft()
+            for key, texts, actor in rest:
+                if actor is None or actor == i:
+                    return key, texts
+                own[actor].append((key, texts))
+            return None
+
         def submit(i: int) -> None:
-            queue = own[i] or shared
-            if queue:
-                key, texts = queue.popleft()
-                pending[actors[i].embed.remote(texts, self._knobs, call)] = (key, i)
+            chunk = take(i)
+            if chunk is not None:
+                pending[actors[i].embed.remote(chunk[1], self._knobs, call)] = (chunk[0], i)
 
         for _ in range(in_flight):
             for i in range(len(actors)):
@@ -419,19 +429,24 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
         source: a list of strings (ids: their positions), a ``.jsonl`` / ``.jsonl.gz`` / ``.parquet`` path with an
             ``id`` and a ``text`` per row, or a ``ray.data.Dataset`` with those columns. Every row is checked
             before any actor starts: a missing or non-string text, a missing or duplicate id is a ``ValueError``.
+            A file or dataset is read in batches, never whole: the driver holds 16 bytes per row (the duplicate
+            check) and the texts of the shards in flight (``lab.distributed.shards.Source``).
         out_dir: ``shard-00000.parquet``, ... (shard ``k``: rows ``[k * shard_texts, (k + 1) * shard_texts)``) and
             ``manifest.json`` (the job, and per finished shard its rows, ids digest, file SHA-256, tokens, seconds,
             actor). Re-running into it skips the finished shards that check out (their files and ids as recorded)
             and recomputes the rest; a folder holding another job is refused. The job is keyed by content: the
             rows, ``shard_texts``, the model's and adapters' files (``lab.distributed.shards.model_digest``, hashed
             here when this machine holds the folder, else by an actor) and the knobs that change results, so new
-            weights at the same path are another job.
+            weights at the same path are another job. A folder that cannot be made (a file in its place) is an
+            ``OSError`` naming it before any work; a shard or manifest write that fails (a full disk, a size limit)
+            is an ``OSError`` naming the folder and the bytes it needed, the shards written before left whole.
         knobs: Engine knobs for the actors. on_shard: called with each finished shard's row after it is recorded
             (an exception raised in it stops the job; the finished shards stay).
 
     Returns a DataFrame over every finished shard: shard, actor, pid, rows, tokens, seconds (inside the actor),
-    node, file, finished, and ``computed`` (done by this call, not an earlier one). Ctrl-C stops the job; the shards
-    written so far are complete and recorded, and the next run resumes after them.
+    node, file, finished, and ``computed`` (done by this call, not an earlier one). Ctrl-C, a killed process or a
+    failed write stops the job; the shards written so far are complete and recorded (each file is renamed into
+    place whole, then the manifest rewritten the same way), and the next run resumes after them.
     """
     if not isinstance(shard_texts, int) or isinstance(shard_texts, bool) or shard_texts < 1:
         raise ValueError(f"shard_texts must be a positive int, got {shard_texts!r}")
@@ -441,12 +456,11 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
                          "reng.configure(...) before calling embed_dataset(reng, ...)")
     src = read_source(source)
     result_knobs(dict(knobs or {}))  # a bad knob is named before any actor starts or any model is looked up
+    out = make_folder(Path(out_dir), "embed_dataset's shards", "point out_dir at a folder that can be written")
     if given:
         model, knobs = model_path.model_path, model_path.knobs
     else:
         model, knobs = actor_model(model_path, dict(knobs or {}))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     reng = model_path if given else None
     computed: set[int] = set()
     try:
@@ -460,21 +474,28 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
         manifest = Manifest.open(out, job_record(src, shard_texts=shard_texts, model=model, digest=digest,
                                                  knobs=knobs))
         manifest.save()
-        spans = {k: (k * shard_texts, min((k + 1) * shard_texts, len(src)))
-                 for k in range(math.ceil(len(src) / shard_texts))}
-        todo = [k for k, (a, b) in spans.items() if not manifest.finished(k, src.ids[a:b])]
-        if todo:
-            from tqdm.auto import tqdm
+        in_flight: dict[int, list] = {}  # shard -> its ids, while an actor embeds its texts
+        from tqdm.auto import tqdm
 
-            if reng is None:
-                reng = RayEngine(model, num_actors, threads_per_actor, address, **knobs)
-            with tqdm(total=len(spans), initial=len(spans) - len(todo), desc="embed_dataset", unit="shard",
-                      disable=not show_progress) as bar:
-                for res in reng.map_chunks((k, src.texts[slice(*spans[k])], None) for k in todo):
-                    a, b = spans[res.key]
-                    row = {**write_shard(out, res.key, src.ids[a:b], res.embeddings), "tokens": res.stats.tokens,
-                           "seconds": round(res.seconds, 4), "actor": res.actor, "pid": res.pid, "node": res.node,
-                           "finished": round(time.time(), 3)}
+        with tqdm(total=math.ceil(len(src) / shard_texts), desc="embed_dataset", unit="shard",
+                  disable=not show_progress) as bar:
+            def unfinished():  # the shards to compute, read from the source as the actors take them
+                for k, ids, texts in src.shards(shard_texts):
+                    if manifest.finished(k, ids):
+                        bar.update(1)
+                        continue
+                    in_flight[k] = ids
+                    yield k, texts, None
+
+            todo = unfinished()
+            first = next(todo, None)
+            if first is not None:
+                if reng is None:
+                    reng = RayEngine(model, num_actors, threads_per_actor, address, **knobs)
+                for res in reng.map_chunks(itertools.chain([first], todo)):
+                    row = {**write_shard(out, res.key, in_flight.pop(res.key), res.embeddings),
+                           "tokens": res.stats.tokens, "seconds": round(res.seconds, 4), "actor": res.actor,
+                           "pid": res.pid, "node": res.node, "finished": round(time.time(), 3)}
                     manifest.record(res.key, row)
                     computed.add(res.key)
                     bar.update(1)

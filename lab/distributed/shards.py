@@ -5,7 +5,9 @@ written atomically, and the manifest that lists the finished ones.
 needs no Ray (but to read a ``ray.data.Dataset``). Shard ``k`` holds source rows ``[k * shard_texts, (k + 1) *
 shard_texts)``. Each shard is written to a temporary file in the output folder and renamed into place
 (``os.replace``), so a crash never leaves a half-written ``shard-*.parquet``; the manifest is rewritten the same way
-after every shard and records, per shard, its file's SHA-256 and a digest of its ids.
+after every shard and records, per shard, its file's SHA-256 and a digest of its ids. A write that fails (a full
+disk, a file size limit, a folder that cannot be written) raises an ``OSError`` naming the folder, the bytes it
+needed and what to do (``lab._files.atomic_write``), and leaves the files written before whole.
 
 A job is keyed by what computes its vectors, not by paths: the rows (a fingerprint of every id and text), the shard
 size, ``model_digest`` (the content of the model's weights, tokenizer and config files and of the adapters', in
@@ -22,17 +24,19 @@ refused. ``read_embeddings`` checks every shard the same way and names the file 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
 import os
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from lab._files import NO_ROOM, atomic_write
 from lab.engine.inputs import check_encodable
 from lab.engine.knobs import Knobs
 from lab.eval.mteb_adapter import SCHEDULING_KNOBS
@@ -43,27 +47,58 @@ INT64 = (-(2**63), 2**63 - 1)  # the ids Parquet's int64 column holds
 # model-folder files a loader never reads (other frameworks' weights, docs): left out of model_digest
 NOT_READ = (".md", ".h5", ".msgpack", ".ot", ".onnx")
 INFO_KEYS = ("model", "adapters")  # recorded in the job for people to read; a resume compares the content instead
+# what to do when a shard or the manifest cannot be written (a full disk, a size limit, a read-only folder)
+JOB_FIX = (f"{NO_ROOM} and run embed_dataset again: it resumes after the shards already written; or point out_dir at "
+           "a folder with room (the job starts over there)")
 
 
-@dataclass
+BATCH_ROWS = 8192  # rows a file or dataset source is read in at a time
+
+
 class Source:
-    """The rows of a job, checked: unique ids (all ``int`` or all ``str``) and string texts, in source order."""
+    """The rows of a job, checked once (``read_source``) and read again in order, shard by shard (``shards``). A file
+    or a dataset is never held in memory whole: the check keeps 16 bytes per row (a hash of its id, for the
+    duplicate check) and a shard's rows are read when the shard is sent. ``batches()`` yields ``(ids, texts)`` lists
+    in source order, ``kind``: list, jsonl, parquet, ray.data.Dataset."""
 
-    ids: list
-    texts: list[str]
-    kind: str  # list, jsonl, parquet, ray.data.Dataset
+    def __init__(self, kind: str, batches: Callable[[], Iterator[tuple[list, list]]], where: str):
+        self.kind, self.where, self.batches = kind, where, batches
+        self.rows, self._fingerprint = _check_rows(batches, where)
 
     def __len__(self) -> int:
-        return len(self.texts)
+        return self.rows
 
     def fingerprint(self) -> str:
         """SHA-256 over every ``(id, text)`` in order, each field length-prefixed (no text or id can pass for
         another's end): a resume must see the same rows in the same shards."""
-        h = hashlib.sha256()
-        for i, t in zip(self.ids, self.texts):
-            h.update(framed(id_bytes(i)))
-            h.update(framed(t.encode("utf-8")))
-        return h.hexdigest()
+        return self._fingerprint
+
+    def shards(self, size: int) -> Iterator[tuple[int, list, list[str]]]:
+        """``(k, ids, texts)`` of shard ``k`` (rows ``[k * size, (k + 1) * size)``) for every shard, in order."""
+        ids: list = []
+        texts: list[str] = []
+        k = 0
+        for more_ids, more_texts in self.batches():
+            ids += more_ids
+            texts += more_texts
+            if len(ids) >= size:
+                for start in range(0, len(ids) - size + 1, size):
+                    yield k, ids[start:start + size], texts[start:start + size]
+                    k += 1
+                cut = len(ids) - len(ids) % size
+                ids, texts = ids[cut:], texts[cut:]
+        if ids:
+            yield k, ids, texts
+
+    @property
+    def ids(self) -> list:
+        """Every id in order (reads the whole source: for small sources)."""
+        return [i for ids, _ in self.batches() for i in ids]
+
+    @property
+    def texts(self) -> list[str]:
+        """Every text in order (reads the whole source: for small sources)."""
+        return [t for _, texts in self.batches() for t in texts]
 
 
 def framed(data: bytes) -> bytes:
@@ -85,7 +120,7 @@ def ids_digest(ids) -> str:
 
 
 def read_source(source) -> Source:
-    """Read and check a job's rows before any work starts.
+    """Check a job's rows before any work starts, reading them once in batches (``Source``).
 
     ``source``: a list of strings (ids are their positions), a ``.jsonl`` / ``.jsonl.gz`` or ``.parquet`` path
     whose rows have an ``id`` and a ``text``, or a ``ray.data.Dataset`` with those columns (read in order).
@@ -97,46 +132,56 @@ def read_source(source) -> Source:
             raise FileNotFoundError(f"source {path} does not exist")
         name = path.name.lower()
         if name.endswith((".jsonl", ".jsonl.gz")):
-            return read_jsonl_source(path)
+            return Source("jsonl", functools.partial(_jsonl_batches, path), str(path))
         if name.endswith(".parquet"):
-            return read_parquet_source(path)
+            _parquet_columns(path)
+            return Source("parquet", functools.partial(_parquet_batches, path), str(path))
         raise ValueError(f"source {path}: unknown file type; use a .jsonl, .jsonl.gz or .parquet file with an 'id' "
                          "and a 'text' per row, a list of strings, or a ray.data.Dataset")
     if callable(getattr(source, "iter_batches", None)):
-        return read_dataset_source(source)
+        columns = source.columns()
+        missing = [c for c in ("id", "text") if c not in columns]
+        if missing:
+            raise ValueError(f"the ray.data.Dataset has no {' or '.join(repr(c) for c in missing)} column (it has "
+                             f"{columns}); every row needs an 'id' and a string 'text'")
+        return Source("ray.data.Dataset", functools.partial(_dataset_batches, source), "the ray.data.Dataset")
     if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
         texts = list(source)
-        check_rows(list(range(len(texts))), texts, "the source list")
-        return Source(list(range(len(texts))), texts, "list")
+        return Source("list", lambda: iter([(list(range(len(texts))), texts)]), "the source list")
     raise ValueError(f"source must be a list of strings, a .jsonl / .parquet path or a ray.data.Dataset; got "
                      f"{type(source).__name__}")
 
 
-def read_jsonl_source(path: Path) -> Source:
-    ids, texts = [], []
+def _jsonl_batches(path: Path) -> Iterator[tuple[list, list]]:
+    ids, texts, row = [], [], 0
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                record = json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{path} line {line_no} is not valid JSON ({e})") from None
-            if not isinstance(row, dict):
+            if not isinstance(record, dict):
                 raise ValueError(  # noqa: TRY004 - a bad row of the source is a ValueError, like the others
-                    f"{path} line {line_no} is a JSON {type(row).__name__}, not an object with an 'id' and a 'text'")
+                    f"{path} line {line_no} is a JSON {type(record).__name__}, not an object with an 'id' and a "
+                    "'text'")
             for key in ("id", "text"):
-                if key not in row:
-                    raise ValueError(f"{path} line {line_no} (row {len(ids)}) has no {key!r}; every row needs an "
-                                     f"'id' and a string 'text' (it has {sorted(row)})")
-            ids.append(row["id"])
-            texts.append(row["text"])
-    check_rows(ids, texts, str(path))
-    return Source(ids, texts, "jsonl")
+                if key not in record:
+                    raise ValueError(f"{path} line {line_no} (row {row}) has no {key!r}; every row needs an "
+                                     f"'id' and a string 'text' (it has {sorted(record)})")
+            ids.append(record["id"])
+            texts.append(record["text"])
+            row += 1
+            if len(ids) == BATCH_ROWS:
+                yield ids, texts
+                ids, texts = [], []
+    if ids:
+        yield ids, texts
 
 
-def read_parquet_source(path: Path) -> Source:
+def _parquet_columns(path: Path) -> None:
     import pyarrow.parquet as pq
 
     columns = pq.read_schema(path).names
@@ -144,65 +189,88 @@ def read_parquet_source(path: Path) -> Source:
     if missing:
         raise ValueError(f"{path} has no {' or '.join(repr(c) for c in missing)} column (it has {columns}); every "
                          "row needs an 'id' and a string 'text'")
-    table = pq.read_table(path, columns=["id", "text"])
-    ids, texts = table.column("id").to_pylist(), table.column("text").to_pylist()
-    check_rows(ids, texts, str(path))
-    return Source(ids, texts, "parquet")
 
 
-def read_dataset_source(ds) -> Source:
+def _parquet_batches(path: Path) -> Iterator[tuple[list, list]]:
+    import pyarrow.parquet as pq
+
+    with pq.ParquetFile(path) as f:
+        for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=["id", "text"]):
+            yield batch.column("id").to_pylist(), batch.column("text").to_pylist()
+
+
+def _dataset_batches(ds) -> Iterator[tuple[list, list]]:
     """A ``ray.data.Dataset``'s ``id`` and ``text`` columns, read in order (``preserve_order`` on the dataset's own
     context while reading, so the same dataset gives the same shards when a job resumes)."""
-    columns = ds.columns()
-    missing = [c for c in ("id", "text") if c not in columns]
-    if missing:
-        raise ValueError(f"the ray.data.Dataset has no {' or '.join(repr(c) for c in missing)} column (it has "
-                         f"{columns}); every row needs an 'id' and a string 'text'")
     from ray.data import DataContext
 
     options = (getattr(ds, "context", None) or DataContext.get_current()).execution_options  # its own, if it has one
     keep, options.preserve_order = options.preserve_order, True
-    ids, texts = [], []
     try:
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            ids += batch.column("id").to_pylist()
-            texts += batch.column("text").to_pylist()
+        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=BATCH_ROWS):
+            yield batch.column("id").to_pylist(), batch.column("text").to_pylist()
     finally:
         options.preserve_order = keep
-    check_rows(ids, texts, "the ray.data.Dataset")
-    return Source(ids, texts, "ray.data.Dataset")
 
 
-def check_rows(ids: list, texts: list, where: str) -> None:
-    """``ValueError`` naming the first bad row of ``where``: text missing or not a string (or not valid Unicode),
-    id missing, ids not all ``int`` or all ``str``, an int id outside 64 bits (Parquet's), a duplicate id."""
-    seen: dict = {}
-    kind = None
-    for row, (i, t) in enumerate(zip(ids, texts)):
-        if t is None:
-            raise ValueError(f"{where}: row {row} (id {i!r}) has no text; every row needs a string 'text'")
-        if not isinstance(t, str):
-            raise ValueError(  # noqa: TRY004 - a bad row of the source is a ValueError, like a missing text
-                f"{where}: row {row} (id {i!r}) has a {type(t).__name__} text ({t!r:.40}), not a string; convert or "
-                "drop it")
-        check_encodable(t, f"{where}: row {row}")
-        if i is None:
-            raise ValueError(f"{where}: row {row} has no id")
-        if isinstance(i, bool) or not isinstance(i, (int, str)):
-            raise ValueError(  # noqa: TRY004 - a bad row of the source is a ValueError, like a missing id
-                f"{where}: row {row} has a {type(i).__name__} id ({i!r}); ids must be ints or strings")
-        if isinstance(i, int) and not INT64[0] <= i <= INT64[1]:
-            raise ValueError(f"{where}: row {row} has the id {i}, outside the 64-bit range the Parquet shards store "
-                             f"({INT64[0]} to {INT64[1]}); use smaller ints or string ids")
-        if kind is None:
-            kind = str if isinstance(i, str) else int
-        elif not isinstance(i, kind):
-            raise ValueError(f"{where}: row {row} has a {type(i).__name__} id ({i!r}) but earlier ids are "
-                             f"{kind.__name__}s; use one type for every id")
-        if i in seen:
-            raise ValueError(f"{where}: id {i!r} appears twice (rows {seen[i]} and {row}); ids must be unique, since "
+def _check_rows(batches: Callable[[], Iterator[tuple[list, list]]], where: str) -> tuple[int, str]:
+    """Read the rows once: ``ValueError`` naming the first bad row of ``where`` (text missing or not a string, or
+    not valid Unicode; id missing, ids not all ``int`` or all ``str``, an int id outside 64 bits (Parquet's), a
+    duplicate id), else ``(rows, fingerprint)``. Duplicates are found by sorting 16-byte hashes of the ids, then
+    confirmed (and named) by reading the ids of the rows whose hashes collide."""
+    h, kind, row, hashes = hashlib.sha256(), None, 0, []
+    for ids, texts in batches():
+        for i, t in zip(ids, texts):
+            if t is None:
+                raise ValueError(f"{where}: row {row} (id {i!r}) has no text; every row needs a string 'text'")
+            if not isinstance(t, str):
+                raise ValueError(  # noqa: TRY004 - a bad row of the source is a ValueError, like a missing text
+                    f"{where}: row {row} (id {i!r}) has a {type(t).__name__} text ({t!r:.40}), not a string; "
+                    "convert or drop it")
+            check_encodable(t, f"{where}: row {row}")
+            if i is None:
+                raise ValueError(f"{where}: row {row} has no id")
+            if isinstance(i, bool) or not isinstance(i, (int, str)):
+                raise ValueError(  # noqa: TRY004 - a bad row of the source is a ValueError, like a missing id
+                    f"{where}: row {row} has a {type(i).__name__} id ({i!r}); ids must be ints or strings")
+            if isinstance(i, int) and not INT64[0] <= i <= INT64[1]:
+                raise ValueError(f"{where}: row {row} has the id {i}, outside the 64-bit range the Parquet shards "
+                                 f"store ({INT64[0]} to {INT64[1]}); use smaller ints or string ids")
+            if kind is None:
+                kind = str if isinstance(i, str) else int
+            elif not isinstance(i, kind):
+                raise ValueError(f"{where}: row {row} has a {type(i).__name__} id ({i!r}) but earlier ids are "
+                                 f"{kind.__name__}s; use one type for every id")
+            key = id_bytes(i)
+            h.update(framed(key))
+            h.update(framed(t.encode("utf-8")))
+            hashes.append(hashlib.blake2b(key, digest_size=16).digest())
+            row += 1
+    _check_unique(hashes, batches, where)
+    return row, h.hexdigest()
+
+
+def _check_unique(hashes: list[bytes], batches, where: str) -> None:
+    """``ValueError`` for the first row (in source order) whose id an earlier row has."""
+    keys = np.frombuffer(b"".join(hashes), dtype=np.dtype([("a", "<u8"), ("b", "<u8")]))
+    order = np.argsort(keys, order=("a", "b"), kind="stable")
+    same = np.flatnonzero(keys[order][1:] == keys[order][:-1])
+    if not len(same):
+        return
+    rows = {int(r) for j in same for r in (order[j], order[j + 1])}
+    found, row = {}, 0
+    for ids, _ in batches():
+        for i in ids:
+            if row in rows:
+                found[row] = i
+            row += 1
+    first: dict = {}
+    for r in sorted(found):
+        i = found[r]
+        if i in first:
+            raise ValueError(f"{where}: id {i!r} appears twice (rows {first[i]} and {r}); ids must be unique, since "
                              "each is written once")
-        seen[i] = row
+        first[i] = r
 
 
 # -------------------------------------------------------------------------------------------------- the manifest
@@ -376,27 +444,13 @@ class Manifest:
         mistaken for another job's)."""
         data = {"format": FORMAT, "job": self.job,
                 "shards": {str(k): self.shards[k] for k in sorted(self.shards)}}
-        atomic_write(self.out_dir / MANIFEST, json.dumps(data, indent=1).encode("utf-8"))
+        atomic_write(self.out_dir / MANIFEST, json.dumps(data, indent=1).encode("utf-8"), JOB_FIX)
 
     def summary(self) -> pd.DataFrame:
         """One row per finished shard: shard, actor, pid, rows, tokens, seconds, node, file, finished (epoch s)."""
         cols = ["shard", "actor", "pid", "rows", "tokens", "seconds", "node", "file", "finished"]
         rows = [{"shard": k, **{c: v.get(c) for c in cols[1:]}} for k, v in sorted(self.shards.items())]
         return pd.DataFrame(rows, columns=cols)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, flush it to disk, then rename it over ``path``; a write
-    that fails (a full disk, a size limit) removes the temporary file and leaves ``path`` as it was."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_shard(out_dir: Path, shard: int, ids: list, embeddings: np.ndarray) -> dict:
@@ -415,7 +469,7 @@ def write_shard(out_dir: Path, shard: int, ids: list, embeddings: np.ndarray) ->
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     data = sink.getvalue().to_pybytes()
-    atomic_write(Path(out_dir) / name, data)
+    atomic_write(Path(out_dir) / name, data, JOB_FIX)
     return {"file": name, "rows": n, "ids": ids_digest(ids), "sha256": hashlib.sha256(data).hexdigest()}
 
 

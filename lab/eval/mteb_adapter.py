@@ -20,10 +20,12 @@ Where it lands in mteb's ResultCache follows the knobs:
   ``results/<org__name>/<revision>/experiments/<pooling_mean__bidirectional_True...>/<Task>.json``.
 
 ``resolve_tasks`` turns task names, benchmark names and mteb ``Benchmark`` objects into mteb task objects (task
-names: the checkout's local copies first; ``lab.eval.sweeps`` and ``lab.eval.retrieval`` both use it).
+names: the checkout's local copies first; ``lab.eval.sweeps`` and ``lab.eval.retrieval`` both use it). A cache
+from ``lab.eval.sweeps.resolve_cache`` writes each result whole (mteb's own ``ResultCache`` rewrites a result file in
+place, so a full disk or a killed run can leave it truncated) and computes a damaged one again.
 
     >>> model = as_mteb_model(engine, instructions={"query": "Represent this query for retrieval"})
-    >>> mteb.evaluate(model, evals.tasks.get_tasks(["STSBenchmark"]), cache=mteb.ResultCache("evals/results/cache"))
+    >>> mteb.evaluate(model, evals.tasks.get_tasks(["STSBenchmark"]), cache=resolve_cache("evals/results/cache"))
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ plain run (knobs at their defaults) in ``<cache>/results/<org__name>/<revision>/
 ``model_meta.json``, the folder ``mteb.ResultCache(cache).load_results(models=[name])`` and the leaderboard read;
 each variant (a swept or set knob away from its default) apart, under ``.../<revision>/experiments/<knobs>/``
 (``lab.eval.mteb_adapter``). A rerun, or a run started again after it was killed, only evaluates the tasks (and
-splits) the cache does not hold. A task whose data cannot be loaded (offline and not in the datasets cache, say) is
-skipped with the reason while the others run.
+splits) the cache does not hold. Each result file is written whole (mteb writes it into a temporary folder, then it
+is moved into place), so a full disk or a killed run leaves the results written before readable; a result file
+found damaged is named in a warning and computed again. A task whose data cannot be loaded (offline and not in the
+datasets cache, say) is skipped with the reason while the others run.
 
 ``task_table(df)`` (also ``df.attrs["tasks"]``) has one row per (variant, task): its main score, whether it was
 computed, read from the cache or skipped (and why), and the engine's tokens, seconds and tokens/s over the task's
@@ -26,20 +28,27 @@ encode calls.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
+import os
+import shutil
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lab import env
+from lab._files import NO_ROOM, make_folder, write_failed
 from lab.eval.mteb_adapter import as_mteb_model, model_name, resolve_tasks
 
 if TYPE_CHECKING:
     import pandas as pd
 
 DEFAULT_CACHE = "default"  # the cache argument meaning default_cache_dir()
+STAGING = ".partial-"  # <cache>/.partial-<pid>/: where mteb writes a result before it is moved into place
+CACHE_FIX = ("point cache= (evals.run --cache, $LAB_MTEB_CACHE) at a folder that can be written; a rerun computes "
+             "only the results the cache lacks")
 _NOT_METRICS = frozenset({"hf_subset", "languages", "main_score", "mteb_version"})
 FIXED_COLUMNS = ("model", "variant")
 RESULT_COLUMNS = ("task", "split", "subset", "metric", "score", "main")
@@ -55,12 +64,89 @@ def default_cache_dir() -> Path:
 
 
 def resolve_cache(cache: Any = DEFAULT_CACHE):
-    """``ResultCache`` from a path, an existing ResultCache, the default (sentinel) or ``None`` (no caching)."""
+    """``ResultCache`` from a path, an existing ResultCache, the default (sentinel) or ``None`` (no caching). A path,
+    the default or a plain ``mteb.ResultCache`` becomes a ``result_cache_class()`` on that folder (results written
+    whole, a damaged one computed again), its ``results`` folder made here: a file in the way is named before any
+    work. A ResultCache of another subclass is used as it is."""
     import mteb
 
-    if cache is None or isinstance(cache, mteb.ResultCache):
+    if cache is None or (isinstance(cache, mteb.ResultCache) and type(cache) is not mteb.ResultCache):
         return cache
-    return mteb.ResultCache(default_cache_dir() if cache is DEFAULT_CACHE else Path(cache))
+    if isinstance(cache, mteb.ResultCache):
+        cache = cache.cache_path
+    path = default_cache_dir() if cache is DEFAULT_CACHE else Path(cache)
+    make_folder(path / "results", "mteb's result cache", CACHE_FIX)
+    return result_cache_class()(path)
+
+
+@functools.cache
+def result_cache_class() -> type:
+    """mteb's ``ResultCache`` made safe to stop at any point (the class is built on first use, as mteb is imported
+    late). mteb writes a result with ``open(path, "w")``, so a full disk or a kill in the middle leaves a truncated
+    JSON in place of the result that was there, which the next run then fails to read. This subclass:
+
+    - ``save_to_cache``: mteb writes the result (the task's JSON, ``model_meta.json``, ``run_settings.jsonl``) into
+      ``<cache>/.partial-<pid>/``, and each file is then moved into place whole (``os.replace``), the task's JSON
+      last. A write that fails raises an ``OSError`` naming the folder, about how many bytes and the fix, the
+      results already there left as they were; a killed run's ``.partial-<pid>`` folder is removed by the next.
+    - ``load_task_result``: a result file that cannot be read (truncated, edited) is named in a warning and taken
+      as missing, so mteb computes that task again and replaces the file.
+    """
+    import mteb
+
+    class SafeResultCache(mteb.ResultCache):
+        def __init__(self, cache_path=None) -> None:
+            super().__init__(cache_path)
+            for stale in self.cache_path.glob(f"{STAGING}*"):
+                if not _running(stale.name.removeprefix(STAGING)):
+                    shutil.rmtree(stale, ignore_errors=True)
+
+        def save_to_cache(self, task_result, model_name, model_revision=None, *, encode_kwargs=None) -> None:
+            final = self.get_task_result_path(task_result.task_name, model_name, model_revision)
+            make_folder(final.parent, f"mteb's result of {task_result.task_name}", CACHE_FIX)
+            root = self.cache_path / f"{STAGING}{os.getpid()}"
+            try:
+                stage = mteb.ResultCache(root)
+                staged = stage.get_task_result_path(task_result.task_name, model_name, model_revision)
+                staged.parent.mkdir(parents=True, exist_ok=True)
+                settings = final.parent / "run_settings.jsonl"  # mteb merges the new run's settings into it
+                if settings.is_file():
+                    shutil.copyfile(settings, staged.parent / settings.name)
+                stage.save_to_cache(task_result, model_name, model_revision, encode_kwargs=encode_kwargs)
+                for f in sorted(staged.parent.iterdir(), key=lambda f: f == staged):  # the result itself last
+                    if f.is_file():
+                        os.replace(f, final.parent / f.name)
+            except OSError as e:
+                size = len(task_result.model_dump_json(indent=2))  # about what mteb writes
+                raise write_failed(e, final, size, f"{NO_ROOM}, or {CACHE_FIX}") from e
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+
+        def load_task_result(self, task_name, model_name, model_revision=None, raise_if_not_found=False,
+                             prioritize_remote=False, experiment_name=None):
+            try:
+                return super().load_task_result(task_name, model_name, model_revision, raise_if_not_found,
+                                                prioritize_remote, experiment_name)
+            except (ValueError, KeyError, TypeError) as e:  # json's and pydantic's errors are ValueErrors
+                path = self.get_task_result_path(task_name, model_name, model_revision,
+                                                 experiment_name=experiment_name)
+                reason = " ".join(str(e).split())[:200]
+                warnings.warn(f"the cached mteb result {path} is damaged and cannot be read ({type(e).__name__}: "
+                              f"{reason}); {task_name} is computed again and the file replaced", stacklevel=2)
+                return None
+
+    return SafeResultCache
+
+
+def _running(pid: str) -> bool:
+    """Whether the process ``pid`` (a number as text) is running; False for text that is no number."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def variants(sweep: Mapping[str, Iterable] | None) -> list[dict[str, Any]]:
@@ -103,7 +189,9 @@ def evaluate(
         sweep: ``{knob: [values]}``; each combination is applied with ``engine.configure`` and the knobs are
             restored afterwards, even on error.
         cache: a folder, an ``mteb.ResultCache``, or ``None`` for no cache. Default ``evals/results/cache``
-            (``$LAB_MTEB_CACHE`` overrides).
+            (``$LAB_MTEB_CACHE`` overrides). Each result is written whole (``result_cache_class``): a write that
+            fails is an ``OSError`` naming the folder, the results there before left whole, and a damaged result
+            file is named in a warning and computed again.
         instructions / use_task_instructions: prompts per task / prompt type, see ``as_mteb_model``.
         overwrite: re-run even when the cache holds results.
         retrieval_modes: on every retrieval task, also score these ``lab.eval.retrieval`` modes (``sparse``,
