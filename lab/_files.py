@@ -35,13 +35,21 @@ def atomic_write(path: Path, data: bytes, fix: str = WRITE_FIX) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def write_failed(e: OSError, path: Path, size: int | None, fix: str) -> OSError:
-    """The error of a write of ``path`` that failed with ``e``: an ``OSError`` of the same errno (so the same
-    subclass), naming the file, its folder, the bytes the write needed (``size``, when known) and ``fix``."""
+def write_failed(e: Exception, path: Path, size: int | None, fix: str) -> OSError:
+    """The error of a write of ``path`` that failed with ``e`` (an ``OSError``, or a writer's own error for one:
+    ``is_write_error``): an ``OSError`` of the same errno (so the same subclass), naming the file, its folder, the
+    bytes the write needed (``size``, when known) and ``fix``."""
     need = f" ({size:,} bytes)" if size is not None else ""
-    msg = (f"cannot write {path.name}{need} to the folder {path.parent}: {e.strerror or e}; {fix}. The files "
-           "written there before are left whole")
-    return OSError(e.errno, msg) if e.errno is not None else OSError(msg)
+    errno = getattr(e, "errno", None)
+    msg = (f"cannot write {path.name}{need} to the folder {path.parent}: {getattr(e, 'strerror', None) or e}; "
+           f"{fix}. The files written there before are left whole")
+    return OSError(errno, msg) if errno is not None else OSError(msg)
+
+
+def is_write_error(e: BaseException) -> bool:
+    """Whether ``e`` is a failed write: an ``OSError``, or safetensors' ``SafetensorError`` (which its writer raises
+    for an I/O error such as EFBIG or ENOSPC)."""
+    return isinstance(e, OSError) or type(e).__name__ == "SafetensorError"
 
 
 def make_folder(folder: Path, what: str, fix: str) -> Path:

