@@ -7,8 +7,8 @@ bidirectional off (causal, as the checkpoint), in ``--dtype`` (bfloat16 by defau
 corpus (``evals.data_io.load_corpus``; short sentences and long abstracts, cut at ``--max-length`` tokens). Systems:
 the Engine eager (``compile=False``) and compiled (``compile=True``, its graphs built in the untimed warm-up and their
 first calls reported as ``compile_seconds``) and transformers' ``AutoModel`` over length-sorted padded batches
-(``evals.bench_decoder.PaddedTransformersEmbedder``, batch 16: the way llm2vec embeds with a decoder). Every system
-embeds once untimed, then ``--repeats`` rounds time each once, interleaved; ``peak_rss_delta_mb`` is how far the
+(``evals.padded_transformers.PaddedTransformersEmbedder``, batch 16: the way llm2vec embeds with a decoder). Every
+system embeds once untimed, then ``--repeats`` rounds time each once, interleaved; ``peak_rss_delta_mb`` is how far the
 process's resident memory rose above its level before the untimed call (``VmHWM`` reset through
 ``/proc/self/clear_refs``: activations, workspaces and copies made on the first call, the CPU workers' threads
 included; the weights loaded before it excluded), ``weights_mb`` the weights each holds.
@@ -67,7 +67,7 @@ def checkpoint(size: str) -> Path:
 
 
 def systems(path: Path, dtype: str, max_length: int) -> dict:
-    from evals.bench_decoder import PaddedTransformersEmbedder
+    from evals.padded_transformers import PaddedTransformersEmbedder
     from lab import Engine
 
     eager = Engine(str(path), dtype=dtype, pooling="mean", max_length=max_length, compile=False)

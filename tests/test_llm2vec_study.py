@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from evals import llm2vec_study as study
+from evals import llm2vec_study_recipe as recipe
+from evals import llm2vec_study_report as report
+from evals import llm2vec_study_text as train_text
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "evals" / "data"
@@ -30,7 +33,7 @@ def _strings(v):
 
 @pytest.fixture(scope="module")
 def text():
-    return study.training_texts()
+    return train_text.training_texts()
 
 
 def test_training_text_shares_no_sentence_with_any_evaluation_file(text):
@@ -46,44 +49,44 @@ def test_training_text_shares_no_sentence_with_any_evaluation_file(text):
                  "twentynewsgroups/test.subjects.jsonl.gz", "twitterurlcorpus/test.jsonl.gz",
                  "twitterurlcorpus/test.reranking.jsonl.gz", "scifact/corpus.jsonl.gz", "scifact/queries.test.jsonl"):
         assert must in names
-    assert sorted(files) == study.evaluation_files()
+    assert sorted(files) == train_text.evaluation_files()
     held = set()
     for f in files:
         with (gzip.open if f.suffix == ".gz" else open)(f, "rt", encoding="utf-8") as fh:
             for line in fh:
                 for s in _strings(json.loads(line)) if line.strip() else ():
                     held.add(_fold(s))
-                    held.update(_fold(x) for x in study.post_sentences(s))
+                    held.update(_fold(x) for x in train_text.post_sentences(s))
     assert len(held) > 50_000
     folded = [_fold(t) for t in texts]
     assert not set(folded) & held
-    assert len(set(folded)) == len(texts) == counts["kept"] == sum(study.TEXT_MIX.values())
+    assert len(set(folded)) == len(texts) == counts["kept"] == sum(train_text.TEXT_MIX.values())
 
 
 def test_training_text_is_the_committed_adapters_text(text):
     """The text is fixed by its seed: its fingerprint is the one every committed adapter's train_config.json records
     (the study checks it before reusing an adapter)."""
     texts, _ = text
-    assert study.training_texts()[0] == texts
-    for name in study.ADAPTERS:
+    assert train_text.training_texts()[0] == texts
+    for name in recipe.ADAPTERS:
         config = json.loads((study.DEFAULT_OUT / name / "train_config.json").read_text())
-        assert config["texts_sha1"] == study.texts_sha1(texts), name
+        assert config["texts_sha1"] == train_text.texts_sha1(texts), name
         assert config["texts"] == len(texts)
 
 
 def test_a_finished_adapter_trained_on_other_text_is_refused(tmp_path):
     """train() reuses a finished adapter only when its train_config.json records this text and recipe."""
-    texts, _ = study.training_texts()
+    texts, _ = train_text.training_texts()
     d = tmp_path / "mntp"
     d.mkdir()
     (d / "adapter_config.json").write_text("{}")
-    config = {"texts_sha1": study.texts_sha1(texts[:-1]), "seed": 0, **study.RECIPE["mntp"]}
+    config = {"texts_sha1": train_text.texts_sha1(texts[:-1]), "seed": 0, **recipe.RECIPE["mntp"]}
     (d / "train_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="other text or another recipe"):
-        study.train(tmp_path, tmp_path, 0, {"mntp"})
-    config["texts_sha1"] = study.texts_sha1(texts)
+        recipe.train(tmp_path, tmp_path, 0, {"mntp"})
+    config["texts_sha1"] = train_text.texts_sha1(texts)
     (d / "train_config.json").write_text(json.dumps(config))
-    assert study.train(tmp_path, tmp_path, 0, {"mntp"}) == {}
+    assert recipe.train(tmp_path, tmp_path, 0, {"mntp"}) == {}
 
 
 def test_post_sentences_keeps_prose_only():
@@ -103,21 +106,21 @@ def test_post_sentences_keeps_prose_only():
         "Bob, whose signature line is long enough to be a sentence by itself.",
     ]
     body = "\n".join(lines)
-    assert study.post_sentences(body) == [
+    assert train_text.post_sentences(body) == [
         "I think the launch was delayed for a different reason entirely.",
         "The engineers found a crack in the main fuel line during the last inspection!",
     ]
 
 
 def test_an_unknown_training_source_is_refused(monkeypatch):
-    monkeypatch.setattr(study, "TEXT_MIX", {"twentynewsgroups": 10, "wikipedia": 10})
+    monkeypatch.setattr(train_text, "TEXT_MIX", {"twentynewsgroups": 10, "wikipedia": 10})
     with pytest.raises(ValueError, match=r"TEXT_MIX names \['wikipedia'\]"):
-        study.training_texts()
+        train_text.training_texts()
 
 
 def test_mix_label_names_each_source_drawn():
-    assert study.mix_label({"twentynewsgroups": 4000, "banking77": 1000}) == "20NG 4,000 + Banking77 1,000"
-    assert study.mix_label({"twentynewsgroups": 5000, "banking77": 0}) == "20NG 5,000"
+    assert train_text.mix_label({"twentynewsgroups": 4000, "banking77": 1000}) == "20NG 4,000 + Banking77 1,000"
+    assert train_text.mix_label({"twentynewsgroups": 5000, "banking77": 0}) == "20NG 5,000"
 
 
 def _results(scores):
@@ -129,25 +132,25 @@ def _results(scores):
 def test_report_sets_every_training_text_side_by_side():
     """comparison_lines: a trained variant gets one row per training text (the earlier ones, then ``TEXT_MIX``), an
     untrained one a single row; each text's target line says met or short from its own gains."""
-    base = {("causal base", t): 40.0 for t in study.TARGETS}
-    current = _results({**base, **{(study.TARGET_VARIANT, t): 40.0 + g + 1 for t, g in study.TARGETS.items()},
+    base = {("causal base", t): 40.0 for t in report.TARGETS}
+    current = _results({**base, **{(report.TARGET_VARIANT, t): 40.0 + g + 1 for t, g in report.TARGETS.items()},
                         ("causal echo", "STSBenchmark"): 55.0})
-    short = _results({**base, **{(study.TARGET_VARIANT, t): 40.0 + g - 1 for t, g in study.TARGETS.items()}})
-    label = study.mix_label(study.TEXT_MIX)
-    lines = study.comparison_lines(current, {"earlier text": short})
-    rows = [line for line in lines if line.startswith(f"| {study.TARGET_VARIANT} |")]
+    short = _results({**base, **{(report.TARGET_VARIANT, t): 40.0 + g - 1 for t, g in report.TARGETS.items()}})
+    label = train_text.mix_label(train_text.TEXT_MIX)
+    lines = report.comparison_lines(current, {"earlier text": short})
+    rows = [line for line in lines if line.startswith(f"| {report.TARGET_VARIANT} |")]
     assert [r.split(" | ")[1] for r in rows] == ["earlier text", label] * 2  # scores, then gains
-    assert rows[2].endswith(" | ".join(f"{g - 1:+.2f}" for g in study.TARGETS.values()) + " |")
+    assert rows[2].endswith(" | ".join(f"{g - 1:+.2f}" for g in report.TARGETS.values()) + " |")
     assert sum(line.startswith("| causal echo | none (not trained) |") for line in lines) == 2
     targets = {line[2:].split(":")[0]: line for line in lines if line.startswith("- ") and "target +" in line}
-    assert targets["earlier text"].count("short") == len(study.TARGETS) and "met" not in targets["earlier text"]
-    assert targets[label].count("met") == len(study.TARGETS) and "short" not in targets[label]
+    assert targets["earlier text"].count("short") == len(report.TARGETS) and "met" not in targets["earlier text"]
+    assert targets[label].count("met") == len(report.TARGETS) and "short" not in targets[label]
     assert "largest difference 0.0000 points over 5 scores" in "\n".join(lines)
 
 
 def test_compared_tables_are_committed():
     """Every earlier training text the study compares with has its tables in the committed results folder."""
-    for label, (results, layers, what) in study.COMPARED.items():
+    for label, (results, layers, what) in report.COMPARED.items():
         assert (study.DEFAULT_OUT / results).exists(), label
         assert layers is None or (study.DEFAULT_OUT / layers).exists(), label
         assert what
@@ -161,7 +164,7 @@ def test_seed_runs_reads_each_other_seed_folder(tmp_path):
         (tmp_path / name).mkdir()
         _results({("causal base", "STS12"): score}).to_csv(tmp_path / name / "results.csv", index=False)
     (tmp_path / "seed3").mkdir()
-    runs = study.seed_runs(tmp_path, 0, this)
+    runs = report.seed_runs(tmp_path, 0, this)
     assert list(runs) == [0, 1, 2]
     assert runs[0] is this and [r.spearman_x100[0] for r in (runs[1], runs[2])] == [1.0, 2.0]
 
@@ -170,35 +173,35 @@ def test_seed_lines_give_every_seed_the_mean_and_the_targets_on_the_mean(tmp_pat
     """seed_lines: one gain row per seed for each trained variant, then the mean and the spread; the targets are
     judged on the mean (one seed short, the mean met); the target variant over the control per seed; nothing for a
     single seed. seed_plot draws them."""
-    base = {("causal base", t): 40.0 for t in study.TARGETS}
+    base = {("causal base", t): 40.0 for t in report.TARGETS}
     offsets = {0: -0.5, 1: 1.5}  # seed 0 short of every target by 0.5, seed 1 over by 1.5: mean over by 0.5
-    runs = {s: _results({**base, **{(study.TARGET_VARIANT, t): 40.0 + g + d for t, g in study.TARGETS.items()},
-                         **{(study.CONTROL, t): 45.0 for t in study.TARGETS},
+    runs = {s: _results({**base, **{(report.TARGET_VARIANT, t): 40.0 + g + d for t, g in report.TARGETS.items()},
+                         **{(report.CONTROL, t): 45.0 for t in report.TARGETS},
                          ("causal echo", "STS12"): 50.0})
             for s, d in offsets.items()}
-    assert study.seed_lines({0: runs[0]}) == []
-    lines = study.seed_lines(runs)
-    rows = {line.split(" | ")[1]: line for line in lines if line.startswith(f"| {study.TARGET_VARIANT} |")}
+    assert report.seed_lines({0: runs[0]}) == []
+    lines = report.seed_lines(runs)
+    rows = {line.split(" | ")[1]: line for line in lines if line.startswith(f"| {report.TARGET_VARIANT} |")}
     assert list(rows) == ["0", "1", "mean of 2", "spread"]
-    assert rows["0"].endswith(" | ".join(f"{g - 0.5:+.2f}" for g in study.TARGETS.values()) + " |")
-    assert rows["mean of 2"].endswith(" | ".join(f"{g + 0.5:+.2f}" for g in study.TARGETS.values()) + " |")
-    assert rows["spread"].endswith(" | ".join("2.00" for _ in study.TARGETS) + " |")
+    assert rows["0"].endswith(" | ".join(f"{g - 0.5:+.2f}" for g in report.TARGETS.values()) + " |")
+    assert rows["mean of 2"].endswith(" | ".join(f"{g + 0.5:+.2f}" for g in report.TARGETS.values()) + " |")
+    assert rows["spread"].endswith(" | ".join("2.00" for _ in report.TARGETS) + " |")
     assert not any(line.startswith("| causal echo |") for line in lines)  # untrained: the same in every seed
     target = next(line for line in lines if line.startswith("Targets on the mean of 2 seeds"))
-    assert target.count("met") == len(study.TARGETS) and "short" not in target
+    assert target.count("met") == len(report.TARGETS) and "short" not in target
     each = next(line for line in lines if line.startswith("Each seed on its own"))
-    first = f"seed 0 short on STSBenchmark {study.TARGETS['STSBenchmark'] - 0.5:+.2f}"
+    first = f"seed 0 short on STSBenchmark {report.TARGETS['STSBenchmark'] - 0.5:+.2f}"
     assert each.startswith(f"Each seed on its own: {first}")
     assert each.endswith("; seed 1 meets every target.")
-    partial = {**runs, 2: runs[1][runs[1].task != "SICK-R"], 3: runs[1][runs[1].variant != study.TARGET_VARIANT]}
-    each = next(line for line in study.seed_lines(partial) if line.startswith("Each seed on its own"))
-    assert each.endswith("; seed 2 not scored on SICK-R; seed 3 not scored on " + ", ".join(study.TARGETS) + ".")
-    over = next(line for line in lines if line.startswith(f"{study.TARGET_VARIANT} over {study.CONTROL}"))
-    g = study.TARGETS["STS12"]
+    partial = {**runs, 2: runs[1][runs[1].task != "SICK-R"], 3: runs[1][runs[1].variant != report.TARGET_VARIANT]}
+    each = next(line for line in report.seed_lines(partial) if line.startswith("Each seed on its own"))
+    assert each.endswith("; seed 2 not scored on SICK-R; seed 3 not scored on " + ", ".join(report.TARGETS) + ".")
+    over = next(line for line in lines if line.startswith(f"{report.TARGET_VARIANT} over {report.CONTROL}"))
+    g = report.TARGETS["STS12"]
     assert f"STS12 {g - 5.5:+.2f} / {g - 3.5:+.2f} (mean {g - 4.5:+.2f})" in over
-    study.seed_plot({s: r[r.variant == "causal base"] for s, r in runs.items()}, tmp_path)
+    report.seed_plot({s: r[r.variant == "causal base"] for s, r in runs.items()}, tmp_path)
     assert not (tmp_path / "seeds.png").exists()  # no trained variant: nothing to draw
-    study.seed_plot(runs, tmp_path)
+    report.seed_plot(runs, tmp_path)
     assert (tmp_path / "seeds.png").stat().st_size > 10_000
 
 
@@ -207,13 +210,13 @@ def test_committed_seed_folders_hold_that_seed_on_this_text(text):
     train_config.json), and scored every held-out set for the target variant."""
     import pandas as pd
 
-    folders = [d for d in study.DEFAULT_OUT.iterdir() if study._SEED_DIR.fullmatch(d.name)]
+    folders = [d for d in study.DEFAULT_OUT.iterdir() if report._SEED_DIR.fullmatch(d.name)]
     assert folders
     for d in folders:
-        for name, (objective, _, _) in study.ADAPTERS.items():
+        for name, (objective, _, _) in recipe.ADAPTERS.items():
             config = json.loads((d / name / "train_config.json").read_text())
             assert config["seed"] == int(d.name[4:]) != 0, d
-            assert config["texts_sha1"] == study.texts_sha1(text[0]), d
-            assert {k: config[k] for k in study.RECIPE[objective]} == study.RECIPE[objective], d
+            assert config["texts_sha1"] == train_text.texts_sha1(text[0]), d
+            assert {k: config[k] for k in recipe.RECIPE[objective]} == recipe.RECIPE[objective], d
         results = pd.read_csv(d / "results.csv")
-        assert set(results[results.variant == study.TARGET_VARIANT].task) == set(study.TARGETS), d
+        assert set(results[results.variant == report.TARGET_VARIANT].task) == set(report.TARGETS), d
