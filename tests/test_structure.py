@@ -9,7 +9,8 @@
 - models are not probed with ``hasattr`` / ``getattr`` outside ``lab/models`` (the ``PackedModel`` contract says
   what a model has);
 - ``kernels/`` imports nothing from ``lab`` but itself (installed as ``lab.kernels``);
-- a module past 600 lines is a warning (split it by concern), past 800 a failure.
+- a module past 600 lines is a warning (split it by concern), past 800 a failure; an evals/ script past 600 a
+  failure; lab/ imports nothing from evals/.
 """
 
 from __future__ import annotations
@@ -232,6 +233,23 @@ def test_kernels_import_nothing_from_lab():
             if name.startswith("lab") and not name.startswith("lab.kernels"):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert bad == []
+
+
+def test_lab_imports_nothing_from_evals():
+    """The repository's evals/ (benchmarks, studies) sits above the package: lab/ never reaches into it."""
+    bad = []
+    for mod, path in LAB_MODULES.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for name, _, line in imports(path, package):
+            if name == "evals" or name.startswith("evals."):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert bad == []
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "evals").glob("*.py")), ids=lambda p: p.name)
+def test_evals_scripts_stay_under_600_lines(path):
+    n = len(path.read_text(encoding="utf-8").splitlines())
+    assert n <= 600, f"{path.relative_to(ROOT)} has {n} lines; split it into a library part and a CLI part"
 
 
 @pytest.mark.parametrize("path", [*LAB_MODULES.values(), *sorted(KERNELS.rglob("*.py"))],
