@@ -92,11 +92,12 @@ class Executor:
     def memory_budget(self, requests: list[Request], pooler: Pooler, s: ExecSettings, stats: Stats, *,
                       eager: bool = True, chunked: bool = False, prefix: bool = False) -> ExecSettings:
         """``s`` with the token budget this wave's steps fit in (``lab.runtime.memory.fit_budget``); a budget cut
-        is recorded in ``stats.memory_budget`` and warned about once per call. ``eager``: the eager forward runs
+        is recorded in ``stats.memory_budget`` and warned about once per call; CPU steps only (a GPU's memory is
+        not estimated). ``eager``: the eager forward runs
         (not the compiled one); ``chunked``: chunked prefill (its steps hold ``chunked_prefill`` tokens per input
         and the inputs' kept states); ``prefix``: a shared prefix's keys/values may be kept."""
         dtype = self.runner.dtype
-        if not requests or dtype is None:
+        if not requests or dtype is None or self.runner.device.type != "cpu":  # device memory is not estimated
             return s
         sh, width = memory.shapes(self.model, self.runner.device, dtype, eager=eager), dtype.itemsize
         lengths = [r.length for r in requests]

@@ -12,15 +12,16 @@ allocation, half-way through a layer (``RLIMIT_AS``). So before each wave of a c
   the compiled forward and the CPU workers included), the keys/values the KV path keeps (``state_bytes``) and the
   outputs the wave adds to the call's (``kept_bytes``), times ``MARGIN``.
 
-When the largest step does not fit but a smaller one does, the wave runs in steps of fewer tokens (packed outputs do
-not depend on which sequences share a step) and the call's ``stats.memory_budget`` says the token budget it ran under
-(the engine warns once). When a single input's step does not fit, or the outputs alone do not, the call stops with
+The check covers steps on the CPU (the engine's device); a GPU's own memory is not estimated. When the largest
+step does not fit but a smaller one does, the wave runs in steps of fewer tokens (packed outputs do not depend on
+which sequences share a step) and the call's ``stats.memory_budget`` says the token budget it ran under (the engine
+warns once). When a single input's step does not fit, or the outputs alone do not, the call stops with
 ``MemoryLimitError`` before the wave allocates, naming what was needed, what was left and under which limit, and the
 knob to change (``max_length`` / ``long_inputs`` / ``chunked_prefill`` / ``dtype`` for a long input, ``output`` or
 fewer inputs per call for the outputs). ``LAB_MEMORY_CHECK=0`` turns the check off for the process.
 
     >>> memory.ceiling()                       # Ceiling(bytes=..., source='RLIMIT_AS ...') or None (no limit known)
-    >>> memory.step_bytes(memory.shapes(model), tokens=16384, dtype_bytes=4)
+    >>> memory.step_bytes(memory.shapes(model, torch.device("cpu"), torch.float32), tokens=16384, dtype_bytes=4)
 """
 
 from __future__ import annotations
