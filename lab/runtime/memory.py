@@ -10,9 +10,13 @@ allocation, half-way through a layer (``RLIMIT_AS``). So before each wave of a c
 - **what the wave needs** (``Need``): its largest step's activations, from the model's shapes and the step's tokens
   (``step_bytes``: per token, one layer's live tensors, since a prefill keeps nothing from the layers it has run,
   the compiled forward and the CPU workers included), the keys/values the KV path keeps (``state_bytes``) and the
-  outputs the wave adds to the call's (``kept_bytes``), times ``MARGIN``.
+  outputs the wave adds to the call's (``kept_bytes``), times ``MARGIN`` (``ADDRESS_SPACE_MARGIN`` against
+  ``RLIMIT_AS``, which counts address space).
 
-The check covers steps on the CPU (the engine's device); a GPU's own memory is not estimated. When the largest
+The check covers steps on the CPU (the engine's device); a GPU's own memory is not estimated, nor are the caches
+of the libraries a step calls: oneDNN's float32 GEMM (``f32_gemm='onednn'``) keeps a compiled primitive per GEMM
+shape, so its address space and resident memory grow with the shapes it has seen (up to oneDNN's primitive cache
+capacity), outside a step's estimate. When the largest
 step does not fit but a smaller one does, the wave runs in steps of fewer tokens (packed outputs do not depend on
 which sequences share a step) and the call's ``stats.memory_budget`` says the token budget it ran under (the engine
 warns once). When a single input's step does not fit, or the outputs alone do not, the call stops with
@@ -36,6 +40,9 @@ from lab import env
 
 ENV = "LAB_MEMORY_CHECK"
 MARGIN = 1.5  # the estimate's slack: allocator rounding, temporaries of fused ops, steps overlapping in the workers
+# RLIMIT_AS counts address space, which a step maps beyond its live tensors (the BLAS libraries' packing buffers and
+# scratchpads, the allocator's mappings): the estimate is scaled by this under it instead of MARGIN
+ADDRESS_SPACE_MARGIN = 3.0
 RESERVE = 64 << 20  # bytes left aside for what a step allocates besides its tensors (threads' stacks, arenas)
 _UNLIMITED_V1 = 1 << 60  # cgroup v1 writes "no limit" as a page-aligned LONG_MAX
 
@@ -51,10 +58,12 @@ class MemoryNotice(UserWarning):
 
 @dataclass(frozen=True)
 class Ceiling:
-    """What the process may still allocate (``bytes``) and the limit that says so (``source``)."""
+    """What the process may still allocate (``bytes``), the limit that says so (``source``) and how much a step's
+    estimate is scaled by against it (``margin``)."""
 
     bytes: int
     source: str
+    margin: float = MARGIN
 
 
 def enabled() -> bool:
@@ -66,7 +75,7 @@ def ceiling(root: Path = Path("/")) -> Ceiling | None:
     """The least of the limits in force (module doc), or ``None`` where none can be read. ``root``: where ``/proc``
     and ``/sys`` are (tests give a folder laid out like them)."""
     found = [c for c in (_address_space(root), *_cgroups(root), _machine(root)) if c is not None]
-    return min(found, key=lambda c: c.bytes, default=None)
+    return min(found, key=lambda c: c.bytes / c.margin, default=None)
 
 
 def _status_kb(path: Path, key: str) -> int | None:
@@ -87,7 +96,8 @@ def _address_space(root: Path) -> Ceiling | None:
     used = _status_kb(root / "proc/self/status", "VmSize")
     if used is None:
         return None
-    return Ceiling(max(0, soft - used), f"RLIMIT_AS (address space: {_gb(soft)} limit, {_gb(used)} mapped)")
+    return Ceiling(max(0, soft - used), f"RLIMIT_AS (address space: {_gb(soft)} limit, {_gb(used)} mapped)",
+                   ADDRESS_SPACE_MARGIN)
 
 
 def _read_int(path: Path) -> int | None:
@@ -256,15 +266,15 @@ def fit_budget(need: Need, *, budget: int, tokens: int, longest: int, limit: Cei
     room = limit.bytes - RESERVE
 
     def needs(step_tokens: int) -> int:
-        return int(MARGIN * (need.step(step_tokens) + need.kept))
+        return int(limit.margin * (need.step(step_tokens) + need.kept))
 
     largest = max(longest, min(budget, tokens))
     if needs(largest) <= room:
         return budget
     where = f"can still be allocated under {limit.source}"
-    if int(MARGIN * need.kept) > room:
+    if int(limit.margin * need.kept) > room:
         raise MemoryLimitError(
-            f"the outputs of this call need about {_gb(MARGIN * need.kept)} but {_gb(max(room, 0))} {where}: embed "
+            f"the outputs of this call need about {_gb(limit.margin * need.kept)} but {_gb(max(room, 0))} {where}: embed "
             "fewer inputs per call (or write them to disk with lab.distributed.embed_dataset), or ask for a "
             "smaller output (output='dense' instead of 'tokens' / 'colbert')")
     if needs(longest) > room:
