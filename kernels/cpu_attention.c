@@ -10,9 +10,8 @@
  * in registers. Queries are read in place. Then per head, per block of R query rows: the block's scores (R rows x
  * keys, keys across vector lanes, 2R accumulators in registers), masked (padding, the future when causal) and their
  * row maxima kept as they are stored, an exact softmax per row (exp2, sum), and the weighted sum of V, normalised at
- * the end. On one AMD EPYC (family 26, one thread, MiniLM's 12 heads of 32, 8192 tokens) staging element by element
- * and a separate max pass with generic-vector horizontal reductions had cost 1.5x (bfloat16) to 1.75x (float32) at
- * 256-token sequences and 2-3x at 14 tokens.
+ * the end. Staging element by element and a separate max pass with generic-vector horizontal reductions had cost a
+ * large factor, most on short sequences (measured: evals/README.md, "Measurements behind the code's choices").
  *
  * bfloat16 on a CPU with AVX512-BF16 (known at compile time: the build is for this machine) uses its dot products
  * (vdpbf16ps: two exact products per float32 lane, float32 sums), K staged as bfloat16 pairs along d, V widened;
@@ -26,8 +25,8 @@
 #define W 16 /* floats per vector */
 #ifndef R /* query rows per block: 2R vectors of accumulators, which must stay in registers */
 #ifdef __AVX512F__
-#define R 8 /* 32 vector registers; one AMD EPYC (family 26), one thread: 1.17-1.36x faster than 4 at 64-512
-                tokens in float32, 0.94-1.22x in bfloat16 */
+#define R 8 /* 32 vector registers; faster than 4 in float32, about alike in bfloat16 (measured: evals/README.md,
+                "Measurements behind the code's choices") */
 #else
 #define R 4 /* AVX2's 16 registers hold a 16-float vector as two halves */
 #endif
@@ -44,8 +43,8 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 static inline v16 ld(const float *p) { return *(const v16u *)p; }
 static inline void st(float *p, v16 x) { *(v16u *)p = x; }
 /* x in every lane, written out lane by lane: GCC compiles it to a broadcast from memory that an FMA takes as its
- * operand, where `(v16){0} + x` cost a scalar add (x + 0 is not x for
- * x = -0) and a register broadcast per row in every inner loop: 1.0-1.1x slower at 64-256 tokens */
+ * operand, where `(v16){0} + x` cost a scalar add (x + 0 is not x for x = -0) and a register broadcast per row in
+ * every inner loop, and ran slower (measured: evals/README.md, "Measurements behind the code's choices") */
 static inline v16 bc(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 static inline v16 vsel(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
 
@@ -183,8 +182,8 @@ static inline __attribute__((always_inline)) void softmax_and_weighted_sum(const
     v16 m[R], sum[R];
     for (int r = 0; r < R; r++) m[r] = bc(hmax(mx[r])), sum[r] = bc(0.0f);
     for (int j = 0; j < kp; j += W) /* the rows interleaved: R independent chains of sums (row by row, each
-                                      * exp waited on the previous vector's sum: float32 1.04-1.15x slower on one
-                                      * AMD EPYC, family 26, at 14-256 tokens) */
+                                      * exp waited on the previous vector's sum, and float32 ran slower; measured:
+                                      * evals/README.md, "Measurements behind the code's choices") */
         for (int r = 0; r < R; r++) {
             v16 e = exp2v(ld(S + r * Lp + j) - m[r]);
             st(S + r * Lp + j, e);
@@ -213,8 +212,9 @@ static inline __attribute__((always_inline)) void block(const float *Kt, const f
 
 /* Staging. A head's keys transposed: dst[w * Lp + t] = 32-bit word w of token t's row (rows `rs` bytes apart,
  * `words` words each; a word is a float32, a bfloat16 widened to float32 when `widen`, or a pair of bfloat16), zeros
- * for the padding tokens L <= t < Lp. With AVX-512, 16 tokens x 16 words at a time, transposed in registers (at 14
- * tokens a sequence, staging one element at a time took ~4x the block's arithmetic). */
+ * for the padding tokens L <= t < Lp. With AVX-512, 16 tokens x 16 words at a time, transposed in registers (on short
+ * sequences, staging one element at a time took several times the block's arithmetic; measured: evals/README.md,
+ * "Measurements behind the code's choices"). */
 #ifdef __AVX512F__
 static inline void transpose16(__m512i r[16]) { /* r[i] word j -> r[j] word i */
     __m512i t[16];
@@ -322,10 +322,10 @@ static inline void store_row(void *dst, int64_t at, const float *src, int n, int
  * the weighted sum stay in float32 (V widened while staging): with the weights rounded to bfloat16 for a second
  * vdpbf16ps product, the median cosine of SmolLM2's bidirectional bfloat16 embeddings of 48 mixed texts to the
  * float32 engine's was 0.999921, against 0.999933 with float32 weights (torch's fused kernel 0.999942). Tried
- * again with this version's staging and softmax (V as bfloat16 pairs along keys): 21-26 % less kernel time at 256
- * tokens, but SmolLM2's bfloat16 embeddings of 96 mixed texts came only 1.5-3 % faster end to end and further from
- * the float32 engine's (worst cosine 0.99950 / 0.99662 against 0.99956 / 0.99757, mean / lasttoken pooling), and
- * MiniLM's mixed corpus 2 %: not kept. */
+ * again with this version's staging and softmax (V as bfloat16 pairs along keys): less kernel time, but SmolLM2's
+ * bfloat16 embeddings of 96 mixed texts came only a little faster end to end and further from the float32 engine's
+ * (worst cosine 0.99950 / 0.99662 against 0.99956 / 0.99757, mean / lasttoken pooling), and MiniLM's mixed corpus
+ * a little faster: not kept (timings: evals/README.md, "Measurements behind the code's choices"). */
 static inline int32_t pair(const uint16_t *p) {
     int32_t x;
     memcpy(&x, p, 4);
@@ -436,8 +436,9 @@ int lab_varlen_attention(int bf16, const void *q, int64_t qs0, int64_t qs1, cons
             continue;
         }
         /* float32 arithmetic: K transposed (h, d, t) and V (h, t, d) staged (a head's V is read once per block of
-         * queries: from the packed tensor, rows a token's heads apart, it fell out of L1 and ran 1.2x slower at
-         * 128 tokens); float32 Q read in place, bfloat16 Q widened into (h, t, d) */
+         * queries: from the packed tensor, rows a token's heads apart, it fell out of L1 and ran slower; measured:
+         * evals/README.md, "Measurements behind the code's choices"); float32 Q read in place, bfloat16 Q widened
+         * into (h, t, d) */
         float *Kt = rest, *Vw = Kt + hkv * Lp * D, *Qw = Vw + hkv * Lp * D;
         const int es = bf16 ? 2 : 4; /* bytes per element */
         for (int h = 0; h < hkv; h++) {
@@ -597,7 +598,7 @@ int lab_add_rms_norm(int bf16, const void *x, int64_t xs, const void *res, int64
  * Rotary position embeddings in the `pairs` layout (lab.models.rope, lab.kernels.cpu_rope), in place, on one CPU
  * thread: every head of row t of x has its feature pairs (x[2i], x[2i+1]) multiplied as complex numbers by
  * cis[t][i] = (cos, sin). One pass; torch's path for bfloat16 widens the heads to a float32 copy, multiplies it and
- * rounds it back (three passes: on one AMD EPYC, one thread, 4,096 tokens x 12 heads of 64, 0.35 against 1.09 ms).
+ * rounds it back (three passes, slower; measured: evals/README.md, "Measurements behind the code's choices").
  * Arithmetic in float32, bfloat16 rounded once at the end (nearest even). x: T rows of H heads of D elements (D even,
  * contiguous), strides in elements; cis: float32 (cos, sin) pairs, D/2 per row, rows cs floats apart. Returns 0; 1
  * for D not a positive even number. */

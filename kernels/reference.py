@@ -72,8 +72,8 @@ def varlen_attention(
         seqlens, prefix_lens: host copies of the lengths, when the caller has them (saves a device sync).
         causal_block: CPU only, causal runs without a prefix: sequences longer than three such blocks are computed
             ``causal_block`` queries at a time (``_causal_blocks``), skipping the keys no query of a block sees;
-            the same function. Shorter sequences measured no faster that way (break-even ~200 tokens at blocks of
-            64). ``None`` (the default) runs each run as one call.
+            the same function. Shorter sequences ran no faster that way (measured: evals/README.md, "Measurements
+            behind the code's choices"). ``None`` (the default) runs each run as one call.
         matmul_scores: runs without a prefix (and not taken by ``causal_block``) as three ops, scores, softmax and
             weighted sum (``_matmul_attention``), over groups of sequences holding at most this many scores, instead
             of torch's fused kernel; the same function (a CPU probe's choice). A sequence with more scores than this
@@ -99,9 +99,9 @@ def varlen_attention(
     cpu_flash = _FLASH_CPU is not None and q.device.type == "cpu"  # the merge paths below need its log-sum-exp
     runs = _runs(seqlens, prefix_lens)
     # each run's output as packed rows (n * L, Hq, D): the kernels write (n, L, H, D) memory, so a view; joined by
-    # one ``torch.cat`` at the end rather than one copy per run into a preallocated output (on 2 cores shared with
-    # other work, one worker of 2 intra-op threads, the per-run copies were 15 % of a bfloat16 MiniLM call's
-    # profile, each a parallel region of a few KB)
+    # one ``torch.cat`` at the end rather than one copy per run into a preallocated output (the per-run copies, each
+    # a parallel region of a few KB, took a sizeable share of a bfloat16 MiniLM call's profile; measured:
+    # evals/README.md, "Measurements behind the code's choices")
     parts: list[torch.Tensor] = []
     starts = [0]
     for n in seqlens:
@@ -110,8 +110,9 @@ def varlen_attention(
     for n in prefix_lens:
         pstarts.append(pstarts[-1] + n)
     # One call per run of equal (length, prefix length). Padding nearly-equal lengths into one masked call instead
-    # measured slower on CPU at every mix tried: 1.2-2x on the attention alone, 1.08x end to end on STSBenchmark
-    # (the gathers, the scatter back and the masked kernel cost more than the calls they save).
+    # ran slower on CPU at every mix tried, on the attention alone and end to end (the gathers, the scatter back and
+    # the masked kernel cost more than the calls they save; measured: evals/README.md, "Measurements behind the
+    # code's choices").
     for first, n, length, plen in runs:
         if length == 0:
             continue
@@ -152,8 +153,8 @@ def _causal_blocks(q, k, v, scale, block):
     """Causal attention ``block`` queries at a time: queries ``s:e`` attend to keys ``0:s`` (all visible) and
     ``s:e`` (causal), merged by ``_prefix_then_causal``. torch's CPU flash kernel splits keys into blocks of 512
     and masks inside a block, so under ~512 tokens it computes every query against every key; here a block's
-    queries read only the keys before its end, about half the work on long sequences (on one AMD EPYC, 2 cores, the
-    attention of a 512-token SmolLM2 sequence in bfloat16 took 6.2 ms against 8.6 ms, one thread).
+    queries read only the keys before its end, about half the work on long sequences, and less time (measured:
+    evals/README.md, "Measurements behind the code's choices").
 
     q ``(n, Hq, L, D)``, k/v ``(n, Hkv, L, D)`` -> ``(n, Hq, L, D)``, a view of ``(n, L, Hq, D)`` memory as the
     flash kernel's own output is.
@@ -174,8 +175,9 @@ def _matmul_attention(q, k, v, scale, causal, max_scores):
     key/value head broadcast against it (no copy of the keys per query head).
 
     Where this beats the fused kernel: in bfloat16 the two products run as native bfloat16 GEMMs (the fused CPU
-    kernel computes in float32); on one AMD EPYC with AVX512-BF16, one thread, MiniLM's 12 heads of 32, it took
-    0.5-0.95x the fused kernel's time at 8-256 tokens per sequence, but 0.8-1.8x in float32. Scores and weights are
+    kernel computes in float32); on a CPU with AVX512-BF16 it took less time than the fused kernel in bfloat16 at
+    every length measured, more or less in float32 by length (measured: evals/README.md, "Measurements behind the
+    code's choices"). Scores and weights are
     rounded to the inputs' dtype (bfloat16: MiniLM's sentence embeddings moved by a cosine of ~1e-5, the size of
     what bfloat16 weights themselves move them by; but a decoder LLM's large, sharp logits suffer: SmolLM2
     bidirectional, the worst of 48 embeddings went from a cosine of 0.981 to the float32 engine to 0.939, so only
@@ -322,7 +324,8 @@ def add_rms_norm(
     s = x if residual is None else x + residual
     h = s.float()
     # mean of squares from one reading pass (the norm), then one scaling pass into a fresh tensor and the weight in
-    # place: 1.6x faster on CPU than pow / mean / mul / mul, which each write a (T, hidden) temporary
+    # place: faster on CPU than pow / mean / mul / mul, which each write a (T, hidden) temporary (measured:
+    # evals/README.md, "Measurements behind the code's choices")
     inv_rms = torch.linalg.vector_norm(h, dim=-1, keepdim=True).square_().div_(h.shape[-1]).add_(eps).rsqrt_()
     y = (h.mul_(inv_rms) if h is not s else h * inv_rms).to(x.dtype)  # h.mul_ only on the copy of a narrower s
     if weight.dtype != y.dtype:  # e.g. float32 weights over float16 activations: promote, as transformers does
@@ -348,7 +351,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     # r1 = x1 c - x2 s, r2 = x2 c + x1 s with two temporaries, the rest in place: the same roundings as computing
-    # r1 and r2 apart and copying them back, at half the memory traffic (2x faster on CPU)
+    # r1 and r2 apart and copying them back, at half the memory traffic (faster on CPU; measured: evals/README.md,
+    # "Measurements behind the code's choices")
     x2_s, x1_s = x2 * s, x1 * s
     x1.mul_(c).sub_(x2_s)
     x2.mul_(c).add_(x1_s)

@@ -9,10 +9,9 @@ Given one wave of ``Request`` objects and a ``Pooler`` (method x head), the exec
   prefix cache computes once.
 
 Both paths share their steps among the CPU workers: the packed path streams every step's shares through them with
-no barrier between steps, the head applied in the workers (``WorkerPool.run_stream``; on a 2-vCPU AMD EPYC it took
-all-MiniLM-L6-v2's STSBenchmark sentences from 1.96 to 1.87 s a call, median of 5 interleaved rounds), the KV path
-shares one step at a time (``WorkerPool.run_shared``). Both build their flat inputs with
-``lab.engine.inputs.pack``. Both
+no barrier between steps, the head applied in the workers (``WorkerPool.run_stream``, faster than a barrier per step:
+``lab.runtime.pool``), the KV path shares one step at a time (``WorkerPool.run_shared``). Both build their flat
+inputs with ``lab.engine.inputs.pack``. Both
 drive the model through its one forward (``lab.models.base.PackedModel``), and both yield ``(requests, outputs)``
 with outputs aligned to those requests, after the head. A method may return a tuple (several outputs of one
 forward, ``lab.outputs.kinds``): the workers' shares are merged per item. The ``rows()`` shortcut applies only when the

@@ -198,8 +198,8 @@ def attention_seconds(lengths: list[int], heads: int, head_dim: int, *, dtype: t
 
     Per distinct length, a packed run of ``min(count, run_cap)`` random sequences of that length (the runs the
     length-sorted scheduler forms) is timed, best of ``repeats`` after one untimed call, and scaled to the count.
-    Measured length by length because the kernel's rate is far from smooth in the length: on one AMD EPYC, one
-    thread, float32, a 16-token sequence took less time than a 15-token one.
+    Measured length by length because the kernel's rate is far from smooth in the length: a sequence can take less
+    time than a shorter one (measured: evals/README.md, "Measurements behind the code's choices").
     """
     from lab.ops.attention import attention
     from lab.ops.batch import AttnMeta

@@ -35,7 +35,8 @@ from lab.ops.gemm import (
 from lab.ops.plan import CpuPlan
 from lab.ops.probes import Probe, attention_probe, gemm_probes
 
-# Tokens per FFN block on the CPU row-blocked path (``BertLayer._ffn``): 512-2048 measured alike, 256 3 % slower.
+# Tokens per FFN block on the CPU row-blocked path (``BertLayer._ffn``): 512-2048 ran alike, 256 slower (measured:
+# evals/README.md, "Measurements behind the code's choices").
 FFN_ROWS = 1024
 PROBE_ROWS = 512  # tokens per probe step (``BertModel.cpu_probes``): one worker's GEMMs, a few ms each
 
@@ -92,9 +93,9 @@ class BertLayer(nn.Module):
         """q/k/v as one stacked GEMM or three (``bert_qkv``: ``stacked`` / ``split``, row slices of the stacked
         weight, no copies), and the FFN with its activation in the up-projection's oneDNN epilogue or in row blocks of
         ``FFN_ROWS`` tokens with the activation in place (``bert_ffn``: ``fused`` / ``blocks``). On CPU a probe
-        picks each (``cpu_probes``): on one 2-core AVX-512 machine a float32 GEMM with K = 384 ran at ~140 GFLOP/s per
-        core for N = 384 but ~105 for N = 1152 / 1536 and the GELU epilogue at ~80, so float32 took the narrow paths
-        (1.12x end to end on SciFact); CUDA runs the stacked / fused ones.
+        picks each (``cpu_probes``): a float32 GEMM with K = 384 can run at a lower rate for N = 1152 / 1536 than for
+        N = 384, and lower still with the GELU epilogue, so float32 may take the narrow paths (measured:
+        evals/README.md, "Measurements behind the code's choices"); CUDA runs the stacked / fused ones.
         """
         t = x.shape[0]
         if _cpu_default(x, "bert_qkv", self.plan) == "split":

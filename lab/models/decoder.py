@@ -47,12 +47,13 @@ ARCHITECTURES = tuple(
 )
 
 # Tokens per FFN block on CPU. The gate/up activations of a 16k-token step are ~200 MB for SmolLM2 and leave the
-# caches between the GEMMs and the gating; 4096-row blocks measured 1.07-1.15x faster end to end in float32
-# (bfloat16 unchanged; measured with the stacked gate/up GEMM, kept with the split one).
+# caches between the GEMMs and the gating; 4096-row blocks ran faster end to end in float32, alike in bfloat16
+# (measured with the stacked gate/up GEMM, kept with the split one: evals/README.md, "Measurements behind the code's
+# choices").
 MLP_ROWS = 4096
 PROBE_ROWS = 512  # tokens per probe step (``DecoderModel.cpu_probes``): one worker's GEMMs, a few ms each
-# Query block of causal attention on CPU when the probe picks ``blocks`` (``lab.kernels.reference._causal_blocks``).
-# One AMD EPYC (2 cores, one thread): blocks of 64 beat 32 and 128 at 220-929 tokens in float32 and bfloat16.
+# Query block of causal attention on CPU when the probe picks ``blocks`` (``lab.kernels.reference._causal_blocks``):
+# 64 beat 32 and 128 in float32 and bfloat16 (measured: evals/README.md, "Measurements behind the code's choices").
 CAUSAL_BLOCK = 64
 
 
@@ -219,9 +220,9 @@ class DecoderLayer(nn.Module):
         ``stacked`` (CUDA): one GEMM over the stacked gate/up weight. ``blocks`` (the CPU default): separate gate and
         up GEMMs (row slices of that weight, no copies), in row blocks of ``MLP_ROWS`` tokens, activation and gating
         in place and the down projection written into the output. On CPU a probe picks one (``decoder_mlp``,
-        ``DecoderModel.cpu_probes``): on one 2-core AVX-512 machine MKL's float32 GEMM at K = 576 measured ~290
-        GFLOP/s for N <= 1536 output columns but ~212 at N = 3072 (SmolLM2's stacked 2 x 1536), and the whole FFN ran
-        1.04-1.07x faster in blocks.
+        ``DecoderModel.cpu_probes``): MKL's float32 GEMM can run at a lower rate on the stacked weight's wider output
+        (SmolLM2's N = 3072) than on each half, and the whole FFN faster in blocks (measured: evals/README.md,
+        "Measurements behind the code's choices").
         """
         i = self.inter
         if h.device.type != "cpu" or self.plan.get("decoder_mlp") == "stacked" or torch.compiler.is_compiling():
@@ -296,9 +297,9 @@ class DecoderModel(PackedModel):
 
     def layout_probes(self, dtype: torch.dtype) -> Iterator[Probe]:
         """The rotary layout: ``halves`` (``apply_rotary``'s six half-width passes over the query and key heads) or
-        ``pairs`` (query / key projection rows permuted at load, the rotation one complex multiply in place; on
-        one AMD EPYC 6.5x faster in float32, 2.1x in bfloat16, one thread). Timed on one thread over ``PROBE_ROWS``
-        tokens of a fused q/k/v output, as the forward rotates them."""
+        ``pairs`` (query / key projection rows permuted at load, the rotation one complex multiply in place, faster,
+        most in float32: ``lab.models.rope.rotate_pairs_``). Timed on one thread over ``PROBE_ROWS`` tokens of a fused
+        q/k/v output, as the forward rotates them."""
         a = self.args
         q, k, both = self._rotation_inputs(dtype)
         tables = {layout: self._rotation_tables(layout, dtype) for layout in ("halves", "pairs")}
@@ -323,10 +324,9 @@ class DecoderModel(PackedModel):
         """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the gate projection's
         shape), then the MLP in row blocks with split gate/up GEMMs vs one stacked GEMM (``DecoderLayer._mlp``), on
         layer 0's weights, then causal attention over whole sequences vs in query blocks of ``CAUSAL_BLOCK`` (one
-        sequence of ``PROBE_ROWS`` tokens; on one AMD EPYC, one thread, blocks won 1.15-1.33x there, six probes in
-        float32 and bfloat16. Two sequences of half that length, the earlier probe, gave 1.06-1.13x, and on one
-        noisy run of three per dtype picked ``whole``: SmolLM2's 96-text bfloat16 benchmark then spent 1.6x the
-        thread time on attention it spent in float32, with blocks), then that torch path vs prefill-lab's own kernel
+        sequence of ``PROBE_ROWS`` tokens, where blocks win by a clear margin; at half that length the margin is
+        small enough that noise picked ``whole`` and slowed SmolLM2's bfloat16 attention; measured: evals/README.md,
+        "Measurements behind the code's choices"), then that torch path vs prefill-lab's own kernel
         (``attention_kernel``: ``sdpa`` or ``lab``, ``lab.ops.probes.attention_probe``; never the three-op
         ``matmul``, which rounds scores to bfloat16), on a causal step of mixed lengths; then the pre-norms: torch's
         add and RMSNorm or prefill-lab's one-pass kernel (``add_rms_norm``; ``lab.kernels.cpu_norms``, offered where

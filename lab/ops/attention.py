@@ -19,18 +19,17 @@ from lab.ops.batch import AttnMeta
 
 BACKENDS = ("auto", "torch", "triton")
 # Scores per group of sequences on the torch kernels' matmul path (``attention(..., kernel="matmul")``); a sequence with
-# more (``Hq * L * L``: past 295 tokens for 12 heads) takes the fused kernel. 2 MiB in bfloat16. On one AMD EPYC, one
-# thread, MiniLM's 12 heads of 32 in bfloat16, 8,192 tokens of 8-256-token sequences: 2^20 was the fastest of 2^18-2^21
-# or within 4 % of it at every length; 2^21 ran up to 1.5x slower (64 tokens).
+# more (``Hq * L * L``: past 295 tokens for 12 heads) takes the fused kernel. 2 MiB in bfloat16. The fastest of 2^18 to
+# 2^21, or close to it, at every length; 2^21 ran slower (measured: evals/README.md, "Measurements behind the code's
+# choices").
 MATMUL_SCORES = 1 << 20
 # the torch backend's CPU attention kernels (``attention(..., kernel=)``, a probe's choice): torch's fused kernel,
 # scores / softmax / weighted sum as three ops, prefill-lab's own compiled kernel (``lab.kernels.cpu_attention``),
 # the two products as batched GEMMs over head-major copies (``bmm_attention``)
 KERNELS = ("sdpa", "matmul", "lab", "bmm")
 # Scores per group of sequences on the ``bmm`` kernel's path (``bmm_attention``), as ``MATMUL_SCORES``: a group's
-# scores and weights (2 MiB each in bfloat16) stay in L2. On one AMD EPYC, one thread, MiniLM's 12 heads of 32 in
-# bfloat16 over the 660 texts of the mixed benchmark corpus, whole runs of equal lengths as one group each (up to
-# 40 MiB of scores) ran 3x slower than groups of 2^20 scores.
+# scores and weights (2 MiB each in bfloat16) stay in L2; whole runs of equal lengths as one group each ran far slower
+# (measured: evals/README.md, "Measurements behind the code's choices").
 BMM_SCORES = 1 << 20
 
 

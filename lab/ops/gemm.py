@@ -3,7 +3,8 @@ packed for oneDNN, and activations fused into the epilogue. Every choice is read
 (``lab.ops.plan``: one per engine, decided by probes on the running machine; ``None`` runs the defaults).
 
 **bfloat16 GEMMs, native or widened, decided by a probe** (``lab.ops.probes``). oneDNN's native bfloat16 GEMMs
-run at ~0.25-0.65x the float32 rate on some AVX-512 CPUs without AMX and at ~3x on others (AVX512-BF16). The product
+run well below the float32 rate on some AVX-512 CPUs without AMX and well above it on others (AVX512-BF16; measured:
+evals/README.md, "Measurements behind the code's choices"). The product
 of two bfloat16 numbers is exact in float32, so a float32 GEMM over the bfloat16 values, with the result rounded to
 bfloat16, does the arithmetic of a bfloat16 GEMM (exact products, float32 accumulation): the "widened" path. Which
 one runs is decided per engine by timing both at the model's shapes (the plan's ``bf16_gemm``); widened GEMMs read
@@ -11,21 +12,22 @@ one float32 copy of each weight, made once per dtype switch (kept by the plan, d
 changes), never one per call. ``cpu_paths={"bf16_gemm": "widened"}`` or ``LAB_CPU_BF16_GEMM`` forces the choice. Native GEMMs call oneDNN's linear
 op directly where torch has it for bfloat16 (``onednn_linear``, the bias added in the kernel's epilogue) rather than
 ``F.linear``, whose ``addmm`` runs the same oneDNN kernel after writing the bias into the output, a second pass over
-an output that at an engine step's size no longer fits in cache (one AMD EPYC with AVX512-BF16, one thread, 8192
-tokens, 384 -> 1152: 476 against 409 GFLOP/s; alike at 512 tokens, so a probe could not tell them apart).
+an output that at an engine step's size no longer fits in cache (faster there, alike at a probe's size, so a probe
+could not tell them apart; measured: evals/README.md, "Measurements behind the code's choices").
 
 **float32 GEMMs through BLAS or oneDNN, decided by a probe.** torch's CPU ``F.linear`` runs float32 through its
 BLAS (MKL on x86 builds); oneDNN's float32 matmul (``torch.ops.mkldnn._linear_pointwise`` with no epilogue)
-computes the same products in another order. On one 2-core AMD EPYC (AVX-512) it ran 1.1-1.4x faster at
-SmolLM2's and MiniLM's shapes, one thread; on an Intel Xeon with AMX, MKL's BLAS won. The plan's ``f32_gemm``
-(``blas`` / ``onednn``) comes from the probe; oneDNN is used only under no-grad (it has no backward).
+computes the same products in another order. Which is faster depends on the CPU (oneDNN on an AMD EPYC with
+AVX-512, MKL's BLAS on an Intel Xeon with AMX; measured: evals/README.md, "Measurements behind the code's choices").
+The plan's ``f32_gemm`` (``blas`` / ``onednn``) comes from the probe; oneDNN is used only under no-grad (it has no
+backward).
 
 **Weights packed for oneDNN, decided by a probe.** oneDNN's matmul reorders its weight operand into a blocked
 layout; handed a plain ``(out, in)`` weight it does so for blocks of it on every call. ``packed_weight`` reorders
 each weight once (``torch.ops.mkldnn._reorder_linear_weight``, the op PyTorch's compiler uses to prepack CPU linear
-weights) and the plan keeps it, per row block, until the parameter's data changes. On one AMD EPYC, one
-thread, oneDNN ran 1.03-1.07x faster on packed weights at 128-1,024 rows and 1.5-1.8x at 7 rows, float32 and
-bfloat16. Where a dtype's GEMMs go to oneDNN, the probe (``f32_weights`` / ``bf16_weights``: ``packed`` or
+weights) and the plan keeps it, per row block, until the parameter's data changes: oneDNN runs faster on packed
+weights, most at few rows, float32 and bfloat16 (measured: evals/README.md, "Measurements behind the code's
+choices"). Where a dtype's GEMMs go to oneDNN, the probe (``f32_weights`` / ``bf16_weights``: ``packed`` or
 ``plain``) decides; the packed copy costs one more copy of each projection weight.
 
 **Fused activation.**
@@ -110,7 +112,8 @@ def _has_onednn_bf16() -> bool:
 _FUSED_CPU = _has_linear_pointwise()
 _ONEDNN_BF16 = _has_onednn_bf16()  # oneDNN's linear op takes bfloat16 on this CPU
 # tokens the packed layout is made for: oneDNN reorders for a GEMM of about this many rows (at 1 it keeps the plain
-# layout); one AMD EPYC ran 7- to 1,024-row GEMMs alike with layouts made for 512 or 4,096 rows
+# layout); GEMMs of other row counts ran as fast on layouts made for other row counts (measured: evals/README.md,
+# "Measurements behind the code's choices")
 PACK_ROWS = 512
 
 

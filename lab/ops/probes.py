@@ -1,7 +1,8 @@
 """CPU fast paths chosen by measurement on the running machine, not by CPU flags.
 
-Machines of one kind differ: oneDNN's native bfloat16 GEMMs run at ~0.25x the float32 rate on one AVX-512 CPU (an
-Intel Xeon without AVX512-BF16), ~0.65x on another and ~3x on a third (AVX512-BF16; no AMX on any). So every CPU
+Machines of one kind differ: oneDNN's native bfloat16 GEMMs run well below the float32 rate on some AVX-512 CPUs (an
+Intel Xeon without AVX512-BF16) and well above it on others (AVX512-BF16; no AMX on any; measured: evals/README.md,
+"Measurements behind the code's choices"). So every CPU
 fast-path choice a model family makes (its ``cpu_probes``, read back from ``model.plan``) is decided by a short
 probe: the candidate implementations of that step run on random tensors of the model's shapes, interleaved, in the
 thread layout the engine runs them in (one intra-op thread per CPU worker), each best of ``REPEATS`` after
@@ -33,10 +34,11 @@ from lab.ops.plan import CpuPlan
 
 MARGIN = 1.03  # another candidate must be this much faster than the default to replace it
 REPEATS = 5  # interleaved timings per candidate; the best one counts
-# (the best, not the median: on a 2-vCPU VM the first ~30 ms after a multi-threaded region ran ~1.2x slow, likely the
-# OpenMP pool spinning on the sibling vCPU, and a median over 5 calls still carried it into one candidate's figure)
-# untimed calls per candidate first: oneDNN's first calls at a new shape create and JIT its kernels (on one AMD EPYC
-# its float32 GEMM took 8.2, 6.6, 6.7 ms on calls 1-3 and 5.4 ms from then on, which one warm-up call hid badly)
+# (the best, not the median: on a 2-vCPU VM the time just after a multi-threaded region ran slow, likely the OpenMP
+# pool spinning on the sibling vCPU, and a median over 5 calls still carried it into one candidate's figure)
+# untimed calls per candidate first: oneDNN's first calls at a new shape create and JIT its kernels, and its first
+# few calls ran slow, which one warm-up call hid badly (measured: evals/README.md, "Measurements behind the code's
+# choices")
 WARMUP = 3
 # every CPU fast-path choice a probe can make: name -> its candidates (the default of each probe comes first in the
 # probe itself, which may offer fewer: those this machine or shape can run)
@@ -282,8 +284,8 @@ def gemm_probes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def weights_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int,
                   plan: CpuPlan) -> Probe | None:
     """oneDNN's GEMM on the weight reordered once into its blocked layout (``packed``, the default: the same
-    products; on one AMD EPYC 1.03-1.07x at 128-1,024 rows in float32 and bfloat16, and up to 1.8x at 7 rows) against
-    the weight as stored (``plain``, reordered in blocks on every call), at one of a model's shapes, where ``x``'s
+    products, faster, most at few rows: ``lab.ops.gemm``) against the weight as stored (``plain``, reordered in
+    blocks on every call), at one of a model's shapes, where ``x``'s
     dtype runs through oneDNN under ``plan`` (``lab.ops.gemm.onednn_gemms``) and torch can reorder; else ``None``. The
     packed copy costs one more copy of every projection weight (``cpu_paths={"f32_weights": "plain"}`` or
     ``LAB_CPU_F32_WEIGHTS=plain`` / ``..._BF16_WEIGHTS`` keep the memory)."""

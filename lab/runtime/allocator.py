@@ -11,18 +11,16 @@ and which serves larger requests with ``mmap`` whatever ``M_MMAP_MAX`` says (gli
 allocated and freed in a worker thread faulted in every page on every round). So every step pays page faults on its
 biggest tensors, in the CPU workers above all. ``tune_cpu_allocator`` turns that off: no ``mmap`` for malloc, a trim
 threshold of ``INT_MAX`` (mallopt takes a C ``int``), a top pad of 64 MB, and one arena for every thread, so freed
-activations are reused by the next step. On one 2-vCPU AMD EPYC (engine alone, median of 3 calls, alternating
-processes) minor page faults per call were 4-6k with these settings against 200-420k with glibc's defaults
-(all-MiniLM-L6-v2, float32, 660 mixed texts: 9.0-9.2 s against 9.1-9.6 s) and under 1k against 360-450k
-(SmolLM2-135M, bfloat16, 48 texts: 6.7-6.8 s against 7.0-7.9 s; in float32 11.6-11.9 s against 11.5-12.5 s, a wash).
+activations are reused by the next step and packed calls stop page-faulting on fresh memory; what that saves in
+time depends on the model and dtype (SmolLM2-135M in float32: a wash). Measured: evals/README.md, "Measurements
+behind the code's choices".
 
 The top pad matters because the one-arena setting usually comes too late: glibc fixes its arena limit when a second
 thread first allocates, which torch's import has already done, so each CPU worker still gets its own arena of 64 MB
 heaps, and glibc unmaps a worker's extra heap as soon as it is wholly free unless the top pad covers it. Without the
-pad (same machine, all-MiniLM-L6-v2 float32 on the 2,758 STSBenchmark sentences, two workers) the workers took
-39-97k minor faults and 0.2-0.7 s of kernel time in every call, 2.2-2.5 s a call, against 0-13k faults and 1.9-2.0 s
-with it (0-6k from the third call on; ``tests/test_runtime.py`` compares the workers' faults with these settings
-and with glibc's defaults).
+pad the workers fault their activations in again and spend kernel time on it in every call, and the calls run slower
+(measured as above; ``tests/test_runtime.py`` compares the workers' faults with these settings and with glibc's
+defaults).
 
 What it costs. The settings are process-wide and cannot be undone: every library in the process is affected (a
 sentence-transformers baseline included), and the process keeps its peak heap until it exits (memory freed after

@@ -48,8 +48,9 @@ def plan_cpu_paths(model: PackedModel, dtype: torch.dtype, device: torch.device,
 # time would pay the compile back PAYBACK times over, so a notebook's first small call never waits for a compile.
 COMPILE_MIN_TOKENS = 50_000  # below this a call never considers compiling (nor times anything for it)
 PAYBACK = 10  # the call's estimated eager seconds must reach this many times the expected compile time
-# expected seconds of a first compile with a cold on-disk cache: a base plus each layer (the graph unrolls them); on a
-# 2-vCPU AMD EPYC (AVX2) all-MiniLM-L6-v2 (6 layers) took 20 s and SmolLM2-135M (30 layers) 109 s (evals/README.md)
+# expected seconds of a first compile with a cold on-disk cache: a base plus each layer (the graph unrolls them), set
+# from first compiles of a 6- and a 30-layer model (measured: evals/README.md, "Measurements behind the code's
+# choices")
 COMPILE_SECONDS = (10.0, 3.5)
 PROBE_LENGTHS = (16, 32, 48, 64, 80, 96, 112, 128)  # the forward probe's packed step (576 tokens)
 

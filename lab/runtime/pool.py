@@ -3,17 +3,15 @@
 **Data parallel on CPU.** A packed step's sequences are independent, so on CPU a step can be split across worker
 threads, each running its share as its own packed forward with ``1/workers`` of the intra-op threads (PyTorch's
 thread count is per thread; weights are shared). Every op then runs without the fork/join barriers of
-multi-threaded kernels, and each GEMM stays on one core's cache; on a 2-core AMD EPYC this measured 1.09-1.13x
-(MiniLM, SciFact) and 1.08-1.09x (SmolLM2) end to end over one multi-threaded forward (paired, interleaved runs),
+multi-threaded kernels, and each GEMM stays on one core's cache: faster end to end than one multi-threaded forward,
 same embeddings. ``split_for_workers`` decides the shares (a step that cannot be shared evenly, say one long input
 with a few short ones, runs undivided); ``run_shared`` runs the shares of one step; ``run_stream`` runs the shares
 of a sequence of steps with no barrier between steps: the next steps' shares wait in the pool's queue, so a worker
 done with its share of one step starts on the next step instead of waiting for the other worker (the shares' costs
-are estimates, and one worker may be slowed for a while by the other's memory traffic or the machine; MiniLM
-float32 on the 2,758 STSBenchmark sentences, five interleaved rounds in one process: 1.87 s a call against 1.96 s
-with a barrier per step). The head runs in the workers, so the calling thread only places rows. The worker count is
-not probed: a probe short enough for load time measures the wrong thing (one layer over 4 x 128 tokens ran 1.56-1.72x
-faster on one worker of 2 threads, while the whole 96-text SmolLM2 bfloat16 run was 1.12x faster on 2 workers).
+are estimates, and one worker may be slowed for a while by the other's memory traffic or the machine), faster than
+a barrier per step. The head runs in the workers, so the calling thread only places rows. The worker count is not
+probed: a probe short enough for load time measures the wrong thing (a one-layer probe favoured one worker where
+the whole run was faster on two). Measured: evals/README.md, "Measurements behind the code's choices".
 ``workers_for`` is the one rule for how many workers a step may use.
 
     >>> pool = WorkerPool()
