@@ -93,7 +93,6 @@ class EngineActor:
         return self.engine.validate(**knobs)
 
     def model_digest(self) -> str:
-
         return model_digest(self.engine.model_path, self.engine.knobs["adapters"])
 
     def lengths(self, texts: list[str], knobs: dict, call: dict) -> np.ndarray:
@@ -323,8 +322,8 @@ class RayEngine:
 
         ``chunks``: ``(key, texts, actor)``, ``actor`` an index for a fixed actor or ``None`` for whichever is free
         first, read as the actors take them (an iterator of chunks is never held whole). Each actor has up to
-        ``in_flight`` calls queued, and its next is sent before a result is yielded, so
-        the actors work while the caller handles it. A call that an actor's death interrupts is retried by Ray on
+        ``in_flight`` calls queued, and its next is sent before a result is yielded, so the actors work while the
+        caller handles it. A call that an actor's death interrupts is retried by Ray on
         the restarted actor; an error inside a call is raised here. Closing the iterator early (an exception,
         Ctrl-C) cancels the calls still queued."""
         actors, call = self._live(), dict(call or {})

@@ -9,14 +9,14 @@ Given one wave of ``Request`` objects and a ``Pooler`` (method x head), the exec
   prefix cache computes once.
 
 Both paths share their steps among the CPU workers: the packed path streams every step's shares through them with
-no barrier between steps, the head applied in the workers (``WorkerPool.run_stream``, faster than a barrier per step:
-``lab.runtime.pool``), the KV path shares one step at a time (``WorkerPool.run_shared``). Both build their flat
-inputs with ``lab.engine.inputs.pack``. Both
-drive the model through its one forward (``lab.models.base.PackedModel``), and both yield ``(requests, outputs)``
-with outputs aligned to those requests, after the head. A method may return a tuple (several outputs of one
-forward, ``lab.outputs.kinds``): the workers' shares are merged per item. The ``rows()`` shortcut applies only when the
-method reads one row per sequence (for several outputs: when every one of them reads the same row). Every step's
-work is counted in the caller's ``Stats``.
+no barrier between steps, the head applied in the workers (``WorkerPool.run_stream``, faster than a barrier per
+step: ``lab.runtime.pool``), the KV path shares one step at a time (``WorkerPool.run_shared``). Both build their
+flat inputs with ``lab.engine.inputs.pack``. Both drive the model through its one forward
+(``lab.models.base.PackedModel``), and both yield ``(requests, outputs)`` with outputs aligned to those requests,
+after the head. A method may return a tuple (several outputs of one forward, ``lab.outputs.kinds``): the workers'
+shares are merged per item. The ``rows()`` shortcut applies only when the method reads one row per sequence (for
+several outputs: when every one of them reads the same row). Every step's work is counted in the caller's ``Stats``.
+Before a wave runs, its memory is checked against the process's ceiling (``lab.runtime.memory``).
 Adding an execution path: a class like ``KVPath`` that yields ``(requests, pooled)``, chosen in ``Executor.run``.
 
     >>> ex = Executor(runner)
@@ -92,9 +92,9 @@ class Executor:
                       eager: bool = True, chunked: bool = False, prefix: bool = False) -> ExecSettings:
         """``s`` with the token budget this wave's steps fit in (``lab.runtime.memory.fit_budget``); a budget cut
         is recorded in ``stats.memory_budget`` and warned about once per call; CPU steps only (a GPU's memory is
-        not estimated). ``eager``: the eager forward runs
-        (not the compiled one); ``chunked``: chunked prefill (its steps hold ``chunked_prefill`` tokens per input
-        and the inputs' kept states); ``prefix``: a shared prefix's keys/values may be kept."""
+        not estimated). ``eager``: the eager forward runs (not the compiled one); ``chunked``: chunked prefill (its
+        steps hold ``chunked_prefill`` tokens per input and the inputs' kept states); ``prefix``: a shared prefix's
+        keys/values may be kept."""
         dtype = self.runner.dtype
         if not requests or dtype is None or self.runner.device.type != "cpu":  # device memory is not estimated
             return s

@@ -16,10 +16,9 @@ allocation, half-way through a layer (``RLIMIT_AS``). So before each wave of a c
 The check covers steps on the CPU (the engine's device); a GPU's own memory is not estimated, nor are the caches
 of the libraries a step calls: oneDNN's float32 GEMM (``f32_gemm='onednn'``) keeps a compiled primitive per GEMM
 shape, so its address space and resident memory grow with the shapes it has seen (up to oneDNN's primitive cache
-capacity), outside a step's estimate. When the largest
-step does not fit but a smaller one does, the wave runs in steps of fewer tokens (packed outputs do not depend on
-which sequences share a step) and the call's ``stats.memory_budget`` says the token budget it ran under (the engine
-warns once). When a single input's step does not fit, or the outputs alone do not, the call stops with
+capacity), outside a step's estimate. When the largest step does not fit but a smaller one does, the wave runs in
+steps of fewer tokens (packed outputs do not depend on which sequences share a step) and the call's
+``stats.memory_budget`` says the token budget it ran under (the engine warns once). When a single input's step does not fit, or the outputs alone do not, the call stops with
 ``MemoryLimitError`` before the wave allocates, naming what was needed, what was left and under which limit, and the
 knob to change (``max_length`` / ``long_inputs`` / ``chunked_prefill`` / ``dtype`` for a long input, ``output`` or
 fewer inputs per call for the outputs). ``LAB_MEMORY_CHECK=0`` turns the check off for the process.
