@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from lab.kernels.reference import POOLING_METHODS
+from lab.kernels.reference import SEGMENT_REDUCTIONS
 
 from ._launch import check_device
 
@@ -81,8 +81,8 @@ def segment_pool(
     pool_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pool packed ``hidden`` ``(total, H)`` per sequence into ``(B, H)`` float32; see ``reference.segment_pool``."""
-    if method not in POOLING_METHODS:
-        raise ValueError(f"unknown pooling {method!r}; valid: {', '.join(POOLING_METHODS)}")
+    if method not in SEGMENT_REDUCTIONS:
+        raise ValueError(f"unknown pooling {method!r}; valid: {', '.join(SEGMENT_REDUCTIONS)}")
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
         raise ValueError(f"hidden must be a (total, H) tensor, got {getattr(hidden, 'shape', type(hidden))}")
     if not hidden.is_floating_point():

@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-POOLING_METHODS = ("cls", "mean", "max", "lasttoken", "weightedmean")
+# the segment reductions these kernels implement (their own operations; the pooling methods a user names, and what
+# each runs, are lab.outputs.pooling.METHODS)
+SEGMENT_REDUCTIONS = ("cls", "mean", "max", "lasttoken", "weightedmean")
 
 
 # --------------------------------------------------------------------------------------------------- attention
@@ -275,8 +277,8 @@ def segment_pool(
         pool_start: ``(B,)`` int, tokens before this offset within a sequence are attended but not pooled
             (an instruction); ``cls`` then pools the first pooled token. Default 0.
     """
-    if method not in POOLING_METHODS:
-        raise ValueError(f"unknown pooling {method!r}; valid: {', '.join(POOLING_METHODS)}")
+    if method not in SEGMENT_REDUCTIONS:
+        raise ValueError(f"unknown pooling {method!r}; valid: {', '.join(SEGMENT_REDUCTIONS)}")
     total, _ = hidden.shape
     b = cu_seqlens.numel() - 1
     starts = cu_seqlens[:-1].long()

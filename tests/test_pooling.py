@@ -9,7 +9,7 @@ import torch
 from lab import Engine
 from lab.ops.batch import AttnMeta
 from lab.outputs.heads import EmbeddingHead, Head, Pooler
-from lab.outputs.pooling import pooling_method
+from lab.outputs.pooling import PoolingMethod, pooling_method, register
 
 
 def pool(hidden, meta, method, pool_start=None):
@@ -122,3 +122,37 @@ def test_all_tokens_are_the_rows_mean_averages():
     rows = pool(hidden, meta, "tokens", pool_start=start)
     assert [len(r) for r in rows] == [3, 1, 2, 1, 1] and all(r.dtype == torch.float32 for r in rows)
     torch.testing.assert_close(torch.stack([r.mean(0) for r in rows]), pool(hidden, meta, "mean", start))
+
+
+class _FirstTwo(PoolingMethod):
+    """A toy method: the mean of each sequence's first two pooled rows."""
+
+    name = "first_two"
+
+    def __call__(self, hidden, meta, pool_start):
+        rows = pooling_method("tokens")(hidden, meta, pool_start)
+        return torch.stack([r[:2].mean(0) for r in rows])
+
+
+def test_a_registered_pooling_method_is_offered_by_the_knob_configure_and_the_panel(minilm_path, monkeypatch):
+    """``register`` a toy method (in a scratch copy of the registry): ``Engine(pooling=...)``, ``configure`` and the
+    panel's pooling choices take it, it runs, and the ``tokens`` method stays out of the knob's values."""
+    pytest.importorskip("ipywidgets")
+    from lab.eval.panel import build_panel
+    from lab.outputs import pooling
+
+    monkeypatch.setattr(pooling, "METHODS", dict(pooling.METHODS))
+    assert "first_two" not in pooling.knob_values() and "tokens" not in pooling.knob_values()
+    with pytest.raises(ValueError, match="unknown pooling 'first_two'; valid: cls, mean, max, lasttoken, weightedmean, "
+                                         "eos_token"):
+        Engine(minilm_path, pooling="first_two")
+    register("first_two", _FirstTwo())
+    eng = Engine(minilm_path, pooling="first_two", normalize=False)
+    texts = ["a man plays a guitar", "two dogs run in the snow"]
+    got = eng.embed(texts)
+    tokens = eng.embed(texts, output="tokens")
+    np.testing.assert_allclose(got, np.stack([t[:2].mean(0) for t in tokens]), rtol=1e-6, atol=1e-6)
+    eng.configure(pooling="mean").configure(pooling="first_two")
+    assert ("first_two", "first_two") in build_panel(eng).pooling.options
+    with pytest.raises(TypeError, match="PoolingMethod"):
+        register("bad", object())

@@ -18,13 +18,12 @@ from dataclasses import dataclass, fields
 import torch
 
 from lab.engine.framing import INSTRUCTION_POOLING, check_template
-from lab.kernels.reference import POOLING_METHODS
+from lab.outputs.pooling import knob_values as pooling_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LONG_INPUTS = ("truncate", "chunk")
-POOLING_KNOB = (*POOLING_METHODS, "eos_token")  # eos_token: llm2vec's (lasttoken after its EOS text)
 
 KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, the README table, the panel
     "pooling": (
@@ -195,8 +194,8 @@ class Knobs:
 
     def validate(self) -> None:
         """Raise ``ValueError`` / ``TypeError`` naming the bad knob, the valid values and the fix."""
-        if self.pooling is not None and self.pooling not in POOLING_KNOB:
-            raise ValueError(f"unknown pooling {self.pooling!r}; valid: {', '.join(POOLING_KNOB)} (or None)")
+        if self.pooling is not None and self.pooling not in pooling_values():
+            raise ValueError(f"unknown pooling {self.pooling!r}; valid: {', '.join(pooling_values())} (or None)")
         if self.instruction_pooling is not None and self.instruction_pooling not in INSTRUCTION_POOLING:
             raise ValueError(f"unknown instruction_pooling {self.instruction_pooling!r}; valid: "
                              f"{', '.join(map(repr, INSTRUCTION_POOLING))} or None (the model's default)")

@@ -19,7 +19,7 @@ import ipywidgets as widgets
 import numpy as np
 
 from lab.engine.knobs import DTYPES
-from lab.kernels.reference import POOLING_METHODS
+from lab.outputs.pooling import knob_values as pooling_values
 
 DEFAULT_SENTENCES = (
     "A man is playing a guitar.\n"
@@ -48,7 +48,7 @@ class KnobPanel(widgets.VBox):
 
         self.pooling = widgets.Dropdown(
             options=[(f"model default ({engine.pooling})" if k["pooling"] is None else "model default", None)]
-            + [(p, p) for p in POOLING_METHODS],
+            + [(p, p) for p in pooling_values()],
             value=k["pooling"], description="pooling", style=_STYLE, layout=_LAYOUT,
         )
         self.bidirectional = widgets.Checkbox(value=not engine.causal, description="bidirectional attention",

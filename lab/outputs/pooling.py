@@ -12,7 +12,8 @@ become: ``lab.outputs.heads``). A method is a pure function of the hidden states
 
 ``rows()`` names the single packed row per sequence a method reads (``cls``, ``lasttoken``): the executor then asks
 a model that ``computes_output_rows`` to run its last layer for those rows only, and ``from_rows`` turns them into
-the method's output. Adding a method: subclass ``PoolingMethod``, add it to ``METHODS``.
+the method's output. Adding a method: subclass ``PoolingMethod`` and ``register`` it: the ``pooling`` knob,
+``configure`` and the panel then offer it.
 
     >>> method = pooling_method("mean")
     >>> pooled = method(hidden, meta, pool_start)          # (B, H) float32
@@ -23,17 +24,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lab.kernels.reference import POOLING_METHODS
+from lab.kernels.reference import SEGMENT_REDUCTIONS
 from lab.ops.attention import ops
 from lab.ops.batch import AttnMeta
 
-__all__ = ["METHODS", "POOLING_METHODS", "PoolingMethod", "pool_spans", "pooling_method"]
+__all__ = ["METHODS", "PoolingMethod", "knob_values", "pool_spans", "pooling_method", "register"]
 
 
 class PoolingMethod:
-    """Reduces each sequence of a packed step to its output: ``(B, H)`` float32, or a list of B tensors."""
+    """Reduces each sequence of a packed step to its output: ``(B, H)`` float32, or a list of B tensors. ``knob``:
+    offered as a value of the ``pooling`` knob (``knob_values``)."""
 
     name: str = ""
+    knob: bool = True
 
     def __call__(self, hidden: torch.Tensor, meta: AttnMeta, pool_start: torch.Tensor | None):
         raise NotImplementedError
@@ -55,8 +58,8 @@ class SegmentPool(PoolingMethod):
     """``cls``, ``mean``, ``max``, ``lasttoken`` and ``weightedmean``: one fused segment reduction per step."""
 
     def __init__(self, name: str):
-        if name not in POOLING_METHODS:
-            raise ValueError(f"unknown pooling {name!r}; valid: {', '.join(POOLING_METHODS)}")
+        if name not in SEGMENT_REDUCTIONS:
+            raise ValueError(f"unknown pooling {name!r}; valid: {', '.join(SEGMENT_REDUCTIONS)}")
         self.name = name
 
     def __call__(self, hidden: torch.Tensor, meta: AttnMeta, pool_start: torch.Tensor | None) -> torch.Tensor:
@@ -83,6 +86,7 @@ class AllTokens(PoolingMethod):
     ``mean`` pooling of sequence i)."""
 
     name = "tokens"
+    knob = False  # the ``tokens`` output's method, not a way to pool one vector per input
 
     def __call__(self, hidden: torch.Tensor, meta: AttnMeta, pool_start: torch.Tensor | None) -> list[torch.Tensor]:
         ps = [0] * meta.num_seqs if pool_start is None else pool_start.tolist()
@@ -93,15 +97,35 @@ class AllTokens(PoolingMethod):
         return out
 
 
-METHODS: dict[str, PoolingMethod] = {
-    **{name: SegmentPool(name) for name in POOLING_METHODS},
-    "tokens": AllTokens(),
-}
+# name -> method: the pooling vocabulary (the ``pooling`` knob's values, ``knob_values``; the panel's choices). llm2vec's
+# ``eos_token`` reads the last token (``lasttoken``) of an input its EOS text was appended to (``lab.engine.framing``).
+METHODS: dict[str, PoolingMethod] = {name: SegmentPool(name) for name in SEGMENT_REDUCTIONS}
+METHODS["eos_token"] = METHODS["lasttoken"]
+METHODS["tokens"] = AllTokens()
+
+
+def register(name: str, method: PoolingMethod) -> PoolingMethod:
+    """Add ``method`` to ``METHODS`` under ``name``: the ``pooling`` knob, ``configure`` and the panel then offer it
+    (when ``method.knob``). Returns it.
+
+        >>> register("first_two", FirstTwo())        # a PoolingMethod subclass; Engine(..., pooling="first_two")
+    """
+    if not isinstance(method, PoolingMethod):
+        raise TypeError(f"a pooling method must be a lab.outputs.pooling.PoolingMethod, got {type(method).__name__}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a pooling method's name must be a non-empty string, got {name!r}")
+    METHODS[name] = method
+    return method
+
+
+def knob_values() -> tuple[str, ...]:
+    """The values the ``pooling`` knob takes: the registered methods' names that pool one vector per input."""
+    return tuple(name for name, method in METHODS.items() if method.knob)
 
 
 def pooling_method(name: str) -> PoolingMethod:
     """The method of a name in ``METHODS`` (``cls``, ``mean``, ``max``, ``lasttoken``, ``weightedmean``,
-    ``tokens``)."""
+    ``eos_token``, ``tokens``, and any ``register`` added)."""
     method = METHODS.get(name)
     if method is None:
         raise ValueError(f"unknown pooling {name!r}; valid: {', '.join(METHODS)}")
