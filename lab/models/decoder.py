@@ -40,11 +40,6 @@ from lab.ops.plan import CpuPlan
 from lab.ops.probes import Probe, attention_probe, gemm_probes
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ARCHITECTURES = tuple(
-    f"{family}{suffix}"
-    for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
-    for suffix in ("Model", "ForCausalLM", "ForSequenceClassification")
-)
 
 # Tokens per FFN block on CPU. The gate/up activations of a 16k-token step are ~200 MB for SmolLM2 and leave the
 # caches between the GEMMs and the gating; 4096-row blocks ran faster end to end in float32, alike in bfloat16
