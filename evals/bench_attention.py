@@ -1,11 +1,11 @@
 """Benchmark: the CPU attention kernels alone, one thread (one CPU worker's share), at the shapes of two models.
 
-Kernels (``lab.ops.attention.KERNELS``): torch's fused kernel (``sdpa``), the three-op path (``matmul``: scores, softmax,
-weighted sum in groups of ``MATMUL_SCORES`` scores) and prefill-lab's own (``lab``: ``lab.kernels.cpu_attention``),
-all through ``lab.kernels`` as a layer calls them. Per shape, dtype and sequence length, ``--tokens`` tokens of
-equal-length random sequences run bidirectionally; the kernels take turns, ``--rounds`` rounds after one untimed
-call each, and the median counts. Shapes: all-MiniLM-L6-v2 (12 heads of 32) and SmolLM2-135M (9 query heads over 3
-key/value heads of 64; ``matmul`` left out, it is not offered to decoders).
+Kernels (``lab.ops.attention.KERNELS``): torch's fused kernel (``sdpa``), the three-op path (``matmul``: scores,
+softmax, weighted sum in groups of ``MATMUL_SCORES`` scores) and prefill-lab's own
+(``lab``: ``lab.kernels.cpu_attention``), all through ``lab.kernels`` as a layer calls them. Per shape, dtype and
+sequence length, ``--tokens`` tokens of equal-length random sequences run bidirectionally; the kernels take turns,
+``--rounds`` rounds after one untimed call each, and the median counts. Shapes: all-MiniLM-L6-v2 (12 heads of 32) and
+SmolLM2-135M (9 query heads over 3 key/value heads of 64; ``matmul`` left out, it is not offered to decoders).
 
     python -m evals.bench_attention                      # ~2 min on 2 cores
     python -m evals.bench_attention --lengths 16 128 --rounds 3

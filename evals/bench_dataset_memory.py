@@ -1,4 +1,5 @@
-"""Benchmark: the driver's resident memory while ``lab.distributed.embed_dataset`` embeds a corpus file, shard by shard.
+"""Benchmark: the driver's resident memory while ``lab.distributed.embed_dataset`` embeds a corpus file, shard by
+shard.
 
 The corpus is a ``.jsonl.gz`` written to a temporary folder: ``--rows`` rows, each ``--sentences`` STSBenchmark
 sentences (the corpus cycled; about 60 bytes each) followed by its row number, so every text is distinct; ids are

@@ -35,8 +35,8 @@ where timed; the run's ``run_date``) to ``--out`` (default ``evals/results/bench
 ``<name>_memory_<machine>.png``, ``<name>_prefix_<machine>.png``) and prints a summary. ``--profile`` adds one
 ``torch.profiler`` call per system and setting: rows with the self time of GEMMs / attention / other ops, and the op
 tables in ``<name>_profile_<machine>.txt``. ``--smoke`` shrinks everything (a few docs, one repeat, short inputs) and
-names the files ``bench_decoder_smoke_*``; every row carries ``run`` (``smoke`` / ``full`` / ``--label``). Every engine here
-is created with ``tune_allocator=True`` (``lab.runtime.allocator``; the memory section's RSS includes the heap it
+names the files ``bench_decoder_smoke_*``; every row carries ``run`` (``smoke`` / ``full`` / ``--label``). Every engine
+here is created with ``tune_allocator=True`` (``lab.runtime.allocator``; the memory section's RSS includes the heap it
 keeps), and the section rows' ``malloc_tuning`` says whether the settings were in effect.
 
 Sizes: the defaults embed ~40k tokens per system run (128 abstracts at max_length 512), 3 systems x 2 dtypes x 2
@@ -111,7 +111,8 @@ def parse_args(argv=None):
     ap.add_argument("--prefix-poolings", nargs="+", default=["mean", "lasttoken"], choices=["mean", "lasttoken"])
     ap.add_argument("--prefix-dtype", default="float32")
     ap.add_argument("--profile", action="store_true",
-                    help="throughput: also profile one call of each system (op-group rows + <name>_profile_<machine>.txt)")
+                    help="throughput: also profile one call of each system (op-group rows + "
+                         "<name>_profile_<machine>.txt)")
     ap.add_argument("--self-check", action="store_true",
                     help="throughput: also run the baseline at another batch size (untimed) and record how well it "
                          "agrees with itself (min_cosine_vs_itself_other_batch)")
@@ -121,7 +122,8 @@ def parse_args(argv=None):
     ap.add_argument("--out", type=Path, default=None,
                     help="CSV path (default evals/results/bench_decoder/<name>_<machine>.csv)")
     ap.add_argument("--name", default=None,
-                    help="the files' name before the machine (default bench_decoder, bench_decoder_smoke with --smoke)")
+                    help="the files' name before the machine (default bench_decoder, bench_decoder_smoke with "
+                         "--smoke)")
     ap.add_argument("--label", default=None, help="the rows' run label (default 'smoke' with --smoke, else 'full')")
     ap.add_argument("--memory-point", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

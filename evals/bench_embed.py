@@ -18,16 +18,16 @@ Writes evals/results/bench_embed/bench_embed_<machine>.csv (tidy rows, with the 
 its flags, the engine's probed CPU fast paths ``cpu_paths`` and ``malloc_tuning``: the engine is created with
 ``tune_allocator=True``, which tunes glibc's allocator for the whole process, the baseline's runs included;
 ``lab.runtime.allocator``), the plot ``bench_embed_<machine>.png`` and the command in ``<csv>.meta.json``; the machine
-is ``lab.ops.probes.machine_slug()`` (``evals.results_index``). ``baseline_slowdown``: the baseline's interleaved median over its
-median timed alone before the engine ran on those texts (near 1: the engine did not slow the baseline down).
-The targets are columns of the engine's rows (``targets``): ``ratio_target`` / ``meets_ratio_target`` on the
+is ``lab.ops.probes.machine_slug()`` (``evals.results_index``). ``baseline_slowdown``: the baseline's interleaved
+median over its median timed alone before the engine ran on those texts (near 1: the engine did not slow the baseline
+down). The targets are columns of the engine's rows (``targets``): ``ratio_target`` / ``meets_ratio_target`` on the
 mixed corpus (the ratio, at a minimum cosine of 0.9999), ``roofline_target`` / ``meets_roofline_target`` for float32
 on STSBenchmark and SciFact.
 
 Where the engine's time goes, per corpus and dtype (``kernel_seconds``): ``gemm_seconds_at_roofline`` plus
 ``attention_seconds``, every layer's attention timed in the engine's own CPU kernel at the corpus's token lengths
-(``lab.eval.bench.attention_seconds``). ``kernel_share`` is their sum over the engine's median (near 1: nothing but GEMMs
-and attention left to remove), ``roofline_cap`` the highest roofline share reachable without a faster attention
+(``lab.eval.bench.attention_seconds``). ``kernel_share`` is their sum over the engine's median (near 1: nothing but
+GEMMs and attention left to remove), ``roofline_cap`` the highest roofline share reachable without a faster attention
 kernel, ``ratio_at_kernel_seconds`` the ratio an engine spending only ``kernel_seconds`` would reach.
 """
 
@@ -105,7 +105,8 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
                     "seconds_median": med, "seconds_min": min(secs), "seconds_max": max(secs), "repeats": repeats,
                     "tokens_per_s": real / med, "min_cosine": cos.get(name, 1.0),
                     "gemm_gflops": roof["gemm_gflops"], "roofline_tokens_per_s": roof["roofline_tokens_per_s"],
-                    "roofline_fraction": real / med / roof["roofline_tokens_per_s"], "threads": torch.get_num_threads(),
+                    "roofline_fraction": real / med / roof["roofline_tokens_per_s"],
+                    "threads": torch.get_num_threads(),
                     **kernels, "kernel_share": kernels["kernel_seconds"] / med if name == "engine" else None,
                     # the baseline timed alone before the engine ran: > 1 here means the engine slowed it down
                     "baseline_slowdown": med / statistics.median(alone) if not engine else None,
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--scifact-docs", type=int, default=1000)
-    parser.add_argument("--out", default=str(RESULTS / "bench_embed"), help="folder (default evals/results/bench_embed)")
+    parser.add_argument("--out", default=str(RESULTS / "bench_embed"),
+                        help="folder (default evals/results/bench_embed)")
     args = parser.parse_args(argv)
     if args.model is None:
         from lab._extras import minilm_path

@@ -30,7 +30,8 @@ def main(argv=None) -> pd.DataFrame:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--outputs", nargs="+", default=["dense", "tokens"])
-    ap.add_argument("--out", default=None, help="CSV path (default evals/results/bench_outputs/bench_outputs_<machine>.csv)")
+    ap.add_argument("--out", default=None,
+                    help="CSV path (default evals/results/bench_outputs/bench_outputs_<machine>.csv)")
     args = ap.parse_args(argv)
     from lab import Engine
     from lab._extras import minilm_path

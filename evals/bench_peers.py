@@ -101,7 +101,8 @@ class System:
 
 
 SYSTEMS = {s.name: s for s in [
-    System("st-torch-float32", "sentence-transformers/torch", "st-torch", "project", "float32", (("dtype", "float32"),)),
+    System("st-torch-float32", "sentence-transformers/torch", "st-torch", "project", "float32",
+           (("dtype", "float32"),)),
     System("st-torch-bfloat16", "sentence-transformers/torch", "st-torch", "project", "bfloat16",
            (("dtype", "bfloat16"),)),
     System("st-onnx-float32", "sentence-transformers/onnxruntime", "st-onnx", "peers", "float32", model="export"),

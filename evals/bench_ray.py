@@ -26,11 +26,11 @@ the driver is the only shared part; ``efficiency`` is that over N R.
     python -m evals.bench_ray              # the full run (~10 min on 2 cores)
     python -m evals.bench_ray --quick      # 1,000 texts, 1 round: checks the script, writes bench_ray_quick*
 
-Writes into ``evals/results/bench_ray/`` ``bench_ray_<machine>.csv`` (throughput), ``bench_ray_overhead_<machine>.csv``,
-``bench_ray_projection_<machine>.csv`` and ``bench_ray_<machine>.png``, each row with the run's ``run_date``, the CPU
-model, its flags, torch and Ray versions, each CSV's command in ``<csv>.meta.json``; the machine is
-``lab.ops.probes.machine_slug()`` (``evals.results_index``). Every engine, the actors'
-included, runs with ``lab.runtime.allocator``'s tuning (``LAB_MALLOC_TUNING=1``); the throughput rows'
+Writes into ``evals/results/bench_ray/`` ``bench_ray_<machine>.csv`` (throughput),
+``bench_ray_overhead_<machine>.csv``, ``bench_ray_projection_<machine>.csv`` and ``bench_ray_<machine>.png``, each row
+with the run's ``run_date``, the CPU model, its flags, torch and Ray versions, each CSV's command in
+``<csv>.meta.json``; the machine is ``lab.ops.probes.machine_slug()`` (``evals.results_index``). Every engine, the
+actors' included, runs with ``lab.runtime.allocator``'s tuning (``LAB_MALLOC_TUNING=1``); the throughput rows'
 ``malloc_tuning`` says whether it was in effect.
 """
 

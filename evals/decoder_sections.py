@@ -160,8 +160,8 @@ def profile_call(fn, device: str) -> tuple[dict, str]:
 
 # ------------------------------------------------------------------------------------------------ throughput
 def decoder_roofline(eng, dtype: str) -> dict:
-    """``lab.eval.bench.gemm_roofline`` at a Llama-family decoder's projections (q/k/v with its key/value heads, output,
-    gate, up, down), in the GEMM mode the engine's probes chose for ``dtype``."""
+    """``lab.eval.bench.gemm_roofline`` at a Llama-family decoder's projections (q/k/v with its key/value heads,
+    output, gate, up, down), in the GEMM mode the engine's probes chose for ``dtype``."""
     import torch
 
     from lab.eval.bench import gemm_roofline

@@ -92,8 +92,9 @@ ENGINE_KNOBS = {"pooling": "mean", "max_length": 512, "include_instruction": Fal
 PLAIN_KNOBS = {"dtype": "float32", "device": "cpu"}  # what the plain rows pass the Engine
 BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # the base names llm2vec 0.2.3's prepare_for_tokenization wraps in a chat template
-TEMPLATED = ("meta-llama/Meta-Llama-3-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.2", "meta-llama/Llama-2-7b-chat-hf",
-             "google/gemma-2-9b-it", "Qwen/Qwen2-1.5B-Instruct", "Qwen/Qwen2-7B-Instruct")
+TEMPLATED = ("meta-llama/Meta-Llama-3-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.2",
+             "meta-llama/Llama-2-7b-chat-hf", "google/gemma-2-9b-it", "Qwen/Qwen2-1.5B-Instruct",
+             "Qwen/Qwen2-7B-Instruct")
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,8 @@ def published_folders(v: Variant, folders: dict[str, Path], work: Path, hub_cach
         if cfg is not None:
             (dst / "llm2vec_config.json").write_text(json.dumps(cfg, indent=4))
     config = json.loads((base / "config.json").read_text())
-    config.update({"_name_or_path": v.name_or_path, "auto_map": {"AutoModel": "modeling_llama_encoder.LlamaEncoderModel"}})
+    config.update({"_name_or_path": v.name_or_path,
+                   "auto_map": {"AutoModel": "modeling_llama_encoder.LlamaEncoderModel"}})
     (mntp / "config.json").write_text(json.dumps(config, indent=2))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(base / f, mntp / f)
@@ -460,14 +462,15 @@ def markdown(table, slug: str) -> str:
     sts = table[table["texts"] == "sts"]["sentences"]
     docs = table[table["texts"] == "scifact"]["sentences"]
     inputs = (f"{int(sts.iloc[0]) if len(sts) else 0} distinct sentences of STS12/14/16 test"
-              + (f" (the SciFact rows: {int(docs.iloc[0])} abstracts of the corpus's longest third)" if len(docs) else ""))
+              + (f" (the SciFact rows: {int(docs.iloc[0])} abstracts of the corpus's longest third)"
+                 if len(docs) else ""))
     intro = (f"{inputs}; cosine between llm2vec's and the Engine's embedding of each. Adapters: the study's MNTP and "
              "SimCSE (`evals/results/llm2vec`), rescoped with `lab.adapt.rescope`.")
     settings = ("*settings given* rows: the -mntp folder is the base's config and tokenizer beside the MNTP adapter, "
                 "llm2vec called with every encoder setting (mean, 512, skip_instruction, `enable_bidirectional`, "
                 "`merge_peft=True`) and the Engine with the same knobs. The control row loads copies with the keys in "
-                "the ForCausalLM scope (`causal_scoped`, tensors unchanged): llm2vec's peft misses their keys and runs "
-                "without them.")
+                "the ForCausalLM scope (`causal_scoped`, tensors unchanged): llm2vec's peft misses their keys and "
+                "runs without them.")
     plain = ("*published* and *hub ids* rows: called as llm2vec's users call it, "
              "`LLM2Vec.from_pretrained(mntp, peft_model_name_or_path=supervised, torch_dtype=float32)` and "
              "`Engine(mntp, adapters=[supervised], dtype='float32', device='cpu')`, nothing else; the -mntp folder "
@@ -476,7 +479,8 @@ def markdown(table, slug: str) -> str:
              "holds the SimCSE adapter; `llm2vec_config.json` only where the row says. *hub ids* rows name both by "
              "hub id from an offline hub cache, the -mntp adapter's base by the base's id. The settings columns are "
              "what each side ended with (llm2vec: its attributes and `model.config._name_or_path`; the Engine: "
-             "`eng.resolved` and `eng.llm2vec.name`); *cut* counts the inputs llm2vec's doc_max_length rule shortened.")
+             "`eng.resolved` and `eng.llm2vec.name`); *cut* counts the inputs llm2vec's doc_max_length rule "
+             "shortened.")
     reproduce = (f"Reproduce: `python evals/llm2vec_parity.py` (machine `{slug}`; llm2vec {versions['ref_llm2vec']}, "
                  f"transformers {versions['ref_transformers']}, peft {versions['ref_peft']}, torch "
                  f"{versions['ref_torch']} in the reference venv; torch {versions['torch']} for the Engine)")
@@ -489,7 +493,8 @@ def markdown(table, slug: str) -> str:
         name = r["ref_name_or_path"] or '""'  # llm2vec's name for a config.json without _name_or_path
         ref = (f"{r['ref_pooling']} / {r['ref_max_length']} / {r['ref_doc_max_length']} / "
                f"{r['ref_skip_instruction']} / {name}")
-        cut = "off" if r["doc_max_length"] != r["doc_max_length"] or not r["doc_max_length"] else int(r["doc_max_length"])
+        cut = ("off" if r["doc_max_length"] != r["doc_max_length"] or not r["doc_max_length"]
+               else int(r["doc_max_length"]))
         ours = (f"{r['pooling']} / {r['max_length']} / {cut} / {r['include_instruction']} / "
                 f"{r['template_name']}")
         lines.append(f"| {r['variant']} | {r['layout']} | {r['min_cos']:.6f} | {r['median_cos']:.6f} | {ref} | "

@@ -274,8 +274,8 @@ def write_readme(results, layers, out: Path, counts: dict, seconds: dict, comman
     lines += comparison_lines(results, compared)
     if across := seed_lines(runs or {}):
         lines += ["", *across, "", "`seeds.png` draws these gains."]
-    lines += ["", "## Cost", "", ("Each variant's embedding call over the distinct sentences it scores (STSBenchmark test, "
-              "and the held-out sets where scored), on the machine above; echo runs each text twice, PromptEOL "
+    lines += ["", "## Cost", "", ("Each variant's embedding call over the distinct sentences it scores (STSBenchmark "
+              "test, and the held-out sets where scored), on the machine above; echo runs each text twice, PromptEOL "
               "wraps it in its prompt:"), "", "| variant | sets | texts | tokens | seconds | tokens/s | texts/s |",
               "|---|---|---:|---:|---:|---:|---:|"]
     for name, g in results.groupby("variant", sort=False):

@@ -58,8 +58,8 @@ class Scorer:
         self.earlier = {} if earlier is None or "key" not in earlier else {
             k: r for k, r in zip(earlier["key"], earlier.to_dict("records"))}
         h = hashlib.sha1(repr((ENGINE, torch.__version__)).encode())
-        for fn in (Scorer.key, Scorer.score, load_sets, causal_vs_bidirectional.spearman, causal_vs_bidirectional.ranks,
-                   causal_vs_bidirectional.pearson, data_io.read_jsonl, data_io.spread):
+        for fn in (Scorer.key, Scorer.score, load_sets, causal_vs_bidirectional.spearman,
+                   causal_vs_bidirectional.ranks, causal_vs_bidirectional.pearson, data_io.read_jsonl, data_io.spread):
             h.update(inspect.getsource(fn).encode())
         for f in sorted(p for p in base.iterdir() if p.suffix in (".safetensors", ".json", ".gguf", ".bin")):
             h.update(f"{f.name}:{_file_hash(f)}".encode())

@@ -14,8 +14,8 @@ class PaddedTransformersEmbedder:
     texts sorted longest first, with an attention mask; mean pooling masks the padding, lasttoken takes each row's
     last real token. The model is loaded in float32 and kept: another dtype runs a cast copy of it, so switching
     back to float32 runs the loaded weights again, not weights rounded by a trip through bfloat16. Tokenization
-    matches ``lab.engine.inputs.InputProcessor``: truncation at ``max_length`` (one token less when EOS is appended), then
-    EOS appended unless the text already ends with it. Returns float32 numpy rows in input order (not normalized;
+    matches ``lab.engine.inputs.InputProcessor``: truncation at ``max_length`` (one token less when EOS is appended),
+    then EOS appended unless the text already ends with it. Returns float32 numpy rows in input order (not normalized;
     compare by cosine).
     """
 

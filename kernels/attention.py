@@ -171,7 +171,8 @@ def varlen_attention(
         raise ValueError(f"head dim {d} not supported (1..{MAX_HEAD_DIM})")
     cu_seqlens = _check("cu_seqlens", cu_seqlens, 1)
     if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be a (B + 1,) int32 tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        raise ValueError(f"cu_seqlens must be a (B + 1,) int32 tensor, got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
     has_prefix = k_prefix is not None
     if has_prefix:
         if v_prefix is None or cu_prefix is None:

@@ -33,7 +33,8 @@ VARIABLES: dict[str, Variable] = {
         "forces a CPU fast path for the process (`lab.ops.probes.decide`); an engine's `cpu_paths` wins over it; a "
         "`LAB_CPU_` name that is no fast path is refused when an engine loads"),
     "LAB_CPU_NATIVE_KERNELS": Variable(
-        _SWITCH, "on", "off: never build or offer the C kernels (attention, norms, rotary; `lab.kernels.cpu_attention`)"),
+        _SWITCH, "on",
+        "off: never build or offer the C kernels (attention, norms, rotary; `lab.kernels.cpu_attention`)"),
     "LAB_KERNEL_CACHE": Variable(
         "a folder (created if absent)", "`~/.cache/prefill-lab/kernels`",
         "where the C kernels are compiled to (keyed by source, compiler and CPU flags)"),
@@ -56,7 +57,8 @@ VARIABLES: dict[str, Variable] = {
     "LAB_PEERS_CACHE": Variable(
         "a folder", "`~/.cache/prefill-lab`", "where `evals/bench_peers.py` builds the peers' virtual environment"),
     "LAB_LLM2VEC_VENV": Variable(
-        "a folder", "`~/.cache/prefill-lab/venvs/llm2vec`", "llm2vec's virtual environment (`evals/llm2vec_parity.py`)"),
+        "a folder", "`~/.cache/prefill-lab/venvs/llm2vec`",
+        "llm2vec's virtual environment (`evals/llm2vec_parity.py`)"),
 }
 
 

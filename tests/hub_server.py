@@ -239,7 +239,7 @@ class HubServer:
     def _date(n: int) -> str:
         return f"2024-01-01T00:{n // 60 % 60:02d}:{n % 60:02d}.000Z"
 
-    # -- lifecycle ------------------------------------------------------------------------------------------------------
+    # -- lifecycle ----------------------------------------------------------------------------------------------------
 
     @property
     def url(self) -> str:
@@ -283,7 +283,7 @@ class HubServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # -- request handling (called from handler threads) ----------------------------------------------------------------
+    # -- request handling (called from handler threads) ---------------------------------------------------------------
 
     def _log(self, method: str, path: str) -> None:
         with self._lock:

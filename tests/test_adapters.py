@@ -436,7 +436,8 @@ def test_rescope_writes_the_bare_model_scope_peft_over_automodel_loads(llama, tm
     out = rescope(causal, tmp_path / "bare")
     assert out == tmp_path / "bare" and is_bare_scope(out)
     src, dst = _keys(causal), _keys(out)
-    assert {k.replace("base_model.model.model.", "base_model.model.", 1): v for k, v in src.items()}.keys() == dst.keys()
+    assert ({k.replace("base_model.model.model.", "base_model.model.", 1): v for k, v in src.items()}.keys()
+            == dst.keys())
     for k, v in src.items():
         w = dst[k.replace("base_model.model.model.", "base_model.model.", 1)]
         assert torch.equal(v, w) and v.dtype == w.dtype

@@ -1,4 +1,5 @@
-"""lab.eval.bench on tiny workloads: table rows and columns, token and padding counts, knob restoration. No speed claims."""
+"""lab.eval.bench on tiny workloads: table rows and columns, token and padding counts, knob restoration. No speed
+claims."""
 
 from __future__ import annotations
 
@@ -233,9 +234,9 @@ def test_embed_benchmark_targets_need_ratio_and_cosine():
 
 
 def test_attention_seconds_times_each_length_once_and_scales_by_count(monkeypatch):
-    """lab.eval.bench.attention_seconds times one packed run per distinct length (at most ``run_cap`` sequences, laid out
-    as the engine packs them), keeps the best timing and scales it to that length's count; threads are restored; with
-    ``kernel`` it times the three-op path or prefill-lab's own kernel."""
+    """lab.eval.bench.attention_seconds times one packed run per distinct length (at most ``run_cap`` sequences, laid
+    out as the engine packs them), keeps the best timing and scales it to that length's count; threads are restored;
+    with ``kernel`` it times the three-op path or prefill-lab's own kernel."""
     from lab.kernels import cpu_attention
 
     from lab.eval import bench

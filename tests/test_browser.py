@@ -34,7 +34,8 @@ WAIT_S = 300  # 2 cores: JupyterLab's first load, a kernel start and the noteboo
 
 def _missing() -> str | None:
     if CHROMIUM is None or CHROMEDRIVER is None:
-        return "no Chromium / ChromeDriver on PATH (apt-get install chromium chromium-driver; .ci/setup does it as root)"
+        return ("no Chromium / ChromeDriver on PATH (apt-get install chromium chromium-driver; .ci/setup does it "
+                "as root)")
     for module in ("selenium", "jupyterlab"):
         try:
             __import__(module)
@@ -69,7 +70,8 @@ def jupyter(tmp_path_factory):
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
            f"--ServerApp.root_dir={root / 'notebooks'}", f"--LabApp.workspaces_dir={root / 'workspaces'}",
-           f"--LabApp.user_settings_dir={root / 'settings'}", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+           f"--LabApp.user_settings_dir={root / 'settings'}",
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
            *(["--allow-root"] if os.geteuid() == 0 else [])]  # CI machines run as root
     log = (root / "server.log").open("w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

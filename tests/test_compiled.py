@@ -187,8 +187,8 @@ print("warned:", any("compile=False" in str(w.message) for w in seen), "rows:", 
       "forward:", eng.cpu_paths.get("forward", "eager"))
 """
     env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, check=False,
-                         cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         check=False, cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "error names the fix: True" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "warned: True rows: 2 forward: eager" in out.stdout, out.stdout + out.stderr[-3000:]

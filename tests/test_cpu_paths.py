@@ -3,11 +3,11 @@
 An engine's probes (``lab.ops.probes``) pick one candidate of each fast path on the running machine, so a test that
 relies on the picks exercises only this CPU's. Here every candidate of every probe a model family asks is forced in
 turn (``Engine(..., cpu_paths=...)``; the last candidate this machine offers through ``LAB_CPU_<NAME>`` instead),
-the other probes left to pick (but for the earlier choices it needs), and the engine is run in float32 and bfloat16 with one and two CPU workers: on
-all-MiniLM-L6-v2 against sentence-transformers and on a tiny decoder of each family ``tests/tiny_models.py`` builds
-against transformers. Each run checks that the forced choice is the one in force (``Engine.cpu_paths``, the
-decision's source, the model's plan or weight layout) and, for a candidate that runs prefill-lab's C library, that
-the library's function ran, on this machine's build and on the portable and AVX2 builds
+the other probes left to pick (but for the earlier choices it needs), and the engine is run in float32 and bfloat16
+with one and two CPU workers: on all-MiniLM-L6-v2 against sentence-transformers and on a tiny decoder of each family
+``tests/tiny_models.py`` builds against transformers. Each run checks that the forced choice is the one in force
+(``Engine.cpu_paths``, the decision's source, the model's plan or weight layout) and, for a candidate that runs
+prefill-lab's C library, that the library's function ran, on this machine's build and on the portable and AVX2 builds
 (``lab.kernels.cpu_attention.use_build``).
 
 Which probes apply to which family and dtype, which candidates this machine offers, which earlier choices a probe
@@ -193,7 +193,8 @@ def _cases() -> list:
                 calls_c = any(by_dtype[d].get((name, candidate), {}).get("c_functions") for d in DTYPES)
                 for build in ("native", *(BUILDS if calls_c else ())):
                     suffix = "" if build == "native" else f"-{build}"
-                    cases.append(pytest.param(family, name, candidate, build, id=f"{family}-{name}={candidate}{suffix}"))
+                    cases.append(pytest.param(family, name, candidate, build,
+                                              id=f"{family}-{name}={candidate}{suffix}"))
     return cases
 
 

@@ -5,8 +5,8 @@ A copy of all-MiniLM-L6-v2 whose ``config_sentence_transformers.json`` carries p
 Every row of the argument table is run on both libraries with the same inputs (shuffled, odd count, a one-token text,
 an empty text, one past ``max_seq_length``) and compared: same container type, shape and dtype; float results at
 cosine >= 0.99999 and 1e-4 relative norms; quantized ones bucket for bucket (a bucket boundary may fall between two
-float32 results 1e-6 apart: at most 1 % of the entries may differ, by one bucket / one bit). ``lab.outputs.quantize`` itself
-equals sentence-transformers' ``quantize_embeddings`` exactly on the same float inputs.
+float32 results 1e-6 apart: at most 1 % of the entries may differ, by one bucket / one bit). ``lab.outputs.quantize``
+itself equals sentence-transformers' ``quantize_embeddings`` exactly on the same float inputs.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ def test_every_path_and_worker_split_gives_the_same_rows(folder, pooling):
                  cpu_workers=1, max_batch_tokens=4096)
     want = eng.embed(texts)
     threads = WorkerThreads(eng.model)
-    for knobs in ({"cpu_workers": 2}, {"chunked_prefill": 8, "cpu_workers": 1}, {"chunked_prefill": 8, "cpu_workers": 2},
+    for knobs in ({"cpu_workers": 2}, {"chunked_prefill": 8, "cpu_workers": 1},
+                  {"chunked_prefill": 8, "cpu_workers": 2},
                   {"prefix_cache": True, "cpu_workers": 1}, {"prefix_cache": True, "cpu_workers": 2},
                   {"prefix_cache": True, "chunked_prefill": 8, "cpu_workers": 2}):
         eng.configure(**{"chunked_prefill": None, "prefix_cache": False, **knobs})
@@ -130,12 +131,13 @@ def test_engine_arguments_are_the_knobs_by_name(minilm_path):
     skip = ("self", "model", *LOAD_TIME)
     params = [p for p in inspect.signature(Engine.__init__).parameters if p not in skip]
     assert params == [f.name for f in fields(Knobs)]
-    defaults = {p.name: p.default for p in inspect.signature(Engine.__init__).parameters.values() if p.name not in skip}
+    defaults = {p.name: p.default for p in inspect.signature(Engine.__init__).parameters.values()
+                if p.name not in skip}
     knob_defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(Knobs)}
     assert {k: tuple(v) if isinstance(v, list) else v for k, v in defaults.items()} == knob_defaults
     chosen = {"pooling": "max", "normalize": False, "truncate_dim": 17, "max_length": 33, "max_batch_tokens": 999,
-                  "max_num_seqs": 7, "instruction": "x: ", "include_instruction": True, "append_eos": True, "prefix_cache": False,
-                  "attention_backend": "torch", "cpu_workers": 1, "layer": 3}
+                  "max_num_seqs": 7, "instruction": "x: ", "include_instruction": True, "append_eos": True,
+                  "prefix_cache": False, "attention_backend": "torch", "cpu_workers": 1, "layer": 3}
     eng = Engine(minilm_path, **chosen)
     assert {k: eng.knobs[k] for k in chosen} == chosen
 

@@ -189,8 +189,9 @@ def test_the_published_llm2vec_layout_by_ids_needs_no_other_argument(cache, llam
     np.testing.assert_array_equal(embed(eng), want)
     weights = embed(Engine(str(base_dir), adapters=[str(mntp_dir), str(sup_dir)], bidirectional=True,
                            pooling="mean", instruction_pooling="exact"))
+    # llm2vec's defaults, its weights
     np.testing.assert_array_equal(embed(Engine(MNTP_ID, adapters=[MNTP_ID + "-supervised"],
-                                               instruction_pooling="exact")), weights)  # llm2vec's defaults, its weights
+                                               instruction_pooling="exact")), weights)
     assert (eng.model_name, eng.revision) == (MNTP_ID, COMMIT_B)
     assert not list(cache.rglob("EXECUTED"))  # the -mntp repository's modeling code never ran
 

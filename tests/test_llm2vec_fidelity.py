@@ -149,7 +149,8 @@ def test_settings_come_from_the_folder_llm2vec_reads(base, tmp_path):
 def test_a_layout_without_llm2vec_config_gets_llm2vecs_defaults(base, tmp_path):
     """A published -mntp folder (auto_map to llm2vec's encoder) with no llm2vec_config.json anywhere: mean pooling,
     512 tokens, documents cut at 400, instructions not pooled, bidirectional; the notice names what it brought."""
-    _, mntp_dir, sup_dir = published_layout(tmp_path / "pub", base, base_ref="../../meta-llama/Meta-Llama-3-8B-Instruct")
+    _, mntp_dir, sup_dir = published_layout(tmp_path / "pub", base,
+                                            base_ref="../../meta-llama/Meta-Llama-3-8B-Instruct")
     with pytest.warns(Llm2VecNotice, match=r"an LLM2Vec layout .*names llm2vec's encoder model.*bidirectional=True.*"
                                            r"pooling='mean'.*doc_max_length=400.*the chat template of "
                                            r"meta-llama/Meta-Llama-3-8B-Instruct"):

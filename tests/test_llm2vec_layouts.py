@@ -70,7 +70,8 @@ def assert_peft_loads_every_key(base, folder) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm = PeftModel.from_pretrained(AutoModel.from_pretrained(base, dtype=torch.float32), str(folder))
-    assert not [w for w in caught if "missing adapter keys" in str(w.message).lower()], [str(w.message) for w in caught]
+    assert not [w for w in caught
+                if "missing adapter keys" in str(w.message).lower()], [str(w.message) for w in caught]
     loaded = get_peft_model_state_dict(pm)
     with safe_open(str(Path(folder) / "adapter_model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
@@ -90,7 +91,8 @@ def bare_adapter(base, out, *, seed: int, base_name: str | None = None, **config
     model = AutoModel.from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(seed)
     lora = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         peft.get_peft_model(model, lora).save_pretrained(out)
@@ -105,7 +107,8 @@ def bare_adapter(base, out, *, seed: int, base_name: str | None = None, **config
 # ------------------------------------------------------------------------------------- lab.adapt's folders in peft
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Per decoder family: (base, MNTP folder, SimCSE-on-MNTP folder), two training steps each at a large learning rate (real deltas)."""
+    """Per decoder family: (base, MNTP folder, SimCSE-on-MNTP folder), two training steps each at a large learning rate
+    (real deltas)."""
     root = tmp_path_factory.mktemp("llm2vec-adapt")
     out = {}
     for kind in KINDS:
@@ -274,7 +277,8 @@ def test_mntp_folder_with_a_stacked_adapter_equals_base_plus_both(published, mon
     """The weights: the -mntp folder with a stacked adapter is its base plus both adapters (the exact rule here:
     under llm2vec's, the -mntp folder's config brings its base's chat template, ``test_chat_template_...``)."""
     root, base_dir, mntp_dir, sup_dir = published
-    eng = Engine(str(mntp_dir), adapters=[str(sup_dir)], bidirectional=True, pooling="mean", instruction_pooling="exact")
+    eng = Engine(str(mntp_dir), adapters=[str(sup_dir)], bidirectional=True, pooling="mean",
+                 instruction_pooling="exact")
     assert Path(eng.model_path) == base_dir.resolve()
     assert eng.knobs["adapters"] == (str(mntp_dir), str(sup_dir))
     out = eng.embed(TEXTS)
@@ -324,8 +328,8 @@ def test_missing_base_names_it_and_the_fix(base, tmp_path, monkeypatch):
     shutil.rmtree(base_dir)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=(r"its base 'meta-llama/Meta-Llama-3-8B-Instruct' \(base_model_name_or_path "
-                                          r"in .*adapter_config.json\) is not a local folder.*hub id.*Download the base "
-                                          r"model.*base_model_name_or_path")):
+                                          r"in .*adapter_config.json\) is not a local folder.*hub id.*Download the "
+                                          r"base model.*base_model_name_or_path")):
         Engine(str(mntp_dir), adapters=[str(sup_dir)])
     assert not list(root.rglob("EXECUTED"))
 

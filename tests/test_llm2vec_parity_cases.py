@@ -75,7 +75,8 @@ def test_published_layout_by_hub_id(tmp_path, folders):
     for repo in ("McGill-NLP/LLM2Vec-X-mntp", "McGill-NLP/LLM2Vec-X-mntp-supervised", "org/base"):
         top = tmp_path / "hub" / ("models--" + repo.replace("/", "--"))
         commit = (top / "refs" / "main").read_text()
-        assert (top / "snapshots" / commit / ("config.json" if repo == "org/base" else "adapter_config.json")).is_file()
+        assert (top / "snapshots" / commit
+                / ("config.json" if repo == "org/base" else "adapter_config.json")).is_file()
     snap = next((tmp_path / "hub" / "models--McGill-NLP--LLM2Vec-X-mntp" / "snapshots").iterdir())
     assert json.loads((snap / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/base"
     assert json.loads((snap / "llm2vec_config.json").read_text()) == {"pooling_mode": "eos_token"}

@@ -330,7 +330,8 @@ def live(models, tmp_path_factory):
     ({"rank_pattern": {"q_proj": 0}}, r"adapter_config.json: rank_pattern\['q_proj'\] must be a positive integer"),
     ({"alpha_pattern": {"q_proj": None}}, r"adapter_config.json: alpha_pattern\['q_proj'\] must be a finite"),
     ({"rank_pattern": {"layers.0.q_proj[": 4}}, (r"adapter_config.json: rank_pattern has the key 'layers.0.q_proj\[', "
-                                                r"which is not a valid regular expression \(unterminated character set")),
+                                                r"which is not a valid regular expression \(unterminated "
+                                                r"character set")),
     ({"alpha_pattern": {"*_proj": 8}}, (r"adapter_config.json: alpha_pattern has the key '\*_proj', which is not a "
                                         r"valid regular expression \(nothing to repeat.*re.escape")),
 ])

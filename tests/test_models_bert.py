@@ -19,7 +19,8 @@ TEXTS = ["a", "hello world", "the quick brown fox jumps over the lazy dog", "", 
          "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"]
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "matmul", "lab", "bmm"])  # the CPU ``attention_kernel`` choice, in the plan
+# the CPU ``attention_kernel`` choice, in the plan
+@pytest.mark.parametrize("kernel", ["sdpa", "matmul", "lab", "bmm"])
 @pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta"])
 def test_packed_forward_matches_transformers(tmp_path, minilm_path, kind, kernel, monkeypatch):
     from lab.kernels import cpu_attention
@@ -48,7 +49,8 @@ def test_packed_forward_matches_transformers(tmp_path, minilm_path, kind, kernel
         got = ours(batch.input_ids, batch.positions, batch.meta, batch.token_type_ids)
         s = 0
         for x, t in zip(ids, types):
-            want = ref(input_ids=torch.from_numpy(x)[None], token_type_ids=torch.from_numpy(t)[None]).last_hidden_state[0]
+            want = ref(input_ids=torch.from_numpy(x)[None],
+                       token_type_ids=torch.from_numpy(t)[None]).last_hidden_state[0]
             assert cosine_rows(got[s : s + len(x)].numpy(), want.numpy()).min() >= 0.99999
             torch.testing.assert_close(got[s : s + len(x)], want, atol=2e-5, rtol=1e-4)
             s += len(x)

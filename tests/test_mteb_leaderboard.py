@@ -36,7 +36,8 @@ def _engine_at(folder: Path) -> FakeEngine:
 
 
 def _plain_files(cache: Path) -> list[Path]:
-    return [p for p in (cache / "results").rglob("*.json") if "experiments" not in p.parts and p.name != "model_meta.json"]
+    return [p for p in (cache / "results").rglob("*.json")
+            if "experiments" not in p.parts and p.name != "model_meta.json"]
 
 
 # ------------------------------------------------------------------------------------------------- model card

@@ -3,8 +3,9 @@
 
 Oracle: sentence-transformers' own ``MultiVectorEncoder.encode_query`` / ``encode_document`` / ``encode`` on tiny
 random folders it saved (Transformer with per-task lengths and query expansion, token-level Dense, MultiVectorMask
-with a punctuation skiplist, Normalize), and on a PyLate (<= 3) save of the same weights that it loads itself. Inputs are shuffled, odd-sized, with one-token and empty texts; small token
-budgets force several packed steps; CPU workers share the steps.
+with a punctuation skiplist, Normalize), and on a PyLate (<= 3) save of the same weights that it loads itself. Inputs
+are shuffled, odd-sized, with one-token and empty texts; small token budgets force several packed steps; CPU workers
+share the steps.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED = ["01_quickstart", "02_pooling_and_bidirectional", "03_chunked_prefill", "04_mteb", "05_throughput",
             "06_llm2vec", "07_outputs"]
-CELL_TIMEOUT_S = int(os.environ.get("LAB_NOTEBOOK_TIMEOUT", "600"))  # generous: a 2-core CI machine shared with other jobs
+# generous: a 2-core CI machine shared with other jobs
+CELL_TIMEOUT_S = int(os.environ.get("LAB_NOTEBOOK_TIMEOUT", "600"))
 
 
 def test_the_notebooks_exist():

@@ -150,9 +150,10 @@ def m3_reference(folder, texts, dtype=torch.float32) -> dict:
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     model = XLMRobertaModel.from_pretrained(str(folder), dtype=dtype).eval()
-    heads = {name: torch.load(folder / f"{name}.pt", weights_only=True) for name in ("sparse_linear", "colbert_linear")}
-    unused = {tok.convert_tokens_to_ids(tok.special_tokens_map[t]) for t in ("cls_token", "eos_token", "pad_token",
-                                                                             "unk_token") if t in tok.special_tokens_map}
+    heads = {name: torch.load(folder / f"{name}.pt", weights_only=True)
+             for name in ("sparse_linear", "colbert_linear")}
+    unused = {tok.convert_tokens_to_ids(tok.special_tokens_map[t])
+              for t in ("cls_token", "eos_token", "pad_token", "unk_token") if t in tok.special_tokens_map}
     enc = tok(texts, padding=True, truncation=True, max_length=512, return_tensors="pt")
     with torch.no_grad():
         h = model(**enc).last_hidden_state.float()  # (B, L, H)

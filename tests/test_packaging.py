@@ -67,7 +67,8 @@ def test_shadowing_module_stays_empty_without_the_library():
     """No library on sys.path: the top-level `kernels` found in the root is inert (no version, no submodules)."""
     out = _run(
         "import sys; sys.path[:] = [p for p in sys.path if 'site-packages' not in p and 'dist-packages' not in p];"
-        " import kernels; print(kernels.__file__); print(hasattr(kernels, '__version__'), hasattr(kernels, 'reference'))",
+        " import kernels; print(kernels.__file__); print(hasattr(kernels, '__version__'), "
+        "hasattr(kernels, 'reference'))",
         ROOT,
     )
     path, flags = out.splitlines()

@@ -143,8 +143,8 @@ def test_a_registered_pooling_method_is_offered_by_the_knob_configure_and_the_pa
 
     monkeypatch.setattr(pooling, "METHODS", dict(pooling.METHODS))
     assert "first_two" not in pooling.knob_values() and "tokens" not in pooling.knob_values()
-    with pytest.raises(ValueError, match="unknown pooling 'first_two'; valid: cls, mean, max, lasttoken, weightedmean, "
-                                         "eos_token"):
+    with pytest.raises(ValueError, match="unknown pooling 'first_two'; valid: cls, mean, max, lasttoken, "
+                                         "weightedmean, eos_token"):
         Engine(minilm_path, pooling="first_two")
     register("first_two", _FirstTwo())
     eng = Engine(minilm_path, pooling="first_two", normalize=False)

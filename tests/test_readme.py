@@ -18,7 +18,8 @@ README = ROOT / "README.md"
 EVALS_README = ROOT / "evals" / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s+(.+?)\s*-->")
 FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
-JOURNAL = re.compile(r"\bsessions?\b|\bthis\s+stop\b|\bfirst version\b|\bpreviously\b|_s\d+\b|\brerun\b", re.IGNORECASE)
+JOURNAL = re.compile(r"\bsessions?\b|\bthis\s+stop\b|\bfirst version\b|\bpreviously\b|_s\d+\b|\brerun\b",
+                     re.IGNORECASE)
 
 
 def snippets(text: str) -> list[tuple[int, str, str | None]]:

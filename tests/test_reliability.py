@@ -190,7 +190,8 @@ def test_unused_weights_are_reported(tmp_path, minilm_path):
     """A config with 3 layers over 6 layers' weights used to run 3 layers silently; now it says which tensors it
     leaves unread, as transformers' UNEXPECTED report does."""
     folder = _copy_with(minilm_path, tmp_path / "m", config={"num_hidden_layers": 3})
-    with pytest.warns(UserWarning, match=r"weight\(s\) this config.json does not use: encoder.layer.3.*num_hidden_layers"):
+    with pytest.warns(UserWarning,
+                      match=r"weight\(s\) this config.json does not use: encoder.layer.3.*num_hidden_layers"):
         Engine(str(folder))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the real folder: every tensor is read (the pooler is documented unused)
@@ -198,7 +199,8 @@ def test_unused_weights_are_reported(tmp_path, minilm_path):
 
 
 @pytest.mark.parametrize("index, match", [
-    ({"weight_map": {"a": "../outside.safetensors"}}, r"names the shard '../outside.safetensors', which is not a file inside"),
+    ({"weight_map": {"a": "../outside.safetensors"}},
+     r"names the shard '../outside.safetensors', which is not a file inside"),
     ({"weights": {}}, r"is not a valid shard index .*KeyError"),
     ("not json {", r"is not a valid shard index"),
 ])

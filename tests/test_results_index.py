@@ -85,7 +85,8 @@ def _embed_rows(when: str) -> list[dict]:
     common = {"corpus": "mixed", "dtype": "float32", "cpu_model": "Test CPU 9000", "cpu_flags": "avx2 fma",
               "run_date": when}
     return [{**common, "system": "engine", "tokens_per_s": "3000", "ratio_vs_sentence_transformers": "1.5"},
-            {**common, "system": "sentence-transformers", "tokens_per_s": "2000", "ratio_vs_sentence_transformers": "1"}]
+            {**common, "system": "sentence-transformers", "tokens_per_s": "2000",
+             "ratio_vs_sentence_transformers": "1"}]
 
 
 def test_generator_on_a_temporary_folder(tmp_path):

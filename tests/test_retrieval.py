@@ -1,5 +1,5 @@
-"""``lab.eval.retrieval``: nDCG against hand-computed values, MaxSim against a plain loop, and each mode's scores against
-the engine calls it is made of (all-MiniLM-L6-v2)."""
+"""``lab.eval.retrieval``: nDCG against hand-computed values, MaxSim against a plain loop, and each mode's scores
+against the engine calls it is made of (all-MiniLM-L6-v2)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""lab.runtime.allocator: with the malloc settings, large buffers come from the heap and stay there once freed, in the CPU
-workers' threads too. Checked in fresh subprocesses (the settings are process-wide) through glibc's ``mallinfo2``
+"""lab.runtime.allocator: with the malloc settings, large buffers come from the heap and stay there once freed, in the
+CPU workers' threads too. Checked in fresh subprocesses (the settings are process-wide) through glibc's ``mallinfo2``
 counters and the threads' page faults, not by time. The tuning is opt-in: ``Engine(tune_allocator=...)``, else
 ``LAB_MALLOC_TUNING``."""
 
@@ -58,7 +58,8 @@ def test_tuned_allocator_keeps_large_buffers_in_the_heap_in_main_and_worker_thre
         pytest.skip("mallopt unavailable (not glibc)")
     for where in ("main", "worker"):
         # served from the heap (not mapped afresh) and still there after the free: the next step reuses its pages.
-        # (This does not see a trim threshold of 0: the freed block was not at the heap's top here. The next test does.)
+        # (This does not see a trim threshold of 0: the freed block was not at the heap's top here. The next test
+        # does.)
         assert tuned[where]["mmapped_during"] < 40 and tuned[where]["heap_after"] >= 40, tuned
     plain = _run("0")  # glibc's defaults: mapped afresh, in both threads
     assert not plain["tuned"], plain

@@ -203,7 +203,8 @@ def test_a_file_source_is_read_in_batches_and_cut_into_the_shards_a_list_gives(t
     (tmp_path / "c.jsonl").write_text(lines)
     with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
         f.write(lines)
-    pq.write_table(pa.table({"id": [r["id"] for r in rows], "text": [r["text"] for r in rows]}), tmp_path / "c.parquet")
+    pq.write_table(pa.table({"id": [r["id"] for r in rows], "text": [r["text"] for r in rows]}),
+                   tmp_path / "c.parquet")
     want = [(k, [r["id"] for r in rows[5 * k:5 * k + 5]], [r["text"] for r in rows[5 * k:5 * k + 5]])
             for k in range(5)]
     sources = [read_source(tmp_path / name) for name in ("c.jsonl", "c.jsonl.gz", "c.parquet")]

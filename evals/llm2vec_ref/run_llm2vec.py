@@ -3,7 +3,8 @@
 Reads a job (JSON) naming the model folder (or hub id), an optional PEFT folder (or id), the settings (none: the
 call llm2vec's users make, the folders deciding) and the inputs (``[[instruction, text], ...]``, llm2vec's format),
 writes the embeddings (``.npy``, float32, input order) and a report (JSON: seconds, versions, the settings llm2vec
-ended with, and every warning or log record about adapter keys peft / transformers emitted while loading). Imports nothing from prefill-lab.
+ended with, and every warning or log record about adapter keys peft / transformers emitted while loading). Imports
+nothing from prefill-lab.
 
     <venv>/bin/python evals/llm2vec_ref/run_llm2vec.py job.json
 """

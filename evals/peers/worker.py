@@ -10,9 +10,9 @@ banners and progress) is sent to stderr, which the driver keeps in a log file.
 
 Requests (``op`` plus arguments) and replies (``ok`` plus results, or ``ok: false`` and ``error``, a traceback):
 
-- ``load`` ``kind``, ``model``, ``options``: builds the system; replies ``info`` (``precision`` it runs in, ``packages``
-  with versions, ``settings``, ``torch_threads``, kind-specific extras), ``load_seconds``, ``rss_load_delta_mb`` (the
-  resident set after loading minus before, imports included);
+- ``load`` ``kind``, ``model``, ``options``: builds the system; replies ``info`` (``precision`` it runs in,
+  ``packages`` with versions, ``settings``, ``torch_threads``, kind-specific extras), ``load_seconds``,
+  ``rss_load_delta_mb`` (the resident set after loading minus before, imports included);
 - ``texts`` ``key``, ``texts``: keeps a corpus under ``key``;
 - ``embed`` ``key``: embeds it (untimed use: the warm-up); replies ``vectors`` (``encode_array``);
 - ``time`` ``key``: embeds it; replies ``seconds`` (wall, ``time.perf_counter``) and ``cpu_seconds`` (this process's
@@ -127,7 +127,8 @@ class StOnnx:
         from sentence_transformers import SentenceTransformer
 
         self.model = SentenceTransformer(model, backend="onnx", device="cpu",
-                                         model_kwargs={"file_name": "onnx/model.onnx", "provider": "CPUExecutionProvider"})
+                                         model_kwargs={"file_name": "onnx/model.onnx",
+                                                       "provider": "CPUExecutionProvider"})
         self.info = {"precision": "float32",
                      "packages": versions("sentence-transformers", "transformers", "optimum", "optimum-onnx",
                                           "onnxruntime", "torch"),

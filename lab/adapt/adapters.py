@@ -1,4 +1,5 @@
-"""PEFT LoRA adapters merged into our packed models, live: ``Engine(path, adapters=[...])``, ``configure(adapters=...)``.
+"""PEFT LoRA adapters merged into our packed models, live: ``Engine(path, adapters=[...])``,
+``configure(adapters=...)``.
 
 An adapter folder is what peft's ``save_pretrained`` writes: ``adapter_config.json`` and ``adapter_model.safetensors``
 (or ``adapter_model.bin``). Each LoRA module adds ``scale * B @ A`` to one transformers ``nn.Linear`` weight, with
@@ -6,8 +7,9 @@ An adapter folder is what peft's ``save_pretrained`` writes: ``adapter_config.js
 ``rank_pattern`` / ``alpha_pattern``, matched as peft matches them). Our models fuse some of those Linears (q/k/v,
 gate/up), so each model class says where every transformers Linear lives in its parameters
 (``hf_linear_map()``: module name -> our parameter and its rows, a slice or an index tensor) and how to strip
-checkpoint prefixes from a name (``hf_module_name``). Several adapters merge in order, each on top of the last (as llm2vec stacks its MNTP and
-SimCSE adapters): ``W = ((W0 + d1) + d2) ...``, all in float32 from the runner's float32 master copy.
+checkpoint prefixes from a name (``hf_module_name``). Several adapters merge in order, each on top of the last (as
+llm2vec stacks its MNTP and SimCSE adapters): ``W = ((W0 + d1) + d2) ...``, all in float32 from the runner's float32
+master copy.
 
 Keys are read in either scope peft saves: the bare model's (``base_model.model.layers.N...``: saved from
 ``AutoModel``, what llm2vec and ``lab.adapt`` write) and a head class's (``base_model.model.model.layers.N...``: saved
@@ -318,7 +320,8 @@ def _read_config(p: Path) -> dict:
         if (p / "config.json").exists():
             raise FileNotFoundError(
                 f"{str(p)!r} is a model folder, not an adapter (no {ADAPTER_CONFIG}): pass it as the model, and as "
-                "adapters the folders PEFT LoRA adapters were saved to (adapter_config.json + adapter_model.safetensors)"
+                "adapters the folders PEFT LoRA adapters were saved to (adapter_config.json + "
+                "adapter_model.safetensors)"
             )
         raise FileNotFoundError(f"no {ADAPTER_CONFIG} in {str(p)!r}: adapters are PEFT LoRA folders (peft's "
                                 "save_pretrained writes adapter_config.json + adapter_model.safetensors)")

@@ -57,7 +57,8 @@ CHECKPOINT = "checkpoint"
 LOG_FILE = "train_log.csv"
 RUN_FILES = {"train_config.json", LOG_FILE, ".adapter.tmp", CHECKPOINT + ".tmp", CHECKPOINT + ".old"}  # not results
 # what to do when the adapter folder cannot be written (a full disk, a size limit)
-RESUME_FIX = f"{NO_ROOM}, then run again with resume=True (it continues from the last checkpoint); or pass another out_dir"
+RESUME_FIX = (f"{NO_ROOM}, then run again with resume=True (it continues from the last checkpoint); or pass another "
+              "out_dir")
 
 
 @dataclass

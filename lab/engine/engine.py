@@ -2,11 +2,12 @@
 
 Every call runs one pipeline (``Engine.run_passes``), data flowing one way: ``Pass`` (texts, how to tokenize them, a
 pooler) -> ``InputProcessor`` (tokenize, instruction, truncation records; the next wave tokenized while this one
-runs) -> ``Executor`` (packed path or KV path, CPU workers on both; ``lab.engine.executor``) -> ``Pooler`` (method x head:
-``lab.outputs.pooling``, ``lab.outputs.heads``) -> ``OutputBuffer`` (input order), all inside one ``Call`` (one ``Stats``, timer,
-progress bar, truncation warning; ``lab.engine.call``). ``embed`` is one pass; ``score`` builds its passes in
-``lab.engine.rerank``, ``encode`` in ``lab.engine.st_encode``, both on the engine's public seam: ``embed_pass`` (the
-pass ``embed`` runs, with another pooling or head if asked) and ``run_passes`` (passes run as one call).
+runs) -> ``Executor`` (packed path or KV path, CPU workers on both; ``lab.engine.executor``) -> ``Pooler`` (method x
+head: ``lab.outputs.pooling``, ``lab.outputs.heads``) -> ``OutputBuffer`` (input order), all inside one ``Call`` (one
+``Stats``, timer, progress bar, truncation warning; ``lab.engine.call``). ``embed`` is one pass; ``score`` builds its
+passes in ``lab.engine.rerank``, ``encode`` in ``lab.engine.st_encode``, both on the engine's public
+seam: ``embed_pass`` (the pass ``embed`` runs, with another pooling or head if asked) and ``run_passes`` (passes run as
+one call).
 
     >>> eng = Engine("sentence-transformers/all-MiniLM-L6-v2")   # a hub id, or a local folder
     >>> E = eng.embed(["A man plays a guitar.", "Someone plays guitar."])    # (2, 384) float32
@@ -95,8 +96,8 @@ class Engine:
             or a ``.gguf`` file; or a PEFT adapter folder or repository without model weights (adapter alone, or
             LLM2Vec's ``-mntp`` layout with ``config.json`` and tokenizer) whose ``base_model_name_or_path`` is found
             (``lab.adapt.adapters.resolve_base``: absolute, relative to the adapter folder or the current directory,
-            or a hub id): that base loads, the adapter first in ``adapters``. ``llm2vec_config.json`` in the model folder or an adapter
-            folder sets knob defaults (``model_defaults``).
+            or a hub id): that base loads, the adapter first in ``adapters``. ``llm2vec_config.json`` in the model
+            folder or an adapter folder sets knob defaults (``model_defaults``).
         tune_allocator: on a CPU device, apply ``lab.runtime.allocator``'s glibc malloc settings to the whole
             process: large freed activations stay in the heap, so packed steps stop page-faulting on fresh memory,
             but the process keeps its peak heap until it exits and the settings cannot be undone. ``None`` (the
@@ -282,7 +283,8 @@ class Engine:
             raise ValueError(
                 f"adapters need a packed model, but {self.spec.architecture or 'this architecture'} runs through the "
                 "transformers fallback (no packed implementation here). Merge the adapter with peft "
-                "(PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(out)) and load that folder"
+                "(PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(out)) and load that "
+                "folder"
             )
         adapters = [read_adapter(self._adapter_folder(p)) for p in paths]
         return adapters, merged_weights(self.model, self.runner.weights.base, adapters)
@@ -602,8 +604,8 @@ class Engine:
         ``instruction`` overrides the engine's instruction for this call (``None`` for none); ``prompt_name``
         uses one of the model folder's prompts instead (``prompts``; with neither and no ``instruction`` knob, its
         ``default_prompt_name``'s). ``precision``: ``float32``, or ``int8`` / ``uint8`` / ``binary`` /
-        ``ubinary`` as ``lab.outputs.quantize.quantize_embeddings`` (sentence-transformers' rules; int8 ranges from this
-        call's own vectors, shared by all of a list's matrices) for dense, token and ColBERT vectors.
+        ``ubinary`` as ``lab.outputs.quantize.quantize_embeddings`` (sentence-transformers' rules; int8 ranges from
+        this call's own vectors, shared by all of a list's matrices) for dense, token and ColBERT vectors.
         ``show_progress``: a tqdm bar; ``None`` shows one for more than 4096 texts.
         """
         texts, instructions = check_inputs(texts)
@@ -739,7 +741,7 @@ class Engine:
 
         return build_panel(self)
 
-    # ----------------------------------------------------------------------------------- score / rerank (lab.engine.rerank)
+    # --------------------------------------------------------------------- score / rerank (lab.engine.rerank)
     @property
     def score_mode(self) -> str:
         """How ``score`` / ``rerank`` score by default: ``cross-encoder``, ``llm`` or ``bi-encoder``."""
@@ -752,8 +754,9 @@ class Engine:
         multi-label cross-encoder. ``mode``: ``cross-encoder`` | ``llm`` | ``bi-encoder`` (default
         ``score_mode``) | ``late-interaction`` (ColBERT MaxSim) | ``sparse`` (lexical weights) | ``m3`` (bge-m3's
         weighted dense + sparse + ColBERT); ``activation``: ``default`` (CrossEncoder.predict's; P(yes); raw
-        similarity), ``None`` (raw), ``sigmoid``, ``softmax``, ``tanh``; ``prompt``: a ``lab.engine.rerank.YesNoPrompt`` for ``llm``;
-        ``similarity``: ``cosine`` or ``dot`` for ``bi-encoder``. See ``lab.engine.rerank``."""
+        similarity), ``None`` (raw), ``sigmoid``, ``softmax``, ``tanh``; ``prompt``: a
+        ``lab.engine.rerank.YesNoPrompt`` for ``llm``; ``similarity``: ``cosine`` or ``dot`` for ``bi-encoder``. See
+        ``lab.engine.rerank``."""
         job = rerank.score_job(self, pairs, mode=mode, activation=activation, instruction=self._instruction(
             instruction), prompt=prompt, similarity=similarity)
         return job.combine(self.run_passes(job.passes, "score", show_progress, split=job.split))

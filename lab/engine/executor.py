@@ -2,8 +2,8 @@
 
 Given one wave of ``Request`` objects and a ``Pooler`` (method x head), the executor chooses the path:
 
-- **packed** (the default): token-budget batches (``lab.engine.scheduler.plan_batches``), each one flat forward; when the
-  method reads one row per sequence (``cls``, ``lasttoken``) and the model ``computes_output_rows``, its last
+- **packed** (the default): token-budget batches (``lab.engine.scheduler.plan_batches``), each one flat forward; when
+  the method reads one row per sequence (``cls``, ``lasttoken``) and the model ``computes_output_rows``, its last
   layer runs for those rows only (``lab.ops.batch.OutputRows``);
 - **KV** (``lab.engine.kv_path``): causal attention with chunked prefill, or with a prefix the inputs share that the
   prefix cache computes once.
@@ -63,7 +63,8 @@ class Executor:
         if self.uses_kv_path(s, shared_prefix=shared_prefix):
             s = self.memory_budget(requests, pooler, s, stats, chunked=s.chunked_prefill is not None,
                                    prefix=shared_prefix and s.prefix_cache)
-            for reqs, pooled, delta in KVPath(self.runner, s, pooler.method).run(requests, shared_prefix=shared_prefix):
+            for reqs, pooled, delta in KVPath(self.runner, s, pooler.method).run(
+                    requests, shared_prefix=shared_prefix):
                 stats.add(delta)
                 yield reqs, pooler.outputs(pooled, reqs)
             return

@@ -7,12 +7,12 @@ Two rules decide the pooled tokens of an input with an instruction (the ``instru
   ``include_prompt=False`` counts them (``InputProcessor.instruction_length``).
 - ``"llm2vec"``: llm2vec's embed mask, as llm2vec 0.2.3 builds it: the input is
   ``instruction.strip() + " " + text`` (the text alone without an instruction), wrapped in the chat template of
-  the base model when the name llm2vec chooses it by (``lab.engine.llm2vec``) is one it knows (``CHAT_TEMPLATES``), followed by the
-  EOS text under ``eos_token`` pooling (``eos_text``); the pooled tokens are the last ``n`` of the tokenized input,
-  ``n`` = the tokens of the text part (the text and whatever the wrapping put after it) tokenized alone without
-  special tokens. When the instruction's last character merges with the text's first into one token (byte-level
-  BPE: ``" "`` + ``"Drug"`` -> ``"ĠDrug"``), that token is pooled under this rule and not under ``"exact"``.
-  Without an instruction the rule still pools the last ``n`` tokens, so a tokenizer's BOS is not pooled.
+  the base model when the name llm2vec chooses it by (``lab.engine.llm2vec``) is one it knows (``CHAT_TEMPLATES``),
+  followed by the EOS text under ``eos_token`` pooling (``eos_text``); the pooled tokens are the last ``n`` of the
+  tokenized input, ``n`` = the tokens of the text part (the text and whatever the wrapping put after it) tokenized
+  alone without special tokens. When the instruction's last character merges with the text's first into one token
+  (byte-level BPE: ``" "`` + ``"Drug"`` -> ``"ĠDrug"``), that token is pooled under this rule and not under
+  ``"exact"``. Without an instruction the rule still pools the last ``n`` tokens, so a tokenizer's BOS is not pooled.
 
 A ``template`` (a string with one or two ``{text}`` fields) renders the text before either rule applies: echo
 embeddings (``"Rewrite the sentence: {text}, rewritten sentence: {text}"``, the text twice, pooling the second
@@ -111,9 +111,9 @@ class Framing:
         return head + text + tail, len(head)
 
     def join(self, instruction: str | None, text: str) -> tuple[str, str, int]:
-        """``(full, text_part, at)``: the string that is tokenized; the text part (under the llm2vec rule the part after
-        llm2vec's separator, whose token count tokenized alone is the number of pooled tokens; under ``"exact"`` the
-        text); where the text part starts in ``full``. ``text`` is already rendered through the template."""
+        """``(full, text_part, at)``: the string that is tokenized; the text part (under the llm2vec rule the part
+        after llm2vec's separator, whose token count tokenized alone is the number of pooled tokens; under ``"exact"``
+        the text); where the text part starts in ``full``. ``text`` is already rendered through the template."""
         if self.rule == "exact":
             return (instruction or "") + text + self.eos, text + self.eos, len(instruction or "")
         joined = f"{instruction.strip()} {LLM2VEC_SEPARATOR}{text}" if instruction else f"{LLM2VEC_SEPARATOR}{text}"

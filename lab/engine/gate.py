@@ -5,10 +5,10 @@ Every public call of an ``Engine`` (``embed``, ``score``, ``rerank``, ``encode``
 among every core through the CPU worker pool, so running two at once gains little; and on one 2-vCPU AMD EPYC three
 threads embedding at once in bfloat16 got vectors up to 0.04 from the single-threaded ones in 2 of 15 runs, a race
 below the engine not pinned down, which one call at a time rules out). A change waits until the call running in
-another thread has finished, and goes before calls that arrive meanwhile, so a stream of calls cannot starve it. So a call sees one setting
-from its start to its end (its knobs, its weights' dtype, its adapters, its CPU plan), and a change never swaps
-weights under a running forward. Within one thread the gate is re-entrant: a call made inside a call (``rerank``
-building on ``embed_pass``) or inside a change runs at once.
+another thread has finished, and goes before calls that arrive meanwhile, so a stream of calls cannot starve it. So a
+call sees one setting from its start to its end (its knobs, its weights' dtype, its adapters, its CPU plan), and a
+change never swaps weights under a running forward. Within one thread the gate is re-entrant: a call made inside a call
+(``rerank`` building on ``embed_pass``) or inside a change runs at once.
 
 An interrupt (Ctrl-C) inside a call or a change leaves the gate open: every entry is undone in a ``finally``. A
 waiting thread also re-checks, every ``POLL`` seconds, whether the threads it waits for are still alive, so a thread

@@ -244,9 +244,9 @@ class InputProcessor:
                 kept = len(x) - n_suffix - int(a)  # the text tokens left after truncation
                 if inside[-1] >= kept:
                     raise ValueError(
-                        f"text {first_index + i} is cut by max_length={self.max_length} inside the template's last copy "
-                        f"of the text (it needs {inside[-1] + 1 + n_suffix} tokens): raise max_length, shorten the "
-                        "text, or use a template whose pooled copy comes first")
+                        f"text {first_index + i} is cut by max_length={self.max_length} inside the template's last "
+                        f"copy of the text (it needs {inside[-1] + 1 + n_suffix} tokens): raise max_length, shorten "
+                        "the text, or use a template whose pooled copy comes first")
                 starts.append(0 if include_instruction else inside[0])
                 ends.append(inside[-1] + 1)
         elif f.rule == "exact":  # per-item instructions, token-exact

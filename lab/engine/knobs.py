@@ -30,8 +30,8 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
         "``cls``, ``mean``, ``max``, ``lasttoken``, ``weightedmean``, or llm2vec's ``eos_token`` (``lasttoken`` after "
         "the EOS text llm2vec appends for the base: `` </s>`` for Llama / Mistral, ``<eos>`` Gemma, ``<|endoftext|>`` "
         "Qwen2); ``None`` = the model's own: an LLM2Vec layout's (``llm2vec_config.json``'s ``pooling_mode``, else "
-        "llm2vec's ``mean``; ``lab.engine.llm2vec``), else the sentence-transformers Pooling config, else ``lasttoken`` "
-        "for decoders and ``mean`` for encoders. ``eng.resolved.sources`` says which."
+        "llm2vec's ``mean``; ``lab.engine.llm2vec``), else the sentence-transformers Pooling config, else "
+        "``lasttoken`` for decoders and ``mean`` for encoders. ``eng.resolved.sources`` says which."
     ),
     "normalize": (
         "L2-normalize embeddings; ``None`` = whether the model folder has a Normalize module."
@@ -66,8 +66,8 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
         "enables it; causal for other decoders); ``True``/``False`` override."
     ),
     "chunked_prefill": (
-        "tokens per chunk for long inputs under causal attention (``None`` = off); runs layer by layer, holding hidden "
-        "states + one layer's K/V per long input (``lab.engine.kv_path``)."
+        "tokens per chunk for long inputs under causal attention (``None`` = off); runs layer by layer, holding "
+        "hidden states + one layer's K/V per long input (``lab.engine.kv_path``)."
     ),
     "instruction": (
         "text prepended to every input, attended to; pooled or not as ``include_instruction`` says. ``score`` / "
@@ -78,10 +78,10 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
         "which tokens of an input with an instruction are pooled (``lab.engine.framing``): ``llm2vec`` (llm2vec's "
         "embed mask: the input is ``instruction.strip() + ' ' + text``, in the base model's chat template where "
         "llm2vec applies one, and the last n tokens are pooled, n = the text tokenized alone without special tokens) "
-        "or ``exact`` (the instruction as given, its own tokens not pooled, as sentence-transformers counts a prompt); "
-        "``None`` = ``llm2vec`` for an LLM2Vec layout (``lab.engine.llm2vec``: ``llm2vec_config.json``, a published "
-        "``-mntp`` folder, an adapter llm2vec or ``lab.adapt`` wrote), else ``exact`` (sentence-transformers models, "
-        "encoders and decoders alike). Under ``long_inputs='chunk'`` the "
+        "or ``exact`` (the instruction as given, its own tokens not pooled, as sentence-transformers counts a "
+        "prompt); ``None`` = ``llm2vec`` for an LLM2Vec layout (``lab.engine.llm2vec``: ``llm2vec_config.json``, a "
+        "published ``-mntp`` folder, an adapter llm2vec or ``lab.adapt`` wrote), else ``exact`` "
+        "(sentence-transformers models, encoders and decoders alike). Under ``long_inputs='chunk'`` the "
         "windows of a split input pool their own text tokens."
     ),
     "template": (
@@ -107,25 +107,25 @@ KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, 
     ),
     "cpu_workers": (
         "on CPU, split each packed step across this many worker threads, each running its share of the sequences with "
-        "``torch.get_num_threads() // cpu_workers`` intra-op threads (``None`` = one worker per intra-op thread; ``1`` "
-        "= the whole step on all threads). See ``lab.runtime.runner``."
+        "``torch.get_num_threads() // cpu_workers`` intra-op threads (``None`` = one worker per intra-op thread; "
+        "``1`` = the whole step on all threads). See ``lab.runtime.runner``."
     ),
     "layer": (
         "pool the hidden states after this layer, running only the layers up to it (a shorter forward, not a slice of "
         "the full one): 1-based, ``0`` = the embedding output, negative counts from the end (``-1`` = the last), "
-        "``None`` = the last. Equals transformers' ``output_hidden_states=True`` -> ``hidden_states[layer]``. Decoders "
-        "(pre-norm): the final RMSNorm is applied only at the last layer, as in transformers (below it, the un-normed "
-        "residual stream); encoders (post-norm): each layer's output."
+        "``None`` = the last. Equals transformers' ``output_hidden_states=True`` -> ``hidden_states[layer]``. "
+        "Decoders (pre-norm): the final RMSNorm is applied only at the last layer, as in transformers (below it, the "
+        "un-normed residual stream); encoders (post-norm): each layer's output."
     ),
     "adapters": (
         "PEFT LoRA folders (``adapter_config.json`` + ``adapter_model.safetensors``) merged into the weights in this "
-        "order, each on top of the last (``lab.adapt.adapters``); live: ``configure(adapters=[...])`` re-merges from the "
-        "float32 master copy and ``[]`` restores the base weights exactly. Packed models only; DoRA, trained biases "
-        "and LoRA on embeddings / ``lm_head`` are refused."
+        "order, each on top of the last (``lab.adapt.adapters``); live: ``configure(adapters=[...])`` re-merges from "
+        "the float32 master copy and ``[]`` restores the base weights exactly. Packed models only; DoRA, trained "
+        "biases and LoRA on embeddings / ``lm_head`` are refused."
     ),
     "long_inputs": (
-        "what happens to an input past ``max_length``: ``truncate`` (cut, counted in ``stats.truncated``) or ``chunk`` "
-        "(split into ``max_length`` windows, each pooled, averaged weighted by its tokens, then the head: "
+        "what happens to an input past ``max_length``: ``truncate`` (cut, counted in ``stats.truncated``) or "
+        "``chunk`` (split into ``max_length`` windows, each pooled, averaged weighted by its tokens, then the head: "
         "matryoshka, normalize; counted in ``stats.split``; ``lab.engine.windows``). ``chunk`` applies to every dense "
         "call (``embed``, ``encode*``, bi-encoder ``score`` / ``rerank``); cross-encoder / LLM pair scoring refuses "
         "a pair past ``max_length`` under it, per-token and sparse outputs refuse it."
@@ -166,7 +166,8 @@ class Knobs:
     chunked_prefill: int | None = None
     instruction: str | None = None
     include_instruction: bool | None = None  # None: the model's Pooling config (include_prompt), else False
-    instruction_pooling: str | None = None  # "llm2vec" | "exact"; None: llm2vec for LLM2Vec folders (lab.engine.framing)
+    # "llm2vec" | "exact"; None: llm2vec for LLM2Vec folders (lab.engine.framing)
+    instruction_pooling: str | None = None
     template: str | None = None  # "{text}" template: a prompt, or echo with two fields (lab.engine.framing)
     append_eos: bool | None = None
     prefix_cache: bool = True

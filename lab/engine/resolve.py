@@ -31,8 +31,10 @@ def defaults(k: Knobs, lay: llm2vec.Layout, spec, *, decoder: bool, default_caus
     elif "include_instruction" in d:
         include = d["include_instruction"]
     else:
-        include = (bool(spec.include_prompt), ST_POOLING) if spec.include_prompt is not None else (False, MODEL_DEFAULT)
-    max_length = (spec.max_seq_length, "sentence-transformers config") if spec.max_seq_length else (None, MODEL_DEFAULT)
+        include = ((bool(spec.include_prompt), ST_POOLING) if spec.include_prompt is not None
+                   else (False, MODEL_DEFAULT))
+    max_length = ((spec.max_seq_length, "sentence-transformers config") if spec.max_seq_length
+                  else (None, MODEL_DEFAULT))
     return {
         "pooling": d.get("pooling", pooling),
         "include_instruction": include,

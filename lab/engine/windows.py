@@ -13,9 +13,10 @@ EOS): a window is ``prefix + body[s : s + room] + suffix`` with ``room = max_len
   ``lasttoken`` (one pooled token per window) the weight is still the window's length, so that a short last window
   counts for its share of the text rather than as much as a full one. Inputs that fit run exactly as before.
 - Late chunking (``plan_chunks`` / ``pool_chunks``): a document's body is cut into chunks of ``chunk_tokens``
-  tokens (``chunk_spans`` gives each its characters: the spans tile the document); one forward over the whole document (or, past ``max_length``, over **macro-windows** that overlap by at
-  least one chunk) yields every token's final state, and each chunk's vector is the model's pooling over its own
-  span, taken from the window that holds the chunk with the most context on its narrower side.
+  tokens (``chunk_spans`` gives each its characters: the spans tile the document); one forward over the whole document
+  (or, past ``max_length``, over **macro-windows** that overlap by at least one chunk) yields every token's final
+  state, and each chunk's vector is the model's pooling over its own span, taken from the window that holds the chunk
+  with the most context on its narrower side.
 
 ``dense_pass`` is the one place the knob is read: every call kind that embeds texts into dense vectors (``embed``,
 ``encode`` / ``encode_query`` / ``encode_document``, ``score`` / ``rerank`` in ``bi-encoder`` mode) runs the pass it
@@ -71,7 +72,8 @@ def frame(proc: InputProcessor, instruction: str | None, include_instruction: bo
     if proc.append_eos and (not suffix or suffix[-1] != proc.tokenizer.eos_token_id):
         suffix.append(proc.tokenizer.eos_token_id)
     instr = proc.tokenizer(instruction, add_special_tokens=False)["input_ids"] if instruction else []
-    return Frame(prefix + list(instr), suffix, 0 if include_instruction or not instruction else len(prefix) + len(instr))
+    return Frame(prefix + list(instr), suffix,
+                 0 if include_instruction or not instruction else len(prefix) + len(instr))
 
 
 def bodies(proc: InputProcessor, texts: list[str]) -> tuple[list[list[int]], list[np.ndarray]]:

@@ -163,8 +163,8 @@ def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.d
     the attention scores (a few % for short inputs) are left out, so the roofline is a ceiling for the GEMM work.
     The GEMM timed is the engine's (``lab.ops.gemm.linear`` under ``plan``, an engine's ``runner.plan``: the mode
     its probes chose, native or widened bfloat16, BLAS or oneDNN float32, oneDNN's on packed or plain weights), i.e.
-    the fastest GEMM this machine offers for the dtype. The rate is the best of ``repeats`` timings, not their median: a ceiling, which a
-    slow moment on a shared machine cannot lower much.
+    the fastest GEMM this machine offers for the dtype. The rate is the best of ``repeats`` timings, not their
+    median: a ceiling, which a slow moment on a shared machine cannot lower much.
     """
     from lab.ops.gemm import linear
 
@@ -293,7 +293,8 @@ def peak_memory(fn: Callable[[], object]) -> tuple[object, int]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with _without_profiler_banner(), profile(activities=activities, profile_memory=True) as prof:
         result = fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
     current = peak = 0
     for _, nbytes in events:
         current += nbytes

@@ -173,7 +173,8 @@ def build_panel(engine) -> KnobPanel:
 
 def _table(rows: dict) -> str:
     cells = "".join(f"<tr><td style='text-align:left'>{html.escape(str(k))}</td>"
-                    f"<td style='text-align:left'><code>{html.escape(str(v))}</code></td></tr>" for k, v in rows.items())
+                    f"<td style='text-align:left'><code>{html.escape(str(v))}</code></td></tr>"
+                    for k, v in rows.items())
     return f"<table>{cells}</table>"
 
 

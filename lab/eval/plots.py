@@ -36,7 +36,8 @@ def _figure(width: float = 6.4, height: float = 4.0) -> tuple[Figure, object]:
 def _require(df: pd.DataFrame, columns: Sequence[str], what: str) -> None:
     missing = [c for c in columns if c not in df.columns]
     if missing:
-        raise ValueError(f"{what} needs column(s) {', '.join(missing)}; the table has {', '.join(map(str, df.columns))}")
+        raise ValueError(f"{what} needs column(s) {', '.join(missing)}; the table has "
+                         f"{', '.join(map(str, df.columns))}")
     if df.empty:
         raise ValueError(f"{what}: the table is empty")
 
@@ -195,7 +196,8 @@ def grouped_bars(
         ax.bar_label(bars, labels=["n/a" if np.isnan(v) else fmt.format(v) for v in vals], fontsize="x-small",
                      rotation=90 if n_hue * n_x > 12 else 0, padding=2)
     ax.set_xticks(range(n_x))
-    ax.set_xticklabels([str(i) for i in table.index], rotation=20 if n_x > 4 else 0, ha="right" if n_x > 4 else "center")
+    ax.set_xticklabels([str(i) for i in table.index], rotation=20 if n_x > 4 else 0,
+                       ha="right" if n_x > 4 else "center")
     ax.set_xlabel(x)
     ax.set_ylabel(ylabel or value)
     if ylim is not None:
@@ -209,7 +211,8 @@ def grouped_bars(
     return fig
 
 
-def scores(df: pd.DataFrame, *, metric: str | None = None, split: str | None = None, title: str | None = None) -> Figure:
+def scores(df: pd.DataFrame, *, metric: str | None = None, split: str | None = None,
+           title: str | None = None) -> Figure:
     """MTEB results from ``lab.evaluate``: bars of each task's main score (or ``metric``) per variant."""
     _require(df, ["task", "variant", "metric", "score"], "scores")
     rows = df[df["metric"] == metric] if metric is not None else df[df["main"].astype(bool)]
@@ -275,7 +278,8 @@ def _per_chunk(df: pd.DataFrame, value: str, ylabel: str, title: str) -> Figure:
 
 
 def chunked_memory(df: pd.DataFrame, *, value: str = "peak_mb", title: str | None = None) -> Figure:
-    """Peak memory of one long input against its length, one line per chunk size (``lab.eval.bench.chunked_prefill``)."""
+    """Peak memory of one long input against its length, one line per chunk size
+    (``lab.eval.bench.chunked_prefill``)."""
     return _per_chunk(df, value, "peak tensor memory (MB)", title or "Chunked prefill: peak memory vs length")
 
 

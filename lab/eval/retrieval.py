@@ -65,7 +65,8 @@ def score_matrix(engine, mode: str, queries: list[str], docs: list[str], *, chun
         return engine.similarity(engine.embed(queries, **q_kw), engine.embed(docs))
     if mode == "sparse":
         return (engine.embed(queries, output="sparse", **q_kw) @ engine.embed(docs, output="sparse").T).toarray()
-    if mode == "late-interaction":  # a ColBERT folder's queries and documents run as its tasks (lab.outputs.multivector)
+    if mode == "late-interaction":
+        # a ColBERT folder's queries and documents run as its tasks (lab.outputs.multivector)
         mv = getattr(getattr(engine, "spec", None), "multi_vector", None) is not None
         d_kw = {"prompt_name": "document"} if mv else {}
         q_kw = q_kw or ({"prompt_name": "query"} if mv else {})
@@ -114,8 +115,9 @@ def evaluate_retrieval(engine, corpus: Mapping[str, str], queries: Mapping[str, 
 
 def load_retrieval(task, *, split: str = "test", max_docs: int | None = None, seed: int = 0):
     """``(corpus, queries, qrels)`` dicts of an mteb retrieval task (a task object, or a name: the local copy in
-    ``evals/data`` first, e.g. SciFact, else mteb's). Corpus texts are ``title + " " + text``. ``max_docs``: keep every document a
-    qrel names plus a seeded random sample of the others, up to ``max_docs`` (a smaller, easier corpus: say so)."""
+    ``evals/data`` first, e.g. SciFact, else mteb's). Corpus texts are ``title + " " + text``. ``max_docs``: keep every
+    document a qrel names plus a seeded random sample of the others, up to ``max_docs`` (a smaller, easier corpus: say
+    so)."""
     t = resolve_tasks([task])[0]
     t.load_data()
     data = t.dataset["default"][split] if "default" in t.dataset else t.dataset[split]

@@ -1,10 +1,10 @@
 """Knob sweeps over mteb tasks -> one tidy DataFrame (``lab.evaluate`` is this module's ``evaluate``).
 
 ``evaluate(engine, tasks, sweep=...)`` runs every combination of the swept knob values through
-``engine.configure`` (live, no reload), evaluates each task with mteb through :func:`lab.eval.mteb_adapter.as_mteb_model`,
-restores the original knobs, and returns one row per (variant, task, split, subset, metric). ``tasks`` may name
-tasks, a benchmark (``"MTEB(eng, v2)"``, any name ``mteb.get_benchmark`` knows) or hold mteb task / Benchmark
-objects.
+``engine.configure`` (live, no reload), evaluates each task with mteb through
+:func:`lab.eval.mteb_adapter.as_mteb_model`, restores the original knobs, and returns one row per (variant, task,
+split, subset, metric). ``tasks`` may name tasks, a benchmark (``"MTEB(eng, v2)"``, any name ``mteb.get_benchmark``
+knows) or hold mteb task / Benchmark objects.
 
 Results go through mteb's ResultCache (``evals/results/cache`` or ``$LAB_MTEB_CACHE``) in its standard layout: the
 plain run (knobs at their defaults) in ``<cache>/results/<org__name>/<revision>/<Task>.json`` with

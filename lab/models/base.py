@@ -5,8 +5,8 @@ Every packed model family (``bert.py``, ``decoder.py``) and the transformers fal
 ``hasattr`` / ``getattr``. A model sees flat tokens, their positions and an ``AttnMeta``; never the batch layout.
 
 **One forward, in stages.** ``forward`` is defined once, here, as ``embed`` -> ``run_layers`` -> ``finish``. The
-KV path (``lab.engine.kv_path``: chunked prefill layer by layer, the shared-prefix cache) calls the same three stages on
-slices of the rows, so there is no second implementation to keep in sync. A family implements the stages:
+KV path (``lab.engine.kv_path``: chunked prefill layer by layer, the shared-prefix cache) calls the same three stages
+on slices of the rows, so there is no second implementation to keep in sync. A family implements the stages:
 
 - ``embed(input_ids, positions, token_type_ids, meta)`` -> the input of layer 0, ``(T, hidden)``;
 - ``run_layers(x, positions, meta, layers, residual, output_rows)`` -> ``(x, residual)`` after ``layers`` (a

@@ -100,8 +100,8 @@ class BertLayer(nn.Module):
         t = x.shape[0]
         if _cpu_default(x, "bert_qkv", self.plan) == "split":
             n, w, b = self.heads * self.head_dim, self.qkv.weight, self.qkv.bias
-            q, key, v = (linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n], plan=self.plan).view(t, self.heads, -1)
-                         for j in range(3))
+            q, key, v = (linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n], plan=self.plan)
+                         .view(t, self.heads, -1) for j in range(3))
         else:
             q, key, v = self.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)  # (T, H, D) each
         a = attention(q, key, v, meta, self.index, kernel=self.plan.get("attention_kernel", "sdpa"))
@@ -117,8 +117,8 @@ class BertLayer(nn.Module):
         w, b = self.out_norm.weight, self.out_norm.bias
         for s in range(0, x.shape[0], FFN_ROWS):
             rows = x[s : s + FFN_ROWS]
-            cpu_norms.add_layer_norm(linear(self._up_act(rows), self.down.weight, self.down.bias, plan=self.plan), rows, w, b,
-                                     self.eps, out=rows)
+            cpu_norms.add_layer_norm(linear(self._up_act(rows), self.down.weight, self.down.bias, plan=self.plan),
+                                     rows, w, b, self.eps, out=rows)
         return x
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,10 @@ from lab.kernels import cpu_attention, reference
 from lab.ops.batch import AttnMeta
 
 BACKENDS = ("auto", "torch", "triton")
-# Scores per group of sequences on the torch kernels' matmul path (``attention(..., kernel="matmul")``); a sequence with
-# more (``Hq * L * L``: past 295 tokens for 12 heads) takes the fused kernel. 2 MiB in bfloat16. The fastest of 2^18 to
-# 2^21, or close to it, at every length; 2^21 ran slower (measured: evals/README.md, "Measurements behind the code's
-# choices").
+# Scores per group of sequences on the torch kernels' matmul path (``attention(..., kernel="matmul")``); a sequence
+# with more (``Hq * L * L``: past 295 tokens for 12 heads) takes the fused kernel. 2 MiB in bfloat16. The fastest of
+# 2^18 to 2^21, or close to it, at every length; 2^21 ran slower (measured: evals/README.md, "Measurements behind the
+# code's choices").
 MATMUL_SCORES = 1 << 20
 # the torch backend's CPU attention kernels (``attention(..., kernel=)``, a probe's choice): torch's fused kernel,
 # scores / softmax / weighted sum as three ops, prefill-lab's own compiled kernel (``lab.kernels.cpu_attention``),

@@ -9,11 +9,12 @@ of two bfloat16 numbers is exact in float32, so a float32 GEMM over the bfloat16
 bfloat16, does the arithmetic of a bfloat16 GEMM (exact products, float32 accumulation): the "widened" path. Which
 one runs is decided per engine by timing both at the model's shapes (the plan's ``bf16_gemm``); widened GEMMs read
 one float32 copy of each weight, made once per dtype switch (kept by the plan, dropped when the weight's data
-changes), never one per call. ``cpu_paths={"bf16_gemm": "widened"}`` or ``LAB_CPU_BF16_GEMM`` forces the choice. Native GEMMs call oneDNN's linear
-op directly where torch has it for bfloat16 (``onednn_linear``, the bias added in the kernel's epilogue) rather than
-``F.linear``, whose ``addmm`` runs the same oneDNN kernel after writing the bias into the output, a second pass over
-an output that at an engine step's size no longer fits in cache (faster there, alike at a probe's size, so a probe
-could not tell them apart; measured: evals/README.md, "Measurements behind the code's choices").
+changes), never one per call. ``cpu_paths={"bf16_gemm": "widened"}`` or ``LAB_CPU_BF16_GEMM`` forces the choice. Native
+GEMMs call oneDNN's linear op directly where torch has it for bfloat16 (``onednn_linear``, the bias added in the
+kernel's epilogue) rather than ``F.linear``, whose ``addmm`` runs the same oneDNN kernel after writing the bias into
+the output, a second pass over an output that at an engine step's size no longer fits in cache (faster there, alike at
+a probe's size, so a probe could not tell them apart; measured: evals/README.md, "Measurements behind the code's
+choices").
 
 **float32 GEMMs through BLAS or oneDNN, decided by a probe.** torch's CPU ``F.linear`` runs float32 through its
 BLAS (MKL on x86 builds); oneDNN's float32 matmul (``torch.ops.mkldnn._linear_pointwise`` with no epilogue)

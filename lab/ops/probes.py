@@ -347,12 +347,12 @@ def attention_probe(dtype: torch.dtype, heads: int, d: int, threads: int, *, kv_
     ``matmul`` and ``bmm`` are for encoders only: they round the scores to the inputs' dtype, and decoder LLMs'
     attention logits are large and sharp (SmolLM2 bidirectional in bfloat16, 48 mixed texts: the worst embedding's
     cosine to the float32 engine fell from 0.981 with the fused kernel to 0.939 with ``matmul``, while MiniLM's
-    stayed within ~1e-5). A probe times speed only, so decoders pass ``kernels=("sdpa", "lab")``. ``lab`` keeps the scores, the softmax and the
-    weighted sum in float32 (bfloat16 scores are exact sums of exact products): SmolLM2 bidirectional in bfloat16,
-    240 mixed texts against the float32 engine, median cosine 0.99994 with either kernel, 5th percentile 0.991 /
-    0.990 (``lab`` / fused); that mode's worst texts are fragile under any rounding change (0.877 / 0.915).
-    ``causal_block``: the torch path's query blocks for long causal sequences (a decoder's ``causal_attention``
-    choice), used by ``sdpa`` and ``matmul`` here as in the layer."""
+    stayed within ~1e-5). A probe times speed only, so decoders pass ``kernels=("sdpa", "lab")``. ``lab`` keeps the
+    scores, the softmax and the weighted sum in float32 (bfloat16 scores are exact sums of exact products): SmolLM2
+    bidirectional in bfloat16, 240 mixed texts against the float32 engine, median cosine 0.99994 with either kernel,
+    5th percentile 0.991 / 0.990 (``lab`` / fused); that mode's worst texts are fragile under any rounding change
+    (0.877 / 0.915). ``causal_block``: the torch path's query blocks for long causal sequences (a decoder's
+    ``causal_attention`` choice), used by ``sdpa`` and ``matmul`` here as in the layer."""
     from lab.kernels import cpu_attention
     from lab.ops.attention import attention
     from lab.ops.batch import AttnMeta
@@ -364,7 +364,8 @@ def attention_probe(dtype: torch.dtype, heads: int, d: int, threads: int, *, kv_
     if "lab" in kernels and not (cpu_attention.supports(q, k) and cpu_attention.available()):
         kernels = tuple(c for c in kernels if c != "lab")
     return Probe(
-        "attention_kernel", (str(dtype), heads, kv_heads, d, "causal" if causal else "bidirectional", causal_block or 0),
+        "attention_kernel",
+        (str(dtype), heads, kv_heads, d, "causal" if causal else "bidirectional", causal_block or 0),
         {m: (lambda m=m: attention(q, k, v, meta, 0, causal_block=causal_block, kernel=m)) for m in kernels},
         threads,
     )

@@ -1,6 +1,7 @@
 """Outputs beyond one vector per text, all from one packed forward: ``Engine.embed(texts, output=...)``.
 
-Each output is a pooling method x head pair (``lab.outputs.pooling`` / ``lab.outputs.heads``) over the same packed hidden states:
+Each output is a pooling method x head pair (``lab.outputs.pooling`` / ``lab.outputs.heads``) over the same packed
+hidden states:
 
 - ``dense``: the engine's own pooler (its pooling method, then matryoshka + normalize);
 - ``tokens``: every pooled token's final hidden state, a list of ``(L_i, hidden)`` float32 arrays: exactly the

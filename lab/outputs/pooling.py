@@ -1,8 +1,8 @@
 """Pooling methods: pick and reduce each sequence's rows of packed hidden states (the "method" half of a pooler).
 
 vLLM's split: a pooler is a **method** (which rows, reduced how: here) times a **head** (what the reduced rows
-become: ``lab.outputs.heads``). A method is a pure function of the hidden states ``(T, H)``, the step's ``AttnMeta`` and
-``pool_start`` (tokens before it, an instruction, are attended to but not pooled):
+become: ``lab.outputs.heads``). A method is a pure function of the hidden states ``(T, H)``, the step's ``AttnMeta``
+and ``pool_start`` (tokens before it, an instruction, are attended to but not pooled):
 
 - ``cls`` (first pooled token), ``lasttoken`` (``h[cu[1:] - 1]``), ``mean`` / ``weightedmean`` (float32 sums;
   weighted by 1-based position, as SGPT), ``max`` per feature: ``(B, H)`` float32 through the kernel set of the
@@ -97,8 +97,9 @@ class AllTokens(PoolingMethod):
         return out
 
 
-# name -> method: the pooling vocabulary (the ``pooling`` knob's values, ``knob_values``; the panel's choices). llm2vec's
-# ``eos_token`` reads the last token (``lasttoken``) of an input its EOS text was appended to (``lab.engine.framing``).
+# name -> method: the pooling vocabulary (the ``pooling`` knob's values, ``knob_values``; the panel's choices).
+# llm2vec's ``eos_token`` reads the last token (``lasttoken``) of an input its EOS text was appended to
+# (``lab.engine.framing``).
 METHODS: dict[str, PoolingMethod] = {name: SegmentPool(name) for name in SEGMENT_REDUCTIONS}
 METHODS["eos_token"] = METHODS["lasttoken"]
 METHODS["tokens"] = AllTokens()

@@ -18,10 +18,11 @@ of the libraries a step calls: oneDNN's float32 GEMM (``f32_gemm='onednn'``) kee
 shape, so its address space and resident memory grow with the shapes it has seen (up to oneDNN's primitive cache
 capacity), outside a step's estimate. When the largest step does not fit but a smaller one does, the wave runs in
 steps of fewer tokens (packed outputs do not depend on which sequences share a step) and the call's
-``stats.memory_budget`` says the token budget it ran under (the engine warns once). When a single input's step does not fit, or the outputs alone do not, the call stops with
-``MemoryLimitError`` before the wave allocates, naming what was needed, what was left and under which limit, and the
-knob to change (``max_length`` / ``long_inputs`` / ``chunked_prefill`` / ``dtype`` for a long input, ``output`` or
-fewer inputs per call for the outputs). ``LAB_MEMORY_CHECK=0`` turns the check off for the process.
+``stats.memory_budget`` says the token budget it ran under (the engine warns once). When a single input's step does not
+fit, or the outputs alone do not, the call stops with ``MemoryLimitError`` before the wave allocates, naming what was
+needed, what was left and under which limit, and the knob to change (``max_length`` / ``long_inputs`` /
+``chunked_prefill`` / ``dtype`` for a long input, ``output`` or fewer inputs per call for the outputs).
+``LAB_MEMORY_CHECK=0`` turns the check off for the process.
 
     >>> memory.ceiling()                       # Ceiling(bytes=..., source='RLIMIT_AS ...') or None (no limit known)
     >>> memory.step_bytes(memory.shapes(model, torch.device("cpu"), torch.float32), tokens=16384, dtype_bytes=4)
@@ -273,9 +274,9 @@ def fit_budget(need: Need, *, budget: int, tokens: int, longest: int, limit: Cei
     where = f"can still be allocated under {limit.source}"
     if int(limit.margin * need.kept) > room:
         raise MemoryLimitError(
-            f"the outputs of this call need about {_gb(limit.margin * need.kept)} but {_gb(max(room, 0))} {where}: embed "
-            "fewer inputs per call (or write them to disk with lab.distributed.embed_dataset), or ask for a "
-            "smaller output (output='dense' instead of 'tokens' / 'colbert')")
+            f"the outputs of this call need about {_gb(limit.margin * need.kept)} but {_gb(max(room, 0))} {where}: "
+            "embed fewer inputs per call (or write them to disk with lab.distributed.embed_dataset), or ask for "
+            "a smaller output (output='dense' instead of 'tokens' / 'colbert')")
     if needs(longest) > room:
         raise MemoryLimitError(
             f"one step of the longest input ({longest} tokens) needs about {_gb(needs(longest))} but "
