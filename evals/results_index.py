@@ -163,7 +163,7 @@ def save_table(path: Path, table, files: dict | None = None) -> Path:
     for other, data in (files or {}).items():
         if data is not None:
             save_file(other, data)
-    save_file(Path(str(path) + META_SUFFIX), meta_text())
+    write_meta(path)
     return path
 
 

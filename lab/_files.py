@@ -10,7 +10,10 @@ that cannot be written -- leaves the file that was there as it was.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 NO_ROOM = "free space there (or lift the file size limit, `ulimit -f`)"  # the fix of a full disk or a size limit
@@ -50,6 +53,20 @@ def is_write_error(e: BaseException) -> bool:
     """Whether ``e`` is a failed write: an ``OSError``, or safetensors' ``SafetensorError`` (which its writer raises
     for an I/O error such as EFBIG or ENOSPC)."""
     return isinstance(e, OSError) or type(e).__name__ == "SafetensorError"
+
+
+@contextlib.contextmanager
+def staged(tmp: Path, failed: Callable[[BaseException], OSError]) -> Iterator[Path]:
+    """A block that writes into the staging folder ``tmp`` (before moving it into place): on any error ``tmp`` is
+    removed, and a failed write (``is_write_error``) is raised as ``failed(e)``, the caller's ``OSError`` naming
+    the folder and the fix; other errors pass as they are."""
+    try:
+        yield tmp
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_write_error(e):
+            raise failed(e) from e
+        raise
 
 
 def make_folder(folder: Path, what: str, fix: str) -> Path:

