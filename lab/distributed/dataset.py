@@ -7,7 +7,7 @@ Actors rather than Ray Data's ``map_batches``: a resumable job needs fixed shard
 recorded once, which Ray Data's writers do not track; a ``ray.data.Dataset`` is still accepted as a source.
 
     >>> summary = embed_dataset(path, "corpus.jsonl", "out/", num_actors=8, shard_texts=2048)
-    >>> ids, E = read_embeddings("out/")           # every finished shard, in source order
+    >>> ids, E = read_embeddings("out/")           # every finished shard, in source order (lab.distributed.shards)
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from lab.distributed.shards import (
     Manifest,
     job_record,
     model_digest,
-    read_embeddings,
     read_source,
     result_knobs,
     write_shard,
 )
 from lab.engine.knobs import Knobs
 
-__all__ = ["embed_dataset", "read_embeddings"]
+__all__ = ["embed_dataset"]
 
 
 def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_texts: int = 2048,
