@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -13,6 +15,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import pytest
 import torch
+
+TEST_SECONDS = 900  # a test still running after this has hung: every thread's stack is printed and the run ends
+_STDERR = []  # the terminal's stderr, duplicated before pytest captures the tests' output
+
+
+def pytest_configure(config):
+    _STDERR.append(os.fdopen(os.dup(sys.stderr.fileno()), "w"))
+
+
+@pytest.fixture(autouse=True)
+def _watchdog():
+    """End the run with every thread's stack when a test hangs, instead of waiting for CI's hard limit."""
+    faulthandler.dump_traceback_later(TEST_SECONDS, exit=True, file=_STDERR[0])
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(autouse=True)

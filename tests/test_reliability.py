@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -252,6 +253,33 @@ def test_interrupts_anywhere_in_embed_leave_the_engine_exact(minilm_path):
         assert _interrupt_in("/lab/", int(nth), lambda: e.embed(texts))
         assert e.stats is done or e.stats.sequences == len(texts)  # the old stats, or the finished call's
         np.testing.assert_array_equal(e.embed(texts), base)
+
+
+def test_an_interrupt_at_any_line_of_the_gate_never_hangs_the_next_call(minilm_path):
+    """KeyboardInterrupt at every line ``embed`` executes in ``lab/engine/gate.py`` (the with-exit line events
+    included, where the lock is taken but not yet given back): the same thread's next call runs, exactly. The
+    calls run in a worker thread so that a hang fails here instead of stalling the suite. (An interrupt inside the
+    bookkeeping of a call's exit can leave the thread counted as inside a call, which its later calls then run as
+    nested ones, with fewer gate lines: those points may find no line to interrupt.)"""
+    e = Engine(minilm_path)
+    texts = ["a man plays a guitar", "short", ""]
+    base = e.embed(texts)
+    failures, done = [], []
+
+    def every_line():
+        lines = _count_lines("/lab/engine/gate.py", lambda: e.embed(texts))
+        assert lines >= 10
+        for nth in range(1, lines + 1):
+            _interrupt_in("/lab/engine/gate.py", nth, lambda: e.embed(texts))
+            if not np.array_equal(e.embed(texts), base):
+                failures.append((nth, "rows differ"))
+        done.append(True)
+
+    worker = threading.Thread(target=every_line, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "a call after an interrupt in the gate hung"
+    assert done and failures == []
 
 
 def _count_lines(fragment: str, fn) -> int:

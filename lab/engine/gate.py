@@ -10,9 +10,12 @@ call sees one setting from its start to its end (its knobs, its weights' dtype, 
 change never swaps weights under a running forward. Within one thread the gate is re-entrant: a call made inside a call
 (``rerank`` building on ``embed_pass``) or inside a change runs at once.
 
-An interrupt (Ctrl-C) inside a call or a change leaves the gate open: every entry is undone in a ``finally``. A
-waiting thread also re-checks, every ``POLL`` seconds, whether the threads it waits for are still alive, so a thread
-that died inside a call cannot block the others forever.
+An interrupt (Ctrl-C) inside a call or a change leaves the gate open: every entry is undone in a ``finally``, and
+the gate's lock is re-entrant, so an interrupt landing between taking the lock and the ``with``'s exit (the window
+CPython's line tracing opens there) cannot leave the thread waiting on a lock it holds itself: such a leaked hold is
+given back when the thread next enters or leaves the gate. A waiting thread also re-checks, every ``POLL`` seconds,
+whether the threads it waits for are still alive, so a thread that died inside a call cannot block the others
+forever.
 
     >>> gate = Gate()
     >>> with gate.call(): ...          # embed, score, ... (one thread at a time)
@@ -30,7 +33,7 @@ POLL = 0.5  # seconds between re-checks of the threads a waiter waits for
 
 class Gate:
     def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Condition(threading.RLock())
         self._calls: dict[int, int] = {}  # thread ident -> calls it is inside (nested calls counted)
         self._changer: int | None = None  # the thread inside a change
         self._depth = 0  # nested changes of that thread
@@ -42,6 +45,7 @@ class Gate:
         me = threading.get_ident()
         entered = False
         try:
+            self._give_back_leaked_hold()
             with self._cond:
                 while self._held_off(me):
                     self._cond.wait(POLL)
@@ -58,6 +62,7 @@ class Gate:
                     else:
                         self._calls.pop(me, None)
                     self._cond.notify_all()
+                self._give_back_leaked_hold()
 
     @contextmanager
     def change(self) -> Iterator[None]:
@@ -66,6 +71,7 @@ class Gate:
         me = threading.get_ident()
         entered = False
         try:
+            self._give_back_leaked_hold()
             with self._cond:
                 self._waiting[me] = self._waiting.get(me, 0) + 1
                 try:
@@ -82,6 +88,13 @@ class Gate:
                     if self._depth <= 0:
                         self._changer, self._depth = None, 0
                     self._cond.notify_all()
+                self._give_back_leaked_hold()
+
+    def _give_back_leaked_hold(self) -> None:
+        """Release the lock where this thread still holds it outside the gate's own ``with`` blocks (the only place
+        it may): an interrupt between taking it and the ``with``'s exit left it held."""
+        while self._cond._is_owned():
+            self._cond.release()
 
     def _held_off(self, me: int) -> bool:
         """Whether a new call of thread ``me`` waits: another live thread is inside a call, changes the engine, or
