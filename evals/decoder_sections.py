@@ -189,7 +189,7 @@ def bench_throughput(args, path: str, table: Table) -> None:
               f"{roof['roofline_tokens_per_s']:.0f} tokens/s", flush=True)
         for pooling in args.poolings:
             eng.configure(dtype=dtype, pooling=pooling)
-            base.configure(dtype=dtype, pooling=pooling, append_eos=eng.append_eos)
+            base.configure(dtype=dtype, pooling=pooling, append_eos=eng.resolved.append_eos)
             common = {"dtype": dtype, "pooling": pooling, "texts": len(texts), "corpus": args.corpus,
                       "malloc_tuning": eng.resolved["malloc_tuning"]}
             # identical tokens: the Engine's own processor vs the baseline's tokenization
@@ -197,7 +197,7 @@ def bench_throughput(args, path: str, table: Table) -> None:
             same = [list(r.ids) for r in reqs] == base.tokenize(texts)
             n_tokens = sum(r.length for r in reqs)
             table.add("throughput", "check", "identical_tokens", bool(same), tokens=n_tokens,
-                      setting=f"max_length={args.max_length}, append_eos={eng.append_eos}", **common)
+                      setting=f"max_length={args.max_length}, append_eos={eng.resolved.append_eos}", **common)
             systems = {"engine": lambda: eng.embed(texts)}
             for bs in args.batch_sizes:
                 systems[f"baseline{bs}"] = (lambda bs=bs: base.configure(batch_size=bs)(texts))
@@ -386,7 +386,7 @@ def bench_prefix(args, path: str, table: Table) -> None:
 
     # keep claims short enough that the instruction is >= 3/4 of every input (counted with EOS appended, the
     # longer of the two tokenizations, so it holds for every pooling)
-    proc = InputProcessor(eng.tokenizer, eng.max_length, append_eos=True)
+    proc = InputProcessor(eng.tokenizer, eng.resolved.max_length, append_eos=True)
     n_instr = proc.instruction_length(INSTRUCTION)
     queries = scifact_queries()
     reqs = proc.process(queries, instruction=INSTRUCTION)

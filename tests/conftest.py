@@ -24,6 +24,11 @@ def pytest_configure(config):
     _STDERR.append(os.fdopen(os.dup(sys.stderr.fileno()), "w"))
 
 
+def pytest_unconfigure(config):
+    while _STDERR:
+        _STDERR.pop().close()
+
+
 @pytest.fixture(autouse=True)
 def _watchdog():
     """End the run with every thread's stack when a test hangs, instead of waiting for CI's hard limit."""

@@ -91,7 +91,7 @@ def shuffled(texts=TEXTS, seed: int = 0) -> list[str]:
 def ours_per_token(eng: Engine, texts: list[str]) -> tuple[list[list[int]], list[torch.Tensor]]:
     """The Engine's live packed forward over all ``texts`` in one step: (token ids, hidden states) per text."""
     reqs = eng.tokenize(texts)
-    batch = pack(reqs, causal=eng.causal, device=eng.device, backend="torch")
+    batch = pack(reqs, causal=eng.resolved.causal, device=eng.device, backend="torch")
     hidden = eng.runner.forward(batch)
     return [list(r.ids) for r in reqs], list(hidden.split([r.length for r in reqs]))
 

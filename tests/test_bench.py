@@ -176,7 +176,7 @@ def test_decoder_benchmark_baseline_keeps_float32_weights_and_matches_engine(tmp
     eng = Engine(str(path), max_length=64)
     for pooling in ("mean", "lasttoken"):
         eng.configure(pooling=pooling)
-        base.configure(pooling=pooling, append_eos=eng.append_eos)
+        base.configure(pooling=pooling, append_eos=eng.resolved.append_eos)
         assert [list(r.ids) for r in eng.tokenize(TEXTS)] == base.tokenize(TEXTS)
         assert sections.min_cosine(eng.embed(TEXTS), base(TEXTS)) >= 0.9999
 
@@ -207,7 +207,7 @@ def test_decoder_benchmark_self_check_rows(tmp_path):
         texts = sections.throughput_texts("mixed", 7)
         base = sections.PaddedTransformersEmbedder(path, batch_size=3, max_length=64, dtype="bfloat16",
                                                    pooling="lasttoken",
-                                                   append_eos=Engine(path, max_length=64).append_eos)
+                                                   append_eos=Engine(path, max_length=64).resolved.append_eos)
         want = sections.min_cosine(base(texts), base.configure(batch_size=sections.SELF_CHECK_BATCH)(texts))
         assert rows.loc["bfloat16", "value"] == pytest.approx(want, abs=1e-7)
         assert (rows.target == 0.9999).all() and (rows.system == "padded-transformers").all()

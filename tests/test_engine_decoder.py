@@ -56,7 +56,7 @@ def hf_hidden(path: str, texts_ids: list[list[int]], causal: bool) -> list[torch
 def test_engine_matches_transformers_and_toggles_live(any_folder, causal, workers):
     folder = any_folder
     eng = Engine(folder, pooling="mean", bidirectional=None, max_batch_tokens=40, cpu_workers=workers)
-    assert eng.causal is True and eng.pooling == "mean"
+    assert eng.resolved.causal is True and eng.resolved.pooling == "mean"
     weight = eng.model.layers[0].qkv.weight
     eng.configure(bidirectional=not causal)
     texts = TEXTS[:]
@@ -90,7 +90,7 @@ def test_bidirectional_changes_embeddings(folder):
 
 def test_lasttoken_default_appends_eos(folder):
     eng = Engine(folder)
-    assert eng.pooling == "lasttoken" and eng.append_eos
+    assert eng.resolved.pooling == "lasttoken" and eng.resolved.append_eos
     eos = eng.tokenizer.eos_token_id
     req = eng.tokenize(["hello there"])[0]
     assert req.ids[-1] == eos and (req.ids[:-1] != eos).all()
@@ -106,7 +106,7 @@ def test_instruction_attended_not_pooled(folder):
     eng = Engine(folder, pooling="mean", instruction=instr, prefix_cache=False)
     got = eng.embed(["What is the capital of France?"])
     req = eng.tokenize(["What is the capital of France?"])[0]
-    n_instr = InputProcessor(eng.tokenizer, eng.max_length).instruction_length(instr)
+    n_instr = InputProcessor(eng.tokenizer, eng.resolved.max_length).instruction_length(instr)
     assert 0 < req.pool_start == n_instr < req.length
     h = hf_hidden(folder, [list(req.ids)], True)[0]
     assert cosine_rows(got, h[n_instr:].mean(0, keepdim=True).numpy()).min() >= 0.9999

@@ -127,7 +127,7 @@ def test_llm2vec_rule_embeddings_equal_transformers(base, causal):
 
 def test_eos_token_pooling_appends_llm2vecs_eos_text(base):
     eng = Engine(str(base), pooling="eos_token", instruction_pooling="llm2vec", normalize=False)
-    assert eng.append_eos is False  # llm2vec appends its EOS text, never an EOS token id
+    assert eng.resolved.append_eos is False  # llm2vec appends its EOS text, never an EOS token id
     reqs = eng.tokenize(TEXTS, instruction=INSTRUCTIONS[0])
     refs = [llm2vec_reference(eng.tokenizer, INSTRUCTIONS[0], t, pooling_mode="eos_token") for t in TEXTS]
     assert [r.ids.tolist() for r in reqs] == [ids for ids, _ in refs]
@@ -153,14 +153,14 @@ def test_chat_template_of_a_base_llm2vec_names(base, tmp_path):
 
 
 def test_default_rule_follows_the_folder(base, tmp_path):
-    assert Engine(str(base)).instruction_pooling == "exact"
+    assert Engine(str(base)).resolved.instruction_pooling == "exact"
     out = tmp_path / "l2v"
     shutil.copytree(base, out)
     (out / "llm2vec_config.json").write_text(json.dumps({"pooling_mode": "mean", "skip_instruction": True}))
     eng = Engine(str(out))
-    assert eng.instruction_pooling == "llm2vec" and eng.resolved["instruction_pooling"] == "llm2vec"
+    assert eng.resolved.instruction_pooling == "llm2vec" and eng.resolved["instruction_pooling"] == "llm2vec"
     eng.configure(instruction_pooling="exact")
-    assert eng.instruction_pooling == "exact"
+    assert eng.resolved.instruction_pooling == "exact"
 
 
 # ----------------------------------------------------------------------------------------------- template knob

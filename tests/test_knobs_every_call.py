@@ -109,9 +109,9 @@ def late_chunks(eng: Engine, docs: list[str], chunk_tokens: int) -> np.ndarray:
     for doc, rows in zip(docs, states, strict=True):
         n = len(tok(doc, add_special_tokens=False)["input_ids"])
         for a in range(0, n, chunk_tokens):
-            out.append(pooled(rows[n_prefix + a:n_prefix + min(a + chunk_tokens, n)], eng.pooling))
+            out.append(pooled(rows[n_prefix + a:n_prefix + min(a + chunk_tokens, n)], eng.resolved.pooling))
     out = np.stack(out)[:, :eng.knobs["truncate_dim"] or None]
-    return unit(out) if eng.normalize else out
+    return unit(out) if eng.resolved.normalize else out
 
 
 def dense_call(eng: Engine, call: str, want: Expected, *, mode: str | None = None):

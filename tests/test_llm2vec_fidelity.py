@@ -97,7 +97,7 @@ def test_doc_max_length_cuts_as_llm2vec_in_every_call_kind(base, tmp_path):
     eng = Engine(str(folder))
     assert eng.resolved["doc_max_length"] == 12
     assert eng.resolved.sources["doc_max_length"] == f"llm2vec_config.json in {folder}"
-    cut = [ref_cut(tok, d, eng.max_length, 12) for d in docs]
+    cut = [ref_cut(tok, d, eng.resolved.max_length, 12) for d in docs]
     assert sum(c != d for c, d in zip(cut, docs)) >= 5  # the documents really are cut
     off = Engine(str(folder), doc_max_length=0)  # 0: the cut off
     assert off.resolved["doc_max_length"] is None

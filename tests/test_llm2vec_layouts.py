@@ -201,7 +201,7 @@ def test_adapter_llm2vec_config_overrides_the_models_and_follows_the_stack(base,
     assert eng.resolved.sources["pooling"] == eng.resolved.sources["max_length"] == "llm2vec default"
     eng.configure(adapters=[plain, tuned])  # the last adapter's
     assert (eng.resolved["pooling"], eng.resolved["max_length"]) == ("mean", 20)
-    assert {k: eng.model_defaults[k] for k in ("pooling", "max_length", "include_instruction", "doc_max_length")} \
+    assert {k: eng.resolved.defaults[k] for k in ("pooling", "max_length", "include_instruction", "doc_max_length")} \
         == {"pooling": "mean", "max_length": 20, "include_instruction": False, "doc_max_length": 400}
     eng.configure(adapters=[tuned, plain])  # the last adapter has none: llm2vec's defaults
     assert eng.resolved.sources["pooling"] == "llm2vec default"

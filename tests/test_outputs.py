@@ -99,7 +99,7 @@ def test_splade_sparse_matches_sparse_encoder(splade, monkeypatch):
     csr_close(eng.embed(texts, output="sparse"), ref, ATOL)
     # a prompt: SpladePooling pools its tokens too (every attended token), so the instruction is pooled here
     prompted = st.encode(texts, prompt="query: ", convert_to_tensor=True).to_dense().numpy()
-    assert eng.include_instruction and np.abs(prompted - ref).max() > 1e-3
+    assert eng.resolved.include_instruction and np.abs(prompted - ref).max() > 1e-3
     csr_close(eng.embed(texts, output="sparse", instruction="query: "), prompted, ATOL)
 
 
@@ -307,7 +307,7 @@ def test_tokens_on_a_decoder_with_chunked_prefill(tmp_path):
         np.testing.assert_allclose(t.mean(0), d, atol=ATOL, rtol=0)
     # lasttoken: alone, the last layer runs for the pooled rows only (rows()); with tokens it must run for all
     last = Engine(str(path))
-    assert last.pooling == "lasttoken" and last.model.computes_output_rows
+    assert last.resolved.pooling == "lasttoken" and last.model.computes_output_rows
     alone = last.embed(texts)
     both = last.embed(texts, output=("dense", "tokens"))
     np.testing.assert_allclose(both["dense"], alone, atol=ATOL, rtol=0)  # two kernel paths: measured 1e-6

@@ -59,14 +59,14 @@ def test_knob_widgets_configure_the_engine_live(minilm):
     p = build_panel(minilm)
     model = minilm.model
     p.pooling.value = "cls"
-    assert minilm.knobs["pooling"] == "cls" and minilm.pooling == "cls"
+    assert minilm.knobs["pooling"] == "cls" and minilm.resolved.pooling == "cls"
     p.bidirectional.value = False  # make the encoder causal
-    assert minilm.knobs["bidirectional"] is False and minilm.causal
+    assert minilm.knobs["bidirectional"] is False and minilm.resolved.causal
     p.max_batch_tokens.value = 16
     p.instruction.value = "query: "
     assert minilm.knobs["max_batch_tokens"] == 16 and minilm.knobs["instruction"] == "query:"
     p.bidirectional.value = True  # back to the model's own attention: the knob says "model default" again
-    assert minilm.knobs["bidirectional"] is None and not minilm.causal
+    assert minilm.knobs["bidirectional"] is None and not minilm.resolved.causal
     assert minilm.model is model  # no reload
     p.instruction.value = ""
     p.sentences.value = SENTENCES
@@ -84,7 +84,7 @@ def test_invalid_combination_shows_the_error_text(minilm):
     p.run_button.click()  # Run applies the knobs first and stops with the message
     assert p.embeddings is None and "chunked_prefill" in p.error.value
     p.bidirectional.value = False  # causal now: the same chunk size is valid and the error clears
-    assert p.error.value == "" and minilm.knobs["chunked_prefill"] == 16 and minilm.causal
+    assert p.error.value == "" and minilm.knobs["chunked_prefill"] == 16 and minilm.resolved.causal
     p.run_button.click()
     assert p.error.value == "" and p.embeddings.shape == (3, 384)
 
@@ -111,12 +111,12 @@ def test_decoder_panel_pooling_bidirectional_chunked(tiny_decoder):
 
     p.chunked_prefill.value = 4
     p.bidirectional.value = True  # with chunked prefill: the invalid combination
-    assert "bidirectional" in p.error.value and eng.causal and eng.knobs["chunked_prefill"] == 4
+    assert "bidirectional" in p.error.value and eng.resolved.causal and eng.knobs["chunked_prefill"] == 4
     p.chunked_prefill.value = 0  # fixing it applies the pending bidirectional switch
-    assert p.error.value == "" and eng.knobs["bidirectional"] is True and not eng.causal
+    assert p.error.value == "" and eng.knobs["bidirectional"] is True and not eng.resolved.causal
     p.pooling.value = "mean"
     p.dtype.value = "bfloat16"
-    assert eng.pooling == "mean" and eng.resolved["dtype"] == "bfloat16"
+    assert eng.resolved.pooling == "mean" and eng.resolved["dtype"] == "bfloat16"
     p.run_button.click()
     assert p.error.value == "" and p.embeddings.shape == (3, eng.embedding_dim)
     assert "<code>3</code>" in p.stats_view.value

@@ -3,9 +3,10 @@
 sentence-transformers prepends the prompt to every text and pools its tokens unless the model's Pooling config says
 ``include_prompt: false``; then its Pooling module zeroes the first ``prompt_length`` positions of the pooling mask
 (``prompt_length``: the prompt tokenized alone, with the tokenizer's specials, less a trailing special token). The
-engine reads the same config (``engine.include_instruction``) and keeps the ``include_instruction`` knob to override
-it. Checked on all-MiniLM-L6-v2 (no ``include_prompt`` in its Pooling config: pooled), on a copy of it whose Pooling
-config says ``include_prompt: false`` (same weights), and on a copy with no sentence-transformers files at all.
+engine reads the same config (``engine.resolved.include_instruction``) and keeps the ``include_instruction`` knob to
+override it. Checked on all-MiniLM-L6-v2 (no ``include_prompt`` in its Pooling config: pooled), on a copy of it whose
+Pooling config says ``include_prompt: false`` (same weights), and on a copy with no sentence-transformers files at
+all.
 """
 
 from __future__ import annotations
@@ -125,17 +126,17 @@ def _assert_close(ours, ref, what: str):
 def test_configs_as_sentence_transformers_reads_them(engines, st_models):
     assert st_models["original"][1].include_prompt is True
     assert st_models["exclude_prompt"][1].include_prompt is False
-    assert engines["original"].include_instruction is True
-    assert engines["exclude_prompt"].include_instruction is False
+    assert engines["original"].resolved.include_instruction is True
+    assert engines["exclude_prompt"].resolved.include_instruction is False
     assert engines["original"].spec.include_prompt is True
     assert engines["exclude_prompt"].spec.include_prompt is False
     # the knob wins over the config, both ways; None gives the config back
     e = engines["original"]
-    assert e.configure(include_instruction=False).include_instruction is False
-    assert e.configure(include_instruction=None).include_instruction is True
+    assert e.configure(include_instruction=False).resolved.include_instruction is False
+    assert e.configure(include_instruction=None).resolved.include_instruction is True
     e = engines["exclude_prompt"]
-    assert e.configure(include_instruction=True).include_instruction is True
-    assert e.configure(include_instruction=None).include_instruction is False
+    assert e.configure(include_instruction=True).resolved.include_instruction is True
+    assert e.configure(include_instruction=None).resolved.include_instruction is False
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -193,7 +194,7 @@ def test_instruction_given_to_the_constructor(folders, st_models):
 
     prompt, texts = PROMPTS[1], _texts()
     e = Engine(folders["exclude_prompt"], instruction=prompt, dtype="float32", device="cpu", max_length=MAX_LENGTH)
-    assert e.include_instruction is False
+    assert e.resolved.include_instruction is False
     _assert_close(e.embed(texts), _st(st_models["exclude_prompt"], texts, prompt), "Engine(..., instruction=)")
     # a per-call instruction overrides the engine's, None drops it
     _assert_close(e.embed(texts, instruction=None), _st(st_models["exclude_prompt"], texts, None), "instruction=None")
@@ -204,8 +205,8 @@ def test_no_pooling_config_does_not_pool_the_instruction(engines, st_models):
     sentence-transformers' fallback Pooling pools the prompt, so it matches that only with include_prompt off."""
     e, st = engines["bare"], st_models["bare"]
     assert e.spec.include_prompt is None
-    assert e.include_instruction is False
-    assert e.pooling == "mean"
+    assert e.resolved.include_instruction is False
+    assert e.resolved.pooling == "mean"
     assert st[1].pooling_mode == "mean"
     prompt, texts = PROMPTS[0], _texts()
     ours = _engine(e, texts, prompt)

@@ -133,7 +133,7 @@ def test_late_chunking_matches_reference(minilm_path, hf, max_length, chunk_toke
 def test_window_errors_leave_the_engine_as_it_was(minilm_engine):
     eng = minilm_engine
     before = (dict(eng.knobs), eng.stats)
-    room = eng.max_length - 2  # [CLS] ... [SEP]
+    room = eng.resolved.max_length - 2  # [CLS] ... [SEP]
     for kwargs, words in [({"chunk_tokens": 0}, "chunk_tokens"), ({"chunk_tokens": 400}, "chunk_tokens"),
                           ({"chunk_tokens": room}, f"chunk_tokens must be an int from 1 to {room - 1} "),
                           ({"chunk_tokens": 8, "overlap": 4}, "overlap"), ({"chunk_tokens": True}, "chunk_tokens"),
@@ -196,7 +196,7 @@ def test_chunk_spans_tile_the_document(request, which, chunk_tokens):
     eng = request.getfixturevalue(which)
     emb, chunks = eng.embed_chunks(HARD, chunk_tokens=chunk_tokens)
     assert len(emb) == len(chunks) and np.isfinite(emb).all()
-    tok = eng._processor().tokenizer
+    tok = eng.tokenizer
     for d, doc in enumerate(HARD):
         mine = chunks[chunks.doc == d]
         starts, ends = mine.char_start.to_numpy(), mine.char_end.to_numpy()

@@ -6,8 +6,10 @@ runs) -> ``Executor`` (packed path or KV path, CPU workers on both; ``lab.engine
 head: ``lab.outputs.pooling``, ``lab.outputs.heads``) -> ``OutputBuffer`` (input order), all inside one ``Call`` (one
 ``Stats``, timer, progress bar, truncation warning; ``lab.engine.call``). ``embed`` is one pass; ``score`` builds its
 passes in ``lab.engine.rerank``, ``encode`` in ``lab.engine.st_encode``, both on the engine's public
-seam: ``embed_pass`` (the pass ``embed`` runs, with another pooling or head if asked) and ``run_passes`` (passes run as
-one call).
+seam: ``embed_pass`` (the pass ``embed`` runs, with another pooling or head if asked; ``lab.engine.passes``) and
+``run_passes`` (passes run as one call). What the knobs come to on this model is one frozen record,
+``eng.resolved`` (``lab.engine.knobs.resolve``: each value and where it came from), which every part reads; the
+adapters in force and llm2vec's reading of the folders are ``lab.engine.adapter_state``'s.
 
     >>> eng = Engine("sentence-transformers/all-MiniLM-L6-v2")   # a hub id, or a local folder
     >>> E = eng.embed(["A man plays a guitar.", "Someone plays guitar."])    # (2, 384) float32
@@ -20,33 +22,40 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import warnings
 from dataclasses import asdict, fields
 
 import numpy as np
 import torch
 
-from lab.adapt.adapters import LoraAdapter, merged_weights, read_adapter, split_adapter_model
-from lab.engine import framing, llm2vec, rerank, resolve, windows
+from lab.adapt.adapters import split_adapter_model
+from lab.engine import llm2vec, rerank, windows
+from lab.engine import passes as build
 from lab.engine import st_encode as st_compat
+from lab.engine.adapter_state import AdapterState
 from lab.engine.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.engine.executor import Executor
 from lab.engine.gate import Gate
-from lab.engine.inputs import InputProcessor, Request, check_inputs, check_texts
-from lab.engine.knobs import Knobs, ModelLimits, Resolved, check_for_model, knobs_doc, resolve_device, resolve_dtype
+from lab.engine.inputs import Request, check_inputs, check_texts
+from lab.engine.knobs import (
+    Knobs,
+    ModelFacts,
+    Resolved,
+    check_for_model,
+    knobs_doc,
+    resolve,
+    resolve_device,
+    resolve_dtype,
+)
 from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
-from lab.models import hub, model_class
-from lab.models.folder import load_tokenizer, read_folder, read_state_dict
-from lab.models.hf_fallback import HFFallbackModel
+from lab.models import hub
+from lab.models.build import build_model
+from lab.models.folder import load_tokenizer, read_folder
 from lab.models.spec import ModelSpec
 from lab.ops.attention import resolve_backend
 from lab.ops.probes import check_forced
-from lab.outputs import kinds as outputs
 from lab.outputs import multivector
-from lab.outputs.heads import EmbeddingHead, Pooler, TokensHead
-from lab.outputs.kinds import output_pooler
-from lab.outputs.pooling import pooling_method
-from lab.outputs.quantize import check_precision, quantize_output
+from lab.outputs.quantize import quantize_output
+from lab.outputs.scoring import cosine_matrix
 from lab.runtime import allocator
 from lab.runtime.compiled import check_compile
 from lab.runtime.runner import Runner
@@ -97,7 +106,7 @@ class Engine:
             LLM2Vec's ``-mntp`` layout with ``config.json`` and tokenizer) whose ``base_model_name_or_path`` is found
             (``lab.adapt.adapters.resolve_base``: absolute, relative to the adapter folder or the current directory,
             or a hub id): that base loads, the adapter first in ``adapters``. ``llm2vec_config.json`` in the model
-            folder or an adapter folder sets knob defaults (``model_defaults``).
+            folder or an adapter folder sets knob defaults (``resolved.defaults``).
         tune_allocator: on a CPU device, apply ``lab.runtime.allocator``'s glibc malloc settings to the whole
             process: large freed activations stay in the heap, so packed steps stop page-faulting on fresh memory,
             but the process keeps its peak heap until it exits and the settings cannot be undone. ``None`` (the
@@ -156,11 +165,10 @@ class Engine:
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a local model folder or a hub id ('org/name'), got {type(model).__name__}")
         self._source = hub.resolve(model, self._knobs.revision)  # a hub id: its snapshot folder, fetched if need be
-        self._by_id = not os.path.exists(os.path.expanduser(os.fspath(model)))  # named by hub id, not by path
-        self._adapter_folders: dict[str, str] = {}  # adapter name as given (a path or a hub id) -> its folder
-        self._folder = str(self._source.folder)  # as given: llm2vec's base argument (lab.engine.llm2vec)
-        model, adapters = split_adapter_model(self._folder, self._knobs.adapters)  # an adapter-only folder: its base
-        self._auto = adapters[: len(adapters) - len(self._knobs.adapters)]  # the adapters that came with the folder
+        by_id = not os.path.exists(os.path.expanduser(os.fspath(model)))  # named by hub id, not by path
+        folder = str(self._source.folder)  # as given: llm2vec's base argument (lab.engine.llm2vec)
+        model, adapters = split_adapter_model(folder, self._knobs.adapters)  # an adapter-only folder: its base
+        auto = adapters[: len(adapters) - len(self._knobs.adapters)]  # the adapters that came with the folder
         self._knobs = self._knobs.replace(adapters=adapters)
         self.model_path = str(model)
         self.spec: ModelSpec = read_folder(model)
@@ -171,50 +179,25 @@ class Engine:
             allocator.tune_cpu_allocator()
         self.tokenizer = load_tokenizer(self.spec)
         dtype = resolve_dtype(self._knobs.dtype, self.device)
-        self.model = self._build_model(dtype, forced)
+        self.model = build_model(self.spec, self.device, dtype, forced)
+        self._facts = ModelFacts.of(self.model, self.tokenizer, self.spec)  # what the knobs resolve against
         self.runner = Runner(self.model, device=self.device, dtype=dtype, cpu_paths=forced, compile=compile)
         self.executor = Executor(self.runner)
         self._gate = Gate()  # one call at a time, configure between calls (lab.engine.gate)
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
         self._dirty = False  # a configure was interrupted while swapping weights (``_repair``)
-        self._adapters: list[LoraAdapter] = []  # merged into the live weights, in order
-        self._layouts: dict[tuple, llm2vec.Layout] = {}  # adapter list -> llm2vec's reading of the folders
+        self._adapters = AdapterState(folder, auto=auto, repo_id=self._source.repo_id if by_id else None,
+                                      decoder=self.is_decoder, base=self.model_path,
+                                      architecture=self.spec.architecture)
         if self._knobs.adapters:
-            self._adapters, merged = self._merge_adapters(self._knobs.adapters)
+            merging, merged = self._merge_adapters(self._knobs.adapters)
             self.runner.weights.set_merged(merged)
+            self._adapters.use(merging)
         self._check_for_model(self._knobs)
         self.stats = Stats()
         self._backend = resolve_backend(self._knobs.attention_backend, self.device)
         self.runner.plan_cpu_paths(self._workers)
-        resolve.notice_llm2vec(self.model_name, self.llm2vec, self.resolved)
-
-    # ----------------------------------------------------------------------------------------------- loading
-    def _build_model(self, dtype: torch.dtype, forced: dict[str, str]):
-        cls = model_class(self.spec.architecture)
-        if cls is None and self.spec.config.get("auto_map"):
-            raise ValueError(
-                f"{self.spec.path} declares custom model code (config.json auto_map: "
-                f"{sorted(self.spec.config['auto_map'])}) for {self.spec.architecture or 'an unknown architecture'}; "
-                "prefill-lab never executes code from a model folder, and this architecture has no packed "
-                "implementation. Use a folder of a supported architecture (BERT / RoBERTa / XLM-R, Llama / Mistral "
-                "/ Qwen2 / Qwen3) or one transformers implements itself"
-            )
-        if cls is None:
-            warnings.warn(
-                f"{self.spec.architecture or 'this architecture'} has no packed implementation here; using "
-                "transformers AutoModel with padded batches (see stats.path / stats.padded_tokens)",
-                stacklevel=3,
-            )
-            return HFFallbackModel(str(self.spec.path), self.spec.config)
-        try:
-            model = cls.from_hf_config(self.spec.config)
-        except KeyError as e:
-            raise ValueError(f"{self.spec.path / 'config.json'} lacks {e.args[0]!r}, which a {self.spec.architecture} "
-                             "needs; the config is incomplete") from None
-        if self.device.type == "cpu":  # weight layouts, fixed at load (a later dtype change keeps them)
-            model.choose_layouts(dtype, forced)
-        model.load_hf_state_dict(read_state_dict(self.spec))
-        return model
+        llm2vec.notice(self.model_name, self.llm2vec, self.resolved)
 
     # ------------------------------------------------------------------------------------------------- knobs
     @property
@@ -224,24 +207,16 @@ class Engine:
 
     @property
     def resolved(self) -> Resolved:
-        """The knob values that actually run, with model defaults filled in (a read-only mapping), and where each
-        value the model decides came from (``resolved.sources``: ``"user"``, ``"llm2vec_config.json in <folder>"``,
-        ``"llm2vec default"``, ``"sentence-transformers Pooling"``, ``"sentence-transformers config"``, ``"model
-        default"``); ``malloc_tuning``: whether ``lab.runtime.allocator``'s process-wide settings are in effect
-        (``tune_allocator``)."""
-        k = self._knobs
-        return Resolved({
-            "pooling": self.pooling, "normalize": self.normalize, "truncate_dim": k.truncate_dim,
-            "max_length": self.max_length, "causal": self.causal,
+        """The knob values that run (``lab.engine.knobs.resolve``: a frozen ``Resolved``, also a read-only mapping),
+        with where each value the model decides came from (``resolved.sources``: ``"user"``, ``"llm2vec_config.json
+        in <folder>"``, ``"llm2vec default"``, ``"sentence-transformers Pooling"``, ``"sentence-transformers
+        config"``, ``"model default"``) and what the model and its adapters set the knobs left at ``None`` to
+        (``resolved.defaults``); ``malloc_tuning``: whether ``lab.runtime.allocator``'s process-wide settings are in
+        effect (``tune_allocator``)."""
+        return resolve(self._knobs, self._facts, self.llm2vec, {
             "dtype": str(self.runner.dtype).removeprefix("torch."), "device": str(self.device),
-            "attention_backend": self._backend, "chunked_prefill": k.chunked_prefill,
-            "instruction": self._instruction(),
-            "include_instruction": self.include_instruction, "append_eos": self.append_eos,
-            "instruction_pooling": self.instruction_pooling, "template": k.template,
-            "cpu_workers": self._workers, "layer": self.layer, "long_inputs": k.long_inputs,
-            "adapters": self.adapter_names, "cpu_paths": self.cpu_paths, "malloc_tuning": allocator.in_effect(),
-            "doc_max_length": self.doc_max_length,
-        }, resolve.sources(k, self._defaults(k)))
+            "attention_backend": self._backend, "cpu_workers": self._workers, "adapters": self.adapter_names,
+            "cpu_paths": self.cpu_paths, "malloc_tuning": allocator.in_effect(), "instruction": self._instruction()})
 
     @property
     def _workers(self) -> int:
@@ -261,33 +236,18 @@ class Engine:
     @property
     def adapter_names(self) -> list[str]:
         """The LoRA adapters merged into the weights, in order (folder names; see ``adapter_ids``)."""
-        return [a.name for a in self._adapters]
+        return self._adapters.names
 
     @property
     def adapter_ids(self) -> list[str]:
         """``name-<content hash>`` of each merged adapter: two folders with one name (or one folder retrained)
         differ. MTEB results are cached apart by these."""
-        return [a.id for a in self._adapters]
-
-    def _adapter_folder(self, name: str) -> str:
-        """The folder of an adapter named by path or hub id (``org/name[@revision]``, fetched into the Hugging Face
-        cache when need be; ``lab.models.hub``), resolved once per engine."""
-        if name not in self._adapter_folders:
-            self._adapter_folders[name] = str(hub.resolve(name, what="adapter").folder)
-        return self._adapter_folders[name]
+        return self._adapters.ids
 
     def _merge_adapters(self, paths: tuple[str, ...]):
-        """Read and check ``paths`` and merge them over the base weights: ``(adapters, {parameter: float32})``.
-        Changes nothing: the caller swaps the result in (``Runner.set_merged``)."""
-        if paths and not self.model.packed:
-            raise ValueError(
-                f"adapters need a packed model, but {self.spec.architecture or 'this architecture'} runs through the "
-                "transformers fallback (no packed implementation here). Merge the adapter with peft "
-                "(PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(out)) and load that "
-                "folder"
-            )
-        adapters = [read_adapter(self._adapter_folder(p)) for p in paths]
-        return adapters, merged_weights(self.model, self.runner.weights.base, adapters)
+        """``(adapters, merged weights)`` of ``paths`` over the base weights, swapping nothing in
+        (``lab.engine.adapter_state``)."""
+        return self._adapters.merge(paths, self.model, self.runner.weights.base)
 
     @_change
     def configure(self, **knobs) -> Engine:
@@ -308,7 +268,7 @@ class Engine:
         self._dirty = True  # from here to the end, an interrupt is repaired by the next call (``_repair``)
         if adapters is not None:
             self.runner.weights.set_merged(merged)
-            self._adapters = adapters
+            self._adapters.use(adapters)
         self.runner.weights.set_dtype(dtype)
         self._knobs, self._backend = new, backend
         if replan:
@@ -324,7 +284,7 @@ class Engine:
         k = self._knobs
         adapters, merged = self._merge_adapters(k.adapters) if k.adapters else ([], {})
         self.runner.weights.set_merged(merged)
-        self._adapters = adapters
+        self._adapters.use(adapters)
         self.runner.weights.set_dtype(resolve_dtype(k.dtype, self.device), force=True)  # every weight from its source
         self.runner.plan_cpu_paths(self._workers)
         self._dirty = False
@@ -346,29 +306,12 @@ class Engine:
 
     def _check_for_model(self, k: Knobs) -> None:
         """The knob values that depend on this model (sizes, layers, attention), checked by ``lab.engine.knobs``."""
-        check_for_model(k, ModelLimits(
-            hidden=self.model.hidden_size, is_decoder=bool(self.model.is_decoder), num_layers=self.model.num_layers,
-            positions=self.model.max_positions or self.spec.config.get("max_position_embeddings"),
-            specials=len(self.tokenizer("", add_special_tokens=True)["input_ids"]), causal=self._causal_for(k)))
-
-    def _layer_for(self, k: Knobs) -> int | None:
-        n = self.model.num_layers
-        if k.layer is None:
-            return n
-        return n + 1 + k.layer if k.layer < 0 else k.layer  # -1 = layer n (the last), -n = layer 1
+        check_for_model(k, self._facts, resolve(k, self._facts, self._adapters.layout(k.adapters)).causal)
 
     @property
     def num_layers(self) -> int | None:
         """The model's number of layers (``None`` when a transformers-fallback config does not say)."""
         return self.model.num_layers
-
-    @property
-    def layer(self) -> int | None:
-        """The layer whose hidden states are pooled, as the number of layers that run (``0`` = the embeddings)."""
-        return self._layer_for(self._knobs)
-
-    def _causal_for(self, k: Knobs) -> bool:
-        return (not k.bidirectional) if k.bidirectional is not None else self._defaults(k)["causal"][0]
 
     @property
     def is_decoder(self) -> bool:
@@ -379,90 +322,11 @@ class Engine:
         return self.model.classifier is not None
 
     @property
-    def causal(self) -> bool:
-        return self._causal_for(self._knobs)
-
-    def _layout(self, adapters: tuple[str, ...]) -> llm2vec.Layout:
-        """llm2vec's reading of the model folder with ``adapters`` (``lab.engine.llm2vec``), once per adapter list."""
-        if adapters not in self._layouts:
-            auto = len(self._auto) if adapters[: len(self._auto)] == self._auto else 0
-            self._layouts[adapters] = llm2vec.layout(
-                self._folder, [self._adapter_folder(a) for a in adapters], auto=auto, base=self.model_path,
-                repo_id=self._source.repo_id if self._by_id else None, decoder=bool(self.model.is_decoder))
-        return self._layouts[adapters]
-
-    @property
     def llm2vec(self) -> llm2vec.Layout:
         """llm2vec's reading of the model folder and the adapters in force (``lab.engine.llm2vec.Layout``): whether
         they are an LLM2Vec layout and by what, the folder its settings come from, the name its chat template is
         chosen by."""
-        return self._layout(self._knobs.adapters)
-
-    def _defaults(self, k: Knobs) -> dict[str, tuple]:
-        """What a knob left at ``None`` resolves to under the adapters of ``k``, with where that value comes from:
-        knob -> (value, source) (``lab.engine.resolve.defaults``)."""
-        return resolve.defaults(k, self._layout(k.adapters), self.spec, decoder=bool(self.model.is_decoder),
-                                default_causal=bool(self.model.default_causal))
-
-    def _value(self, name: str, k: Knobs | None = None):
-        """A knob's value as it runs: the knob when set, else its default (``_defaults``)."""
-        k = k or self._knobs
-        set_to = getattr(k, name)
-        return set_to if set_to is not None else self._defaults(k)[name][0]
-
-    @property
-    def model_defaults(self) -> dict:
-        """What the model and its adapters set the knobs left at ``None`` to: knob -> value (``resolved.sources``
-        says where each came from)."""
-        return {name: value for name, (value, _) in self._defaults(self._knobs).items()}
-
-    @property
-    def pooling(self) -> str:
-        return self._value("pooling")
-
-    @property
-    def normalize(self) -> bool:
-        return self._value("normalize")
-
-    @property
-    def doc_max_length(self) -> int | None:
-        """llm2vec's document cut in force (``lab.engine.llm2vec.cut_document``): the knob (``0`` = off), else the
-        LLM2Vec layout's (``llm2vec_config.json`` or llm2vec's 400), else ``None`` (off)."""
-        return self._value("doc_max_length") or None
-
-    @property
-    def append_eos(self) -> bool:
-        """The knob, else on for decoders with ``lasttoken`` pooling under the ``exact`` rule (llm2vec appends no EOS
-        token: under its rule ``eos_token`` pooling appends llm2vec's EOS text instead)."""
-        if self._knobs.append_eos is not None:
-            return self._knobs.append_eos
-        return self.is_decoder and self.pooling == "lasttoken" and self.instruction_pooling == "exact"
-
-    @property
-    def instruction_pooling(self) -> str:
-        """The pooling rule for inputs with instructions (``lab.engine.framing``): the knob, else ``llm2vec`` for an
-        LLM2Vec layout (``lab.engine.llm2vec``), else ``exact``."""
-        return self._value("instruction_pooling")
-
-    def _framing(self) -> framing.Framing:
-        """How this engine's inputs are framed under the knobs in force (rule, template, chat template, EOS text)."""
-        rule = self.instruction_pooling
-        name = self._layout(self._knobs.adapters).name
-        names = [name] if name else []
-        eos = framing.eos_text(names, self.spec.config.get("model_type")) if self.pooling == "eos_token" else ""
-        return framing.Framing(rule=rule, template=self._knobs.template, eos=eos,
-                               chat=framing.chat_template(names) if rule == "llm2vec" else None)
-
-    @property
-    def max_length(self) -> int:
-        if self._knobs.max_length is not None:
-            return self._knobs.max_length
-        limits = [self._defaults(self._knobs)["max_length"][0]]
-        tok_max = getattr(self.tokenizer, "model_max_length", None)
-        if tok_max and tok_max < 1_000_000:
-            limits.append(tok_max)
-        limits.append(self.model.max_positions or self.spec.config.get("max_position_embeddings"))
-        return min(x for x in limits if x) if any(limits) else 512
+        return self._adapters.layout(self._knobs.adapters)
 
     @property
     def model_name(self) -> str:
@@ -499,10 +363,6 @@ class Engine:
         )
 
     # ------------------------------------------------------------------------------------------------- embed
-    def _processor(self, max_length: int | None = None) -> InputProcessor:
-        """The engine's input processor (``max_length``: a per-call cap instead of the engine's)."""
-        return InputProcessor(self.tokenizer, max_length or self.max_length, append_eos=self.append_eos)
-
     def _instruction(self, instruction=_UNSET, prompt_name: str | None = None) -> str | None:
         """The call's instruction: ``prompt_name``'s prompt, else ``instruction``, else the knob, else the model's
         default prompt (``default_prompt_name``), as sentence-transformers resolves prompts."""
@@ -524,18 +384,12 @@ class Engine:
         the model folder's (``config_sentence_transformers.json``)."""
         return dict(self.spec.prompts)
 
-    @property
-    def include_instruction(self) -> bool:
-        """Whether instruction tokens are pooled: the knob, else ``llm2vec_config.json``'s ``skip_instruction``
-        negated (``model_defaults``), else the model's Pooling config (``include_prompt``, as
-        ``SentenceTransformer.encode(prompt=...)`` pools them), else ``False`` (llm2vec's embed mask)."""
-        return bool(self._value("include_instruction"))
-
     def cut_documents(self, texts: list[str]) -> list[str]:
         """``texts`` after llm2vec's document cut (the ``doc_max_length`` in force; ``lab.engine.llm2vec``), the same
         list when the cut is off. Every call kind's texts pass here before they are framed and tokenized."""
-        limit = self.doc_max_length
-        return llm2vec.cut_documents(self.tokenizer, texts, self.max_length, limit) if limit and texts else texts
+        r = self.resolved
+        limit = r.doc_max_length
+        return llm2vec.cut_documents(self.tokenizer, texts, r.max_length, limit) if limit and texts else texts
 
     @_call
     def tokenize(self, texts: list[str], *, instruction=_UNSET, prompt_name: str | None = None) -> list[Request]:
@@ -544,10 +398,6 @@ class Engine:
         texts, instructions = check_inputs(texts)
         return self.embed_pass(texts, self._instruction(instruction, prompt_name),
                                instructions=instructions).tokenize(texts, 0)
-
-    def _embedding_head(self) -> EmbeddingHead:
-        """The engine's embedding head: matryoshka ``truncate_dim``, then normalize as the knobs say."""
-        return EmbeddingHead(self.model.hidden_size, truncate_dim=self._knobs.truncate_dim, normalize=self.normalize)
 
     def embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None, *,
                    head=None, include: bool | None = None, output="dense", task: str | None = None,
@@ -558,31 +408,8 @@ class Engine:
         default ``include_instruction``; ``output``: as ``embed``'s, checked here; ``task``: a ColBERT folder's,
         ``lab.outputs.multivector``, which then sets the lengths, the query expansion and pools the prompt;
         ``instructions``: one per text (``[instruction, text]`` inputs), replacing ``instruction``."""
-        mv = self.spec.multi_vector if "colbert" in outputs.parse_output(output)[0] else None
-        proc = self._processor(None if mv is None else
-                               multivector.max_length(mv, task, self.max_length, self._knobs.max_length))
-        include = True if mv is not None else self.include_instruction if include is None else include
-        method = pooling_method(framing.kernel_pooling(pooling or self.pooling))
-        if self._knobs.template is not None and set(outputs.parse_output(output)[0]) - {"dense", "tokens"}:
-            raise ValueError(f"the template knob applies to dense and token outputs, not output={output!r}; set "
-                             "template=None for sparse / ColBERT outputs")
-        proc.framing = self._framing()
-        if head is None:
-            head = self._embedding_head()
-        pooler = output_pooler(output, Pooler(method, head), model=self.model, spec=self.spec,
-                               tokenizer=self.tokenizer, task=task)
-        expand = mv is not None and task == "query" and mv.query_expansion is not None
-        if expand:
-            fill = multivector.expansion_token_id(mv, self.tokenizer, causal=self.causal)
-
-        def tokenize(chunk: list[str], first: int) -> list[Request]:
-            per_item = None if instructions is None else instructions[first : first + len(chunk)]
-            reqs = proc.process(self.cut_documents(chunk), first_index=first, instruction=instruction,
-                                include_instruction=include, instructions=per_item)
-            return multivector.expand(reqs, mv, fill) if expand else reqs
-
-        prefixed = instruction or instructions is not None or self._knobs.template is not None
-        return Pass(texts, tokenize, pooler, shared_prefix=bool(prefixed and not include))
+        return build.embed_pass(self, texts, instruction, pooling, head=head, include=include, output=output,
+                                task=task, instructions=instructions)
 
     @_call
     def embed(self, texts: list[str], *, output="dense", instruction=_UNSET, prompt_name: str | None = None,
@@ -609,18 +436,9 @@ class Engine:
         ``show_progress``: a tqdm bar; ``None`` shows one for more than 4096 texts.
         """
         texts, instructions = check_inputs(texts)
-        names = outputs.parse_output(output)[0]
-        check_precision(precision, rows=len(texts) if names == ("dense",) else None)
-        if precision != "float32" and "sparse" in names:
-            raise ValueError("precision applies to dense, token and ColBERT vectors, not to sparse weights; ask for "
-                             "output='sparse' separately with precision='float32'")
-        if self._knobs.long_inputs == "chunk" and names != ("dense",):
-            raise ValueError(f"long_inputs='chunk' averages one dense vector per window; output={output!r} needs "
-                             "long_inputs='truncate' (or embed_chunks for vectors per span of a long document)")
+        build.check_embed(len(texts), output, precision, self._knobs.long_inputs,
+                          per_item_instructions=instructions is not None)
         instruction = self._instruction(instruction, prompt_name)
-        if instructions is not None and self._knobs.long_inputs == "chunk":
-            raise ValueError("[instruction, text] inputs need long_inputs='truncate' (windows of a split input share "
-                             "one instruction); pass instruction=... with plain texts instead")
         if self._knobs.long_inputs == "chunk":
             out = self._embed_split(texts, instruction, show_progress)
         else:
@@ -648,21 +466,8 @@ class Engine:
         side. ``late=False`` embeds each chunk's text on its own (the baseline). Empty documents have no chunks (no
         documents: a ``(0, dim)`` matrix and an empty table). The chunks' character spans tile each document
         (``lab.engine.windows.chunk_spans``). See ``lab.engine.windows``."""
-        docs = check_texts(docs, "docs")
-        if self._knobs.template is not None:
-            raise ValueError("embed_chunks embeds spans of a document, which a template cannot frame; set "
-                             "template=None for it")
-        proc, instruction = self._processor(), self._instruction(instruction)
-        plan = windows.plan_chunks(proc, docs, windows.frame(proc, instruction, True), chunk_tokens, overlap)
-        table = plan.chunks[["doc", "chunk", "char_start", "char_end", "n_tokens", "text"]].copy()
-        if table.empty:  # no documents, or only empty ones: no chunk to embed
-            return np.zeros((0, self.embedding_dim), dtype=np.float32), table
-        if not late:
-            return self.embed(table["text"].tolist(), instruction=instruction, show_progress=show_progress), table
-        p = Pass(plan.windows, lambda chunk, first: chunk, Pooler(pooling_method("tokens"), TokensHead()))
-        rows = self.run_passes([p], "embed_chunks", show_progress)[0]
-        return self._embedding_head()(windows.pool_chunks(plan, rows, framing.kernel_pooling(self.pooling)),
-                                      None).numpy(), table
+        return windows.embed_chunks(self, check_texts(docs, "docs"), chunk_tokens, late=late, overlap=overlap,
+                                    instruction=self._instruction(instruction), show_progress=show_progress)
 
     @_call
     def encode(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,
@@ -700,7 +505,8 @@ class Engine:
     # ------------------------------------------------------------------------------------------- the pipeline
     def _settings(self, items: int = 0) -> ExecSettings:
         k = self._knobs
-        return ExecSettings(causal=self.causal, backend=self._backend, workers=self._workers, num_layers=self.layer,
+        r = self.resolved
+        return ExecSettings(causal=r.causal, backend=self._backend, workers=self._workers, num_layers=r.layer,
                             max_batch_tokens=k.max_batch_tokens, max_num_seqs=k.max_num_seqs,
                             chunked_prefill=k.chunked_prefill, prefix_cache=k.prefix_cache, items=items)
 
@@ -715,7 +521,7 @@ class Engine:
                       revision=self.revision)
         results = []
         with Call(stats, total=sum(len(p.items) for p in passes), desc=desc, show_progress=show_progress,
-                  warned=self._warned_lengths, max_length=self.max_length) as call, torch.inference_mode():
+                  warned=self._warned_lengths, max_length=self.resolved.max_length) as call, torch.inference_mode():
             for p in passes:
                 out = OutputBuffer(len(p.items), p.pooler.shape)
                 for requests in prefetch_waves(p.items, p.tokenize, WAVE_SIZE):
@@ -769,18 +575,8 @@ class Engine:
 
     def similarity(self, a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         """Cosine similarity matrix ``(n, m)`` between two sets of embeddings ``(n, dim)`` and ``(m, dim)``
-        (``b=None``: ``a`` with itself)."""
-        a = np.asarray(a, dtype=np.float32)
-        b = a if b is None else np.asarray(b, dtype=np.float32)
-        for name, x in (("a", a), ("b", b)):
-            if x.ndim != 2:
-                hint = f"; for one vector pass {name}[None]" if x.ndim == 1 else ""
-                raise ValueError(f"similarity: {name} must be a 2-D array (n, dim), got shape {x.shape}{hint}")
-        if a.shape[1] != b.shape[1]:
-            raise ValueError(f"similarity: a has {a.shape[1]} dimensions and b has {b.shape[1]}; they must match")
-        an = a / np.clip(np.linalg.norm(a, axis=1, keepdims=True), 1e-12, None)
-        bn = b / np.clip(np.linalg.norm(b, axis=1, keepdims=True), 1e-12, None)
-        return an @ bn.T
+        (``b=None``: ``a`` with itself; ``lab.outputs.scoring.cosine_matrix``)."""
+        return cosine_matrix(a, b)
 
 
 if Engine.__doc__:  # the knobs' help from their one table (lab.engine.knobs.KNOB_DOCS); absent under python -OO

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab.adapt.adapters import ADAPTER_CONFIG
+from lab.engine import framing
 from lab.models.folder import LLM2VEC_CONFIG, read_llm2vec_config
 
 # llm2vec 0.2.3's LLM2Vec class defaults, as knob values (``lab.models.folder.read_llm2vec_config`` maps the file)
@@ -151,3 +153,19 @@ def cut_documents(tokenizer, texts: list[str], max_length: int, doc_max_length: 
     lengths = tokenizer(list(texts), **kw)["input_ids"]
     return [cut_document(t, count, doc_max_length) if len(ids) > doc_max_length else t
             for t, ids in zip(texts, lengths)]
+
+
+def notice(model_name: str, lay: Layout, resolved) -> None:
+    """One line when the folders are an LLM2Vec layout (``Llm2VecNotice``): what recognised it and the llm2vec
+    settings it brought to the knobs left unset (``resolved``: the engine's ``Resolved``)."""
+    if not lay.recognized:
+        return
+    r = resolved
+    brought = [f"{k}={r[k]!r}" for k in ("pooling", "max_length", "doc_max_length", "include_instruction",
+                                        "instruction_pooling") if r.sources.get(k, "").startswith("llm2vec")]
+    if r.sources.get("causal", "").startswith("llm2vec"):
+        brought.insert(0, "bidirectional=True")
+    chat = f", the chat template of {lay.name}" if framing.chat_template([lay.name] if lay.name else []) else ""
+    warnings.warn(Llm2VecNotice(
+        f"{model_name}: an LLM2Vec layout ({lay.why}); llm2vec's settings for the knobs left unset: "
+        f"{', '.join(brought) or 'none'}{chat} (eng.resolved.sources says where each value came from)"), stacklevel=4)

@@ -335,7 +335,7 @@ def score_job(engine, pairs, *, mode: str | None = None, activation="default", i
         return _cross_encoder_job(engine, queries, documents, index, activation, instruction)
     if mode == "llm":
         prompt = prompt or YesNoPrompt()
-        layout = YesNoLayout(engine.tokenizer, prompt, instruction or prompt.instruction, engine.max_length)
+        layout = YesNoLayout(engine.tokenizer, prompt, instruction or prompt.instruction, engine.resolved.max_length)
         # the default is sigmoid(logit_yes - logit_no) == softmax over (yes, no): the yes probability
         head = YesNoHead(engine.model.lm_logits, layout.yes_id, layout.no_id,
                          "sigmoid" if activation == "default" else activation)
@@ -354,7 +354,7 @@ def score_job(engine, pairs, *, mode: str | None = None, activation="default", i
             raise ValueError(f"long_inputs='chunk' averages one dense vector per window, but mode={mode!r} scores "
                              f"per-token or lexical outputs ({', '.join(SCORE_OUTPUTS[mode])}), which have no window "
                              "average; set long_inputs='truncate' for this mode (inputs are then cut at "
-                             f"max_length={engine.max_length})")
+                             f"max_length={engine.resolved.max_length})")
         return _outputs_job(engine, mode, queries, documents, instruction, activation)
     return _bi_encoder_job(engine, queries, documents, instruction, similarity, activation)
 
@@ -367,7 +367,7 @@ def _cross_encoder_job(engine, queries, documents, index, activation, instructio
     head = ClassifierHead(classifier, labels, default if activation == "default" else activation)
     if instruction:
         queries = [instruction + q for q in queries]
-    proc = InputProcessor(engine.tokenizer, engine.max_length)  # the tokenizer adds [CLS] / [SEP] itself
+    proc = InputProcessor(engine.tokenizer, engine.resolved.max_length)  # the tokenizer adds [CLS] / [SEP] itself
 
     def tokenize(chunk: list[int], first: int) -> list[Request]:
         return proc.process([queries[i] for i in chunk], pairs=[documents[i] for i in chunk], first_index=first)
@@ -390,8 +390,8 @@ def _pair_pass(engine, mode: str, index: list[int], tokenize, pooler: Pooler, *,
         raise ValueError(
             f"long_inputs='chunk' does not apply to mode={mode!r}: a (query, document) pair is scored as one sequence "
             f"and a score is not an average of its windows' scores, but pairs[{long[0]}] ({len(long)} pair(s) in all) "
-            f"is longer than max_length={engine.max_length} tokens. Set long_inputs='truncate' to cut such pairs "
-            "(longest side first), raise max_length, or shorten the document")
+            f"is longer than max_length={engine.resolved.max_length} tokens. Set long_inputs='truncate' to cut "
+            "such pairs (longest side first), raise max_length, or shorten the document")
     return Pass(requests, lambda chunk, first: chunk, pooler, shared_prefix=shared_prefix)
 
 

@@ -116,7 +116,7 @@ def _check_long_inputs(engine, what: str) -> None:
     """``long_inputs="chunk"`` averages one vector per window: per-token outputs cannot follow it."""
     if engine.knobs["long_inputs"] == "chunk":
         raise ValueError(f"long_inputs='chunk' averages one sentence embedding per window of max_length="
-                         f"{engine.max_length} tokens; {what} are per-token and cannot be averaged: set "
+                         f"{engine.resolved.max_length} tokens; {what} are per-token and cannot be averaged: set "
                          "long_inputs='truncate' (engine.configure(long_inputs='truncate')) for them")
 
 
@@ -164,7 +164,7 @@ def forward(engine, texts: list[str], prompt: str | None, kind: str, show_progre
         p = engine.embed_pass(texts, prompt, "tokens", head=TokensHead(), include=True)
     else:
         dense = windows.dense_pass(engine, texts, prompt,
-                                   head=EmbeddingHead(engine.model.hidden_size, normalize=engine.normalize))
+                                   head=EmbeddingHead(engine.model.hidden_size, normalize=engine.resolved.normalize))
         return dense.finish(engine.run_passes([dense.run], "encode", show_progress, split=dense.split)[0])
     return engine.run_passes([p], "encode", show_progress)[0]
 

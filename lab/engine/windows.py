@@ -35,11 +35,14 @@ import numpy as np
 import pandas as pd
 import torch
 
+from lab.engine import passes
 from lab.engine.call import Pass
+from lab.engine.framing import kernel_pooling
 from lab.engine.inputs import InputProcessor, Request
 from lab.engine.knobs import plain_scalar
 from lab.kernels.reference import segment_pool
-from lab.outputs.heads import EmbeddingHead, Head
+from lab.outputs.heads import EmbeddingHead, Head, Pooler, TokensHead
+from lab.outputs.pooling import pooling_method
 
 
 @dataclass(frozen=True)
@@ -153,8 +156,9 @@ def dense_pass(engine, texts: list[str], instruction: str | None, *, head: Head 
         return DensePass(plain, len(texts))
     texts = engine.cut_documents(texts)  # llm2vec's cut (doc_max_length) first; the windows split what is left
     raw = engine.embed_pass(texts, instruction, head=EmbeddingHead(engine.model.hidden_size))
-    proc = InputProcessor(engine.tokenizer, engine.max_length, append_eos=engine.append_eos)  # embed_pass's
-    split = split_long(proc, texts, raw.tokenize(texts, 0), frame(proc, instruction, engine.include_instruction))
+    r = engine.resolved
+    proc = passes.processor(engine, r)  # embed_pass's
+    split = split_long(proc, texts, raw.tokenize(texts, 0), frame(proc, instruction, r.include_instruction))
     windows = Pass(split.requests, lambda chunk, first: chunk, raw.pooler, shared_prefix=raw.shared_prefix)
     return DensePass(windows, len(texts), plain.pooler.head, split)
 
@@ -233,3 +237,25 @@ def pool_chunks(plan: ChunkPlan, token_rows: list[np.ndarray], method: str) -> t
     spans = [token_rows[w][a:b] for w, a, b in plan.chunks[["window", "row_start", "row_end"]].itertuples(index=False)]
     cu = torch.tensor(np.concatenate([[0], np.cumsum([len(s) for s in spans])]), dtype=torch.int32)
     return segment_pool(torch.from_numpy(np.concatenate(spans)), cu, method)
+
+
+def embed_chunks(engine, docs: list[str], chunk_tokens: int, *, late: bool, overlap: int | None,
+                 instruction: str | None, show_progress: bool | None) -> tuple[np.ndarray, pd.DataFrame]:
+    """``Engine.embed_chunks`` over checked ``docs`` with ``instruction`` (a resolved text or ``None``): the chunks'
+    vectors and their table (``plan_chunks``); ``late`` pools each chunk from its document's forward, else embeds
+    each chunk's text alone."""
+    r = engine.resolved
+    if r.template is not None:
+        raise ValueError("embed_chunks embeds spans of a document, which a template cannot frame; set template=None "
+                         "for it")
+    proc = passes.processor(engine, r)  # embed_pass's
+    plan = plan_chunks(proc, docs, frame(proc, instruction, True), chunk_tokens, overlap)
+    table = plan.chunks[["doc", "chunk", "char_start", "char_end", "n_tokens", "text"]].copy()
+    if table.empty:  # no documents, or only empty ones: no chunk to embed
+        return np.zeros((0, engine.embedding_dim), dtype=np.float32), table
+    if not late:
+        return engine.embed(table["text"].tolist(), instruction=instruction, show_progress=show_progress), table
+    p = Pass(plan.windows, lambda chunk, first: chunk, Pooler(pooling_method("tokens"), TokensHead()))
+    rows = engine.run_passes([p], "embed_chunks", show_progress)[0]
+    head = passes.embedding_head(engine, r)
+    return head(pool_chunks(plan, rows, kernel_pooling(r.pooling)), None).numpy(), table

@@ -314,7 +314,7 @@ def chunked_prefill(engine, texts: list[str], chunk_sizes: list[int | None], *, 
     import numpy as np
     from tqdm.auto import tqdm
 
-    if not engine.causal:
+    if not engine.resolved.causal:
         raise ValueError("chunked_prefill needs causal attention: configure(bidirectional=False) first")
     sizes = [None] + [c for c in chunk_sizes if c is not None]
     saved = engine.knobs["chunked_prefill"]

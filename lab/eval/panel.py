@@ -47,11 +47,11 @@ class KnobPanel(widgets.VBox):
         self._default_causal = bool(engine.model.default_causal)
 
         self.pooling = widgets.Dropdown(
-            options=[(f"model default ({engine.pooling})" if k["pooling"] is None else "model default", None)]
+            options=[(f"model default ({engine.resolved.pooling})" if k["pooling"] is None else "model default", None)]
             + [(p, p) for p in pooling_values()],
             value=k["pooling"], description="pooling", style=_STYLE, layout=_LAYOUT,
         )
-        self.bidirectional = widgets.Checkbox(value=not engine.causal, description="bidirectional attention",
+        self.bidirectional = widgets.Checkbox(value=not engine.resolved.causal, description="bidirectional attention",
                                               style=_STYLE, layout=_LAYOUT, indent=True)
         self.chunked_prefill = widgets.BoundedIntText(
             value=k["chunked_prefill"] or 0, min=0, max=1 << 20, step=64,
@@ -149,8 +149,9 @@ class KnobPanel(widgets.VBox):
         from lab.eval.plots import similarity_heatmap
 
         self.embeddings, self.similarity = emb, sim
-        self.figure = similarity_heatmap(sim, texts, title=f"Cosine similarity ({self.engine.pooling} pooling, "
-                                         f"{'causal' if self.engine.causal else 'bidirectional'})")
+        r = self.engine.resolved
+        self.figure = similarity_heatmap(sim, texts, title=f"Cosine similarity ({r.pooling} pooling, "
+                                         f"{'causal' if r.causal else 'bidirectional'})")
         self.stats_view.value = _stats_html(self.engine.stats, emb.shape)
         self.plot.clear_output(wait=True)
         with self.plot:

@@ -38,3 +38,4 @@ def model_class(architecture: str):
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
 
+

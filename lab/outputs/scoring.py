@@ -1,5 +1,7 @@
-"""Scoring output vectors against each other: ColBERT MaxSim, sparse dot products, bge-m3's weighted pair scores.
+"""Scoring output vectors against each other: cosine matrices, ColBERT MaxSim, sparse dot products, bge-m3's
+weighted pair scores.
 
+- ``cosine_matrix``: every dense vector of one set against every one of another (``Engine.similarity``);
 - ``maxsim``: one (query, document) pair of ColBERT / token matrices, FlagEmbedding's ``colbert_score``;
 - ``maxsim_matrix``: every query against every document, ``(Q, D)``, documents scanned in blocks of token vectors;
 - ``sparse_dot``: row-wise dot products of two ``csr_matrix`` of lexical weights (shared token ids);
@@ -23,6 +25,22 @@ __all__ = ["M3_WEIGHTS", "SCORE_OUTPUTS", "maxsim", "maxsim_matrix", "pair_score
 M3_WEIGHTS = (1.0, 1.0, 1.0)  # dense, sparse, colbert: FlagEmbedding's M3Embedder.compute_score default
 # the outputs each score mode reads
 SCORE_OUTPUTS = {"late-interaction": ("colbert",), "sparse": ("sparse",), "m3": ("dense", "sparse", "colbert")}
+
+
+def cosine_matrix(a, b=None) -> np.ndarray:
+    """Cosine similarity matrix ``(n, m)`` float32 between two sets of embeddings ``(n, dim)`` and ``(m, dim)``
+    (``b=None``: ``a`` with itself); a set that is not a 2-D array, or two sets of different widths, are refused."""
+    a = np.asarray(a, dtype=np.float32)
+    b = a if b is None else np.asarray(b, dtype=np.float32)
+    for name, x in (("a", a), ("b", b)):
+        if x.ndim != 2:
+            hint = f"; for one vector pass {name}[None]" if x.ndim == 1 else ""
+            raise ValueError(f"similarity: {name} must be a 2-D array (n, dim), got shape {x.shape}{hint}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"similarity: a has {a.shape[1]} dimensions and b has {b.shape[1]}; they must match")
+    an = a / np.clip(np.linalg.norm(a, axis=1, keepdims=True), 1e-12, None)
+    bn = b / np.clip(np.linalg.norm(b, axis=1, keepdims=True), 1e-12, None)
+    return an @ bn.T
 
 
 def maxsim(q: np.ndarray, d: np.ndarray) -> float:
