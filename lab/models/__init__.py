@@ -37,5 +37,3 @@ def model_class(architecture: str):
         return None
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
-
-
