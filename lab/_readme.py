@@ -1,7 +1,7 @@
-"""The README's generated blocks, written from the code so they cannot drift: the knob table (``KNOB_DOCS`` and the
-``Knobs`` defaults), the environment variables (``lab.env``), the CPU fast-path table (``lab.ops.probes.CANDIDATES``)
-and the API list (every public name of ``lab`` and of each subpackage's ``__all__``, with the first line of its
-docstring).
+"""The README's generated blocks, written from the code so they cannot drift: the knob table (the knob registry,
+``lab.engine.knob_registry.KNOBS``), the environment variables (``lab.env``), the CPU fast-path table
+(``lab.ops.probes.CANDIDATES``) and the API list (every public name of ``lab`` and of each subpackage's ``__all__``,
+with the first line of its docstring).
 
 Each block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in ``README.md``; the lines between are
 replaced, everything else is kept. The speed block (``speed``) is written by ``python -m evals.results_index``.
@@ -10,13 +10,12 @@ replaced, everything else is kept. The speed block (``speed``) is written by ``p
     python -m lab._readme --check    # exit 1 and name the stale blocks
 
     >>> print(knob_table().splitlines()[0])
-    | knob | default | meaning |
+    | knob | default | honoured by | meaning |
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import inspect
 import re
@@ -37,17 +36,14 @@ def markdown(text: str) -> str:
 
 
 def knob_table() -> str:
-    """One row per knob of ``lab.engine.knobs.Knobs``: its default and ``KNOB_DOCS``' line, in field order."""
-    from lab.engine.knobs import KNOB_DOCS, Knobs
+    """One row per knob of the registry (``lab.engine.knob_registry.KNOBS``), in its order: default, the call kinds
+    that honour it, its doc line."""
+    from lab.engine.knob_registry import KNOBS
 
-    rows = ["| knob | default | meaning |", "|---|---|---|"]
-    undocumented = [f.name for f in dataclasses.fields(Knobs) if f.name not in KNOB_DOCS]
-    if undocumented:
-        raise KeyError(f"knobs without a line in lab.engine.knobs.KNOB_DOCS: {', '.join(undocumented)}; add one each")
-    for f in dataclasses.fields(Knobs):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        shown = "[]" if default == () else repr(default)
-        rows.append(f"| `{f.name}` | `{shown}` | {markdown(KNOB_DOCS[f.name])} |")
+    rows = ["| knob | default | honoured by | meaning |", "|---|---|---|---|"]
+    for k in KNOBS.values():
+        shown = "[]" if k.default == () else repr(k.default)
+        rows.append(f"| `{k.name}` | `{shown}` | {markdown(k.calls)} | {markdown(k.doc)} |")
     return "\n".join(rows)
 
 

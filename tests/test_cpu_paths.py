@@ -205,12 +205,12 @@ def _quick_probes_and_weights():
     64-token steps (the families' ``PROBE_ROWS``, ``ATTENTION_PROBE_LENGTHS``): their choice is not what is under
     test, only that the forced one is kept among them. The measurements made here are dropped afterwards, so no later
     test reuses them. Each checkpoint's weights are read from disk once (a copy for each engine)."""
-    from lab.engine import engine as engine_module
     from lab.models import bert, decoder
+    from lab.models import build as build_module
     from lab.models.folder import Checkpoint
     from lab.ops import probes
 
-    read, cache, before = engine_module.read_state_dict, {}, set(probes._MEASURED)
+    read, cache, before = build_module.read_state_dict, {}, set(probes._MEASURED)
 
     def read_once(spec):
         if spec.path not in cache:
@@ -225,7 +225,7 @@ def _quick_probes_and_weights():
         mp.setattr(probes, "ATTENTION_PROBE_LENGTHS", (40, 16, 8))
         mp.setattr(bert, "PROBE_ROWS", 64)
         mp.setattr(decoder, "PROBE_ROWS", 64)
-        mp.setattr(engine_module, "read_state_dict", read_once)
+        mp.setattr(build_module, "read_state_dict", read_once)
         yield
     for key in set(probes._MEASURED) - before:
         probes._MEASURED.pop(key, None)

@@ -9,7 +9,6 @@ import random
 import threading
 import time
 import warnings
-from dataclasses import MISSING, fields
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from tiny_models import tiny_llama
 
 from lab import Engine
 from lab.engine.call import Stats
+from lab.engine.knob_registry import KNOBS
 from lab.engine.knobs import Knobs
 from lab.runtime.pool import WorkerPool
 
@@ -126,15 +126,15 @@ LOAD_TIME = ("cpu_paths", "tune_allocator", "compile")  # Engine arguments fixed
 
 
 def test_engine_arguments_are_the_knobs_by_name(minilm_path):
-    """Every keyword of ``Engine`` but ``model`` and the settings fixed at load (``LOAD_TIME``) is a knob of the same
-    name, and lands in that knob."""
+    """Every keyword of ``Engine``'s signature but ``model`` and the settings fixed at load (``LOAD_TIME``) is a
+    registered knob, in the registry's order with its default, and lands in that knob."""
     skip = ("self", "model", *LOAD_TIME)
     params = [p for p in inspect.signature(Engine.__init__).parameters if p not in skip]
-    assert params == [f.name for f in fields(Knobs)]
+    assert params == list(KNOBS) == list(Knobs())
     defaults = {p.name: p.default for p in inspect.signature(Engine.__init__).parameters.values()
                 if p.name not in skip}
-    knob_defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(Knobs)}
-    assert {k: tuple(v) if isinstance(v, list) else v for k, v in defaults.items()} == knob_defaults
+    assert defaults == {name: k.default for name, k in KNOBS.items()} == dict(Knobs())
+    assert [p for p in inspect.signature(Engine).parameters][-3:] == list(LOAD_TIME)
     chosen = {"pooling": "max", "normalize": False, "truncate_dim": 17, "max_length": 33, "max_batch_tokens": 999,
                   "max_num_seqs": 7, "instruction": "x: ", "include_instruction": True, "append_eos": True,
                   "prefix_cache": False, "attention_backend": "torch", "cpu_workers": 1, "layer": 3}

@@ -275,7 +275,7 @@ def test_kernels_define_no_product_vocabulary():
     from lab.kernels.reference import SEGMENT_REDUCTIONS
 
     from lab.engine.framing import INSTRUCTION_POOLING
-    from lab.engine.knobs import LONG_INPUTS
+    from lab.engine.knob_registry import LONG_INPUTS
     from lab.engine.rerank import MODES
     from lab.outputs.kinds import OUTPUTS
     from lab.outputs.pooling import METHODS

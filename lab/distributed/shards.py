@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -277,7 +276,7 @@ def _check_unique(hashes: list[bytes], batches, where: str) -> None:
 def result_knobs(knobs: dict) -> dict:
     """The knobs that change embeddings, checked and JSON-shaped (scheduling knobs such as ``max_batch_tokens``
     may change between a run and its resume)."""
-    full = asdict(Knobs().replace(**knobs))
+    full = dict(Knobs().replace(**knobs))
     return json.loads(json.dumps({k: v for k, v in full.items() if k not in SCHEDULING_KNOBS}))
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
-from dataclasses import asdict, fields
 
 import numpy as np
 import torch
@@ -36,12 +36,12 @@ from lab.engine.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.engine.executor import Executor
 from lab.engine.gate import Gate
 from lab.engine.inputs import Request, check_inputs, check_texts
+from lab.engine.knob_registry import KNOBS, knob_docs
 from lab.engine.knobs import (
     Knobs,
     ModelFacts,
     Resolved,
     check_for_model,
-    knobs_doc,
     resolve,
     resolve_device,
     resolve_dtype,
@@ -120,48 +120,18 @@ class Engine:
             and the compiled forward measured faster on this machine (``lab.runtime.planner.forward_choice``; the
             choice is ``cpu_paths["forward"]``). Fixed for the engine's life.
 
-    Every other argument is a knob (``lab.engine.knobs.KNOB_DOCS``, listed below and in the README's knob table).
+    Every other argument is a knob (``lab.engine.knob_registry.KNOBS``, listed below, in the signature and in the
+    README's knob table).
 
     Call kinds are built on two public methods (the seam ``lab.engine.rerank`` and ``lab.engine.st_encode`` use):
     ``embed_pass`` builds a ``Pass`` of texts as ``embed`` tokenizes and pools them, and ``run_passes`` runs passes
     as one call (one ``Stats``, published when every pass finished) and returns their outputs in input order.
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        pooling: str | None = None,
-        normalize: bool | None = None,
-        truncate_dim: int | None = None,
-        max_length: int | None = None,
-        max_batch_tokens: int = 16384,
-        max_num_seqs: int = 256,
-        dtype: str = "auto",
-        device: str = "auto",
-        revision: str | None = None,
-        bidirectional: bool | None = None,
-        chunked_prefill: int | None = None,
-        instruction: str | None = None,
-        include_instruction: bool | None = None,
-        instruction_pooling: str | None = None,
-        template: str | None = None,
-        append_eos: bool | None = None,
-        prefix_cache: bool = True,
-        attention_backend: str = "auto",
-        cpu_workers: int | None = None,
-        adapters: list[str] | tuple[str, ...] = (),
-        layer: int | None = None,
-        long_inputs: str = "truncate",
-        doc_max_length: int | None = None,
-        cpu_paths: dict[str, str] | None = None,
-        tune_allocator: bool | None = None,
-        compile: bool | None = None,
-    ):
+    def __init__(self, model: str, *, cpu_paths: dict[str, str] | None = None, tune_allocator: bool | None = None,
+                 compile: bool | None = None, **knobs):
         tune = allocator.malloc_tuning_requested(tune_allocator)  # a bad LAB_MALLOC_TUNING fails before anything loads
-        args = locals()  # every knob is a keyword argument of the same name (a KeyError here says which is not)
-        knobs = {f.name: args[f.name] for f in fields(Knobs)}
-        self._knobs = Knobs().replace(**knobs)
+        self._knobs = Knobs().replace(**knobs)  # an unknown knob or a bad value is named before anything loads
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a local model folder or a hub id ('org/name'), got {type(model).__name__}")
         self._source = hub.resolve(model, self._knobs.revision)  # a hub id: its snapshot folder, fetched if need be
@@ -203,7 +173,7 @@ class Engine:
     @property
     def knobs(self) -> dict:
         """Current knob values as set (``None`` = the model's default; see ``resolved`` for what runs)."""
-        return asdict(self._knobs)
+        return dict(self._knobs)
 
     @property
     def resolved(self) -> Resolved:
@@ -579,5 +549,16 @@ class Engine:
         return cosine_matrix(a, b)
 
 
-if Engine.__doc__:  # the knobs' help from their one table (lab.engine.knobs.KNOB_DOCS); absent under python -OO
-    Engine.__doc__ = f"{Engine.__doc__.rstrip()}\n\n    Knobs:\n{knobs_doc()}\n"
+def _signature() -> inspect.Signature:
+    """``Engine.__init__``'s signature as help and IDEs show it: ``model``, every registered knob (keyword, with its
+    default and type; ``lab.engine.knob_registry.KNOBS``), then the load-time arguments."""
+    own = inspect.signature(Engine.__init__).parameters
+    knobs = [inspect.Parameter(k.name, inspect.Parameter.KEYWORD_ONLY, default=k.default, annotation=k.type)
+             for k in KNOBS.values()]
+    return inspect.Signature([own["self"], own["model"], *knobs, own["cpu_paths"], own["tune_allocator"],
+                              own["compile"]])
+
+
+Engine.__init__.__signature__ = _signature()
+if Engine.__doc__:  # the knobs' help from their one table (lab.engine.knob_registry.KNOBS); absent under python -OO
+    Engine.__doc__ = f"{Engine.__doc__.rstrip()}\n\n    Knobs:\n{knob_docs()}\n"

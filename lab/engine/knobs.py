@@ -1,5 +1,6 @@
-"""The knob table, in one place: names, types, defaults, validation, which combinations conflict, and how the
-knobs resolve on a model (``resolve`` -> ``Resolved``: each value in force and where it came from).
+"""Knob values (``Knobs``: one per knob of the registry, ``lab.engine.knob_registry.KNOBS``), the combinations
+that conflict, and how the knobs resolve on a model (``resolve`` -> ``Resolved``: each value in force and where it
+came from).
 
 ``None`` always means "the model's own default" (``resolve``: an LLM2Vec layout's, the model folder's
 sentence-transformers configs', else the model kind's). Every knob but
@@ -13,7 +14,6 @@ re-casts them).
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -21,240 +21,93 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lab.engine.framing import INSTRUCTION_POOLING, check_template
+from lab.engine import knob_registry
+from lab.engine.knob_registry import DTYPES
 from lab.engine.llm2vec import DEFAULT_SOURCE as LLM2VEC_DEFAULT_SOURCE
-from lab.outputs.pooling import knob_values as pooling_values
 
 if TYPE_CHECKING:
     from lab.engine.llm2vec import Layout
     from lab.models.spec import ModelSpec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LONG_INPUTS = ("truncate", "chunk")
+class Knobs(Mapping):
+    """The value of every registered knob (``lab.engine.knob_registry.KNOBS``): a frozen mapping with attribute
+    access (``k.pooling``, ``k["pooling"]``). Knobs left out take their registered default; ``replace`` checks each
+    changed value with its knob's ``check`` and the combinations with ``validate``."""
 
-KNOB_DOCS: dict[str, str] = {  # one line of help per knob: Engine's docstring, the README table, the panel
-    "pooling": (
-        "``cls``, ``mean``, ``max``, ``lasttoken``, ``weightedmean``, or llm2vec's ``eos_token`` (``lasttoken`` after "
-        "the EOS text llm2vec appends for the base: `` </s>`` for Llama / Mistral, ``<eos>`` Gemma, ``<|endoftext|>`` "
-        "Qwen2); ``None`` = the model's own: an LLM2Vec layout's (``llm2vec_config.json``'s ``pooling_mode``, else "
-        "llm2vec's ``mean``; ``lab.engine.llm2vec``), else the sentence-transformers Pooling config, else "
-        "``lasttoken`` for decoders and ``mean`` for encoders. ``eng.resolved.sources`` says which."
-    ),
-    "normalize": (
-        "L2-normalize embeddings; ``None`` = whether the model folder has a Normalize module."
-    ),
-    "truncate_dim": (
-        "matryoshka dimension (applied before normalize)."
-    ),
-    "max_length": (
-        "longest input in tokens (longer ones are truncated and counted in ``stats.truncated``, or split as "
-        "``long_inputs`` says); ``None`` = an LLM2Vec layout's (``llm2vec_config.json``, else llm2vec's 512), else "
-        "sentence_bert_config's ``max_seq_length``, capped by the tokenizer's and the model's limits."
-    ),
-    "max_batch_tokens": (
-        "the scheduler's token budget per packed step."
-    ),
-    "max_num_seqs": (
-        "the most sequences in one packed step."
-    ),
-    "dtype": (
-        "``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16``, ``float16``."
-    ),
-    "device": (
-        "``auto``, ``cpu``, ``cuda``, ``cuda:N`` (fixed at load)."
-    ),
-    "revision": (
-        "for a model named by hub id (``org/name``): a branch, a tag or a commit (``None`` = ``main``), resolved "
-        "through huggingface_hub's cache (``lab.models.hub``); fixed at load. ``eng.model_name`` / ``eng.revision`` "
-        "say what loaded (the id and the snapshot's commit). Adapters by id take theirs as ``org/name@rev``."
-    ),
-    "bidirectional": (
-        "``None`` = the model's own attention (bidirectional for an LLM2Vec layout, as ``LLM2Vec.from_pretrained`` "
-        "enables it; causal for other decoders); ``True``/``False`` override."
-    ),
-    "chunked_prefill": (
-        "tokens per chunk for long inputs under causal attention (``None`` = off); runs layer by layer, holding "
-        "hidden states + one layer's K/V per long input (``lab.engine.kv_path``)."
-    ),
-    "instruction": (
-        "text prepended to every input, attended to; pooled or not as ``include_instruction`` says. ``score`` / "
-        "``rerank`` and ``encode_query`` apply it to queries, ``encode_document`` to no document; a call's own "
-        "``instruction=`` / ``prompt=`` / ``prompt_name=`` replaces it."
-    ),
-    "instruction_pooling": (
-        "which tokens of an input with an instruction are pooled (``lab.engine.framing``): ``llm2vec`` (llm2vec's "
-        "embed mask: the input is ``instruction.strip() + ' ' + text``, in the base model's chat template where "
-        "llm2vec applies one, and the last n tokens are pooled, n = the text tokenized alone without special tokens) "
-        "or ``exact`` (the instruction as given, its own tokens not pooled, as sentence-transformers counts a "
-        "prompt); ``None`` = ``llm2vec`` for an LLM2Vec layout (``lab.engine.llm2vec``: ``llm2vec_config.json``, a "
-        "published ``-mntp`` folder, an adapter llm2vec or ``lab.adapt`` wrote), else ``exact`` "
-        "(sentence-transformers models, encoders and decoders alike). Under ``long_inputs='chunk'`` the "
-        "windows of a split input pool their own text tokens."
-    ),
-    "template": (
-        "a string with one ``{text}`` field (a prompt, e.g. PromptEOL ``'This sentence : \"{text}\" means in one "
-        "word:\"'`` with ``lasttoken`` pooling) or two (echo embeddings: the text twice, the second copy pooled); "
-        "the pooled span is the tokens overlapping the text's last copy (by character offsets), ``lasttoken`` "
-        "reading the input's last token. Dense and token outputs; composes with ``instruction``, chunked prefill "
-        "and the prefix cache; ``long_inputs='chunk'`` refuses it."
-    ),
-    "include_instruction": (
-        "pool the instruction's tokens too; ``None`` = an LLM2Vec layout's (``skip_instruction`` negated, llm2vec's "
-        "default ``False``), else the model's Pooling config (sentence-transformers' ``include_prompt``, which pools "
-        "them unless it says false), else ``False``; under a ``template``, ``False`` (its words are never the text)."
-    ),
-    "append_eos": (
-        "append EOS when the tokenizer does not (``None`` = on for decoders with lasttoken pooling)."
-    ),
-    "prefix_cache": (
-        "reuse the shared instruction prefix's K/V under causal attention."
-    ),
-    "attention_backend": (
-        "``auto`` (triton on CUDA, torch on CPU), ``torch`` or ``triton``."
-    ),
-    "cpu_workers": (
-        "on CPU, split each packed step across this many worker threads, each running its share of the sequences with "
-        "``torch.get_num_threads() // cpu_workers`` intra-op threads (``None`` = one worker per intra-op thread; "
-        "``1`` = the whole step on all threads). See ``lab.runtime.runner``."
-    ),
-    "layer": (
-        "pool the hidden states after this layer, running only the layers up to it (a shorter forward, not a slice of "
-        "the full one): 1-based, ``0`` = the embedding output, negative counts from the end (``-1`` = the last), "
-        "``None`` = the last. Equals transformers' ``output_hidden_states=True`` -> ``hidden_states[layer]``. "
-        "Decoders (pre-norm): the final RMSNorm is applied only at the last layer, as in transformers (below it, the "
-        "un-normed residual stream); encoders (post-norm): each layer's output."
-    ),
-    "adapters": (
-        "PEFT LoRA folders (``adapter_config.json`` + ``adapter_model.safetensors``) merged into the weights in this "
-        "order, each on top of the last (``lab.adapt.adapters``); live: ``configure(adapters=[...])`` re-merges from "
-        "the float32 master copy and ``[]`` restores the base weights exactly. Packed models only; DoRA, trained "
-        "biases and LoRA on embeddings / ``lm_head`` are refused."
-    ),
-    "long_inputs": (
-        "what happens to an input past ``max_length``: ``truncate`` (cut, counted in ``stats.truncated``) or "
-        "``chunk`` (split into ``max_length`` windows, each pooled, averaged weighted by its tokens, then the head: "
-        "matryoshka, normalize; counted in ``stats.split``; ``lab.engine.windows``). ``chunk`` applies to every dense "
-        "call (``embed``, ``encode*``, bi-encoder ``score`` / ``rerank``); cross-encoder / LLM pair scoring refuses "
-        "a pair past ``max_length`` under it, per-token and sparse outputs refuse it."
-    ),
-    "doc_max_length": (
-        "llm2vec's cut of long documents (``lab.engine.llm2vec.cut_document``): a text whose tokens (special tokens "
-        "left out, counted up to ``max_length``) exceed it keeps its first ``int(words x doc_max_length / tokens)`` "
-        "words, repeated until it fits; instructions are never cut. ``None`` = an LLM2Vec layout's "
-        "(``llm2vec_config.json``, else llm2vec's 400), off for other models; ``0`` = off. Every call kind; under "
-        "``long_inputs='chunk'`` the cut comes first and the windows split what is left."
-    ),
-}
+    __slots__ = ("_values",)
 
+    def __init__(self, **values):
+        registry = _known(values)
+        object.__setattr__(self, "_values", {name: values.get(name, k.default) for name, k in registry.items()})
 
-def knobs_doc(indent: str = "        ") -> str:
-    """``KNOB_DOCS`` as a docstring section (what ``Engine.__doc__`` ends with), wrapped at 119 columns."""
-    import textwrap
+    def __getattr__(self, name: str):
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        if name in knob_registry.KNOBS:  # registered after these values were made: its default
+            return knob_registry.KNOBS[name].default
+        raise AttributeError(f"no knob {name!r}; valid knobs: {', '.join(knob_registry.KNOBS)}")
 
-    return "\n".join(textwrap.fill(f"{name}: {text}", 119, initial_indent=indent, subsequent_indent=indent + "    ",
-                                   break_on_hyphens=False) for name, text in KNOB_DOCS.items())
+    def __setattr__(self, name: str, value) -> None:
+        raise dataclasses.FrozenInstanceError(f"knobs are frozen: use knobs.replace({name}=...)")
 
+    def __getitem__(self, name: str):
+        return self._values[name]
 
+    def __iter__(self):
+        return iter(self._values)
 
-@dataclass(frozen=True)
-class Knobs:
-    """Engine settings researchers flip live. See the README's knob table for each one's meaning."""
+    def __len__(self) -> int:
+        return len(self._values)
 
-    pooling: str | None = None
-    normalize: bool | None = None
-    truncate_dim: int | None = None
-    max_length: int | None = None
-    max_batch_tokens: int = 16384
-    max_num_seqs: int = 256
-    dtype: str = "auto"
-    device: str = "auto"
-    revision: str | None = None  # hub branch, tag or commit of a model named by hub id (fixed at load)
-    bidirectional: bool | None = None
-    chunked_prefill: int | None = None
-    instruction: str | None = None
-    include_instruction: bool | None = None  # None: the model's Pooling config (include_prompt), else False
-    # "llm2vec" | "exact"; None: llm2vec for LLM2Vec folders (lab.engine.framing)
-    instruction_pooling: str | None = None
-    template: str | None = None  # "{text}" template: a prompt, or echo with two fields (lab.engine.framing)
-    append_eos: bool | None = None
-    prefix_cache: bool = True
-    attention_backend: str = "auto"
-    cpu_workers: int | None = None
-    adapters: tuple[str, ...] = ()  # PEFT LoRA folders merged in this order (lab.adapt.adapters)
-    layer: int | None = None  # pool the hidden states after this layer (None = last; 0 = embeddings; -1 = last)
-    long_inputs: str = "truncate"  # inputs past max_length: "truncate" or "chunk" (lab.engine.windows)
-    doc_max_length: int | None = None  # llm2vec's word cut of long texts (None: the model's; 0: off)
+    def __hash__(self) -> int:
+        return hash(tuple(self._values.items()))
+
+    def __reduce__(self):
+        return _knobs, (dict(self._values),)
+
+    def __repr__(self) -> str:
+        return "Knobs(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
 
     def replace(self, **changes) -> Knobs:
-        unknown = sorted(set(changes) - {f.name for f in fields(self)})
-        if unknown:
-            raise TypeError(
-                f"unknown knob(s) {', '.join(unknown)}; valid knobs: {', '.join(f.name for f in fields(self))}"
-            )
-        changes = {k: plain_scalar(v) for k, v in changes.items()}  # numpy scalars from sweeps (np.arange, pandas)
-        if "dtype" in changes:
-            changes["dtype"] = normalize_dtype(changes["dtype"])
-        if "adapters" in changes:
-            changes["adapters"] = normalize_adapters(changes["adapters"])
-        new = dataclasses.replace(self, **changes)
+        """These knobs with ``changes`` (each checked by its knob; numpy scalars from sweeps taken as Python ones),
+        validated as a whole."""
+        registry = _known(changes)
+        values = {**self._values}
+        for name, value in changes.items():
+            values[name] = registry[name].check(plain_scalar(value))
+        new = Knobs(**values)
         new.validate()
         return new
 
     def validate(self) -> None:
-        """Raise ``ValueError`` / ``TypeError`` naming the bad knob, the valid values and the fix."""
-        if self.pooling is not None and self.pooling not in pooling_values():
-            raise ValueError(f"unknown pooling {self.pooling!r}; valid: {', '.join(pooling_values())} (or None)")
-        if self.instruction_pooling is not None and self.instruction_pooling not in INSTRUCTION_POOLING:
-            raise ValueError(f"unknown instruction_pooling {self.instruction_pooling!r}; valid: "
-                             f"{', '.join(map(repr, INSTRUCTION_POOLING))} or None (the model's default)")
-        check_template(self.template)
+        """Raise ``ValueError`` / ``TypeError`` naming the bad knob, the valid values and the fix: each value by its
+        knob's check, then the combinations that conflict."""
+        for name, knob in knob_registry.KNOBS.items():
+            knob.check(self._values.get(name, knob.default))
         if self.template is not None and self.long_inputs == "chunk":
             raise ValueError("template conflicts with long_inputs='chunk': a window of a split input holds no whole "
                              "copy of the template; use long_inputs='truncate' (or template=None)")
-        for name in ("normalize", "bidirectional", "append_eos", "include_instruction"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, bool):
-                raise TypeError(f"{name} must be True, False or None (model default), got {v!r}")
-        if not isinstance(self.prefix_cache, bool):
-            raise TypeError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
-        for name, lo in (("truncate_dim", 1), ("max_length", 1), ("chunked_prefill", 1), ("doc_max_length", 0)):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
-                raise ValueError(f"{name} must be a {'positive' if lo else 'non-negative'} int or None, got {v!r}")
-        for name in ("max_batch_tokens", "max_num_seqs"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        v = self.cpu_workers
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"cpu_workers must be a positive int or None (one per intra-op thread), got {v!r}")
-        v = self.layer  # the range depends on the model: checked by the Engine
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise TypeError(
-                f"layer must be an int (1-based; 0 = the embedding output; negative counts from the end, -1 = last) "
-                f"or None (the last layer), got {v!r}"
-            )
-        normalize_dtype(self.dtype)
-        normalize_device(self.device)
-        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
-            raise TypeError(f"revision must be a branch, tag or commit name (a non-empty string) or None (main), "
-                            f"got {self.revision!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"unknown attention_backend {self.attention_backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}"
-            )
-        if self.long_inputs not in LONG_INPUTS:
-            raise ValueError(f"unknown long_inputs {self.long_inputs!r}; valid: {', '.join(map(repr, LONG_INPUTS))}")
-        if self.instruction is not None and not isinstance(self.instruction, str):
-            raise TypeError(f"instruction must be a string or None, got {type(self.instruction).__name__}")
         if self.chunked_prefill is not None and self.bidirectional:
             raise ValueError(
                 "chunked_prefill conflicts with bidirectional=True: bidirectional attention needs the whole "
                 "sequence at once (every token attends to later tokens). Use chunked_prefill=None, or "
                 "bidirectional=False for causal chunked prefill"
             )
+
+
+def _knobs(values: dict) -> Knobs:
+    return Knobs(**values)
+
+
+def _known(names) -> dict:
+    """The registry (``lab.engine.knob_registry.KNOBS``, read at each call: a test may swap in a scratch copy), once
+    every name in ``names`` is checked to be a knob of it."""
+    registry = knob_registry.KNOBS
+    unknown = sorted(set(names) - set(registry))
+    if unknown:
+        raise TypeError(f"unknown knob(s) {', '.join(unknown)}; valid knobs: {', '.join(registry)}")
+    return registry
 
 
 MODEL_DEFAULT = "model default"
@@ -446,41 +299,6 @@ def plain_scalar(value):
     if isinstance(value, np.generic) and isinstance(value, (np.integer, np.floating, np.bool_)):
         return value.item()
     return value
-
-
-def normalize_adapters(adapters) -> tuple[str, ...]:
-    """A tuple of adapter folder paths (``None`` = none); a bare string is one folder."""
-    if adapters is None:
-        return ()
-    if isinstance(adapters, (str, os.PathLike)):
-        adapters = [adapters]
-    if not isinstance(adapters, (list, tuple)):
-        raise TypeError(f"adapters must be a list of PEFT LoRA folders, got {type(adapters).__name__}")
-    for a in adapters:
-        if not isinstance(a, (str, os.PathLike)):
-            raise TypeError(f"adapters must be folder paths (str or os.PathLike), got {type(a).__name__} ({a!r})")
-    return tuple(os.fspath(a) for a in adapters)
-
-
-def normalize_dtype(dtype) -> str:
-    """Canonical dtype name; accepts ``torch.dtype`` objects and short aliases (bf16, fp32, ...)."""
-    if isinstance(dtype, torch.dtype):
-        for name, d in DTYPES.items():
-            if d == dtype:
-                return name
-    if isinstance(dtype, str):
-        dtype = DTYPE_ALIASES.get(dtype, dtype)
-        if dtype == "auto" or dtype in DTYPES:
-            return dtype
-    raise ValueError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(DTYPES)}")
-
-
-def normalize_device(device) -> str:
-    if isinstance(device, torch.device):
-        device = str(device)
-    if isinstance(device, str) and (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
-        return device
-    raise ValueError(f"unknown device {device!r}; valid: auto, cpu, cuda, cuda:N")
 
 
 def resolve_device(device: str) -> torch.device:

@@ -241,11 +241,9 @@ def knobs_set(engine) -> dict[str, Any]:
     run a variant rather than the plain run. ``layer`` naming the last layer (``-1``, its number) and an empty
     ``adapters`` list run as the defaults do and are not counted; scheduling knobs (``SCHEDULING_KNOBS``) and the
     model's ``revision`` (``IDENTITY_KNOBS``) never are."""
-    from dataclasses import asdict
-
     from lab.engine.knobs import Knobs
 
-    defaults = asdict(Knobs())
+    defaults = dict(Knobs())
     out = {}
     for key, value in dict(engine.knobs).items():
         if key in SCHEDULING_KNOBS or key in IDENTITY_KNOBS:

@@ -18,8 +18,8 @@ import html
 import ipywidgets as widgets
 import numpy as np
 
-from lab.engine.knobs import DTYPES
-from lab.outputs.pooling import knob_values as pooling_values
+from lab.engine import knob_registry
+from lab.engine.knob_registry import Knob
 
 DEFAULT_SENTENCES = (
     "A man is playing a guitar.\n"
@@ -34,38 +34,20 @@ _LAYOUT = widgets.Layout(width="420px")
 
 
 class KnobPanel(widgets.VBox):
-    """The panel widget. Attributes: ``pooling``, ``bidirectional``, ``chunked_prefill``, ``max_batch_tokens``,
-    ``dtype``, ``instruction``, ``sentences``, ``run_button`` (inputs); ``error``, ``stats_view``, ``resolved_view``,
-    ``plot`` (outputs); ``engine``, ``embeddings``, ``similarity``, ``figure`` (the last run's results)."""
+    """The panel widget. Attributes: one widget per knob the registry gives a panel widget
+    (``lab.engine.knob_registry.KNOBS``: ``pooling``, ``bidirectional``, ``chunked_prefill``, ``max_batch_tokens``,
+    ``dtype``, ``instruction``, and any knob ``register`` added with one), ``sentences``, ``run_button`` (inputs);
+    ``error``, ``stats_view``, ``resolved_view``, ``plot`` (outputs); ``engine``, ``embeddings``, ``similarity``,
+    ``figure`` (the last run's results)."""
 
     def __init__(self, engine):
         self.engine = engine
         self.embeddings: np.ndarray | None = None
         self.similarity: np.ndarray | None = None
         self.figure = None
-        k = engine.knobs
-        self._default_causal = bool(engine.model.default_causal)
-
-        self.pooling = widgets.Dropdown(
-            options=[(f"model default ({engine.resolved.pooling})" if k["pooling"] is None else "model default", None)]
-            + [(p, p) for p in pooling_values()],
-            value=k["pooling"], description="pooling", style=_STYLE, layout=_LAYOUT,
-        )
-        self.bidirectional = widgets.Checkbox(value=not engine.resolved.causal, description="bidirectional attention",
-                                              style=_STYLE, layout=_LAYOUT, indent=True)
-        self.chunked_prefill = widgets.BoundedIntText(
-            value=k["chunked_prefill"] or 0, min=0, max=1 << 20, step=64,
-            description="chunked prefill", tooltip="tokens per chunk, 0 = off (causal only)", style=_STYLE,
-            layout=_LAYOUT,
-        )
-        self.max_batch_tokens = widgets.BoundedIntText(
-            value=k["max_batch_tokens"], min=1, max=1 << 24, step=1024, description="batch token budget",
-            style=_STYLE, layout=_LAYOUT,
-        )
-        self.dtype = widgets.Dropdown(options=["auto", *DTYPES], value=k["dtype"], description="dtype",
-                                      style=_STYLE, layout=_LAYOUT)
-        self.instruction = widgets.Text(value=k["instruction"] or "", placeholder="none (attended, not pooled)",
-                                        description="instruction", style=_STYLE, layout=_LAYOUT)
+        self._knobs = [k for k in knob_registry.KNOBS.values() if k.widget is not None]
+        for knob in self._knobs:
+            setattr(self, knob.name, _knob_widget(knob, engine))
         self.sentences = widgets.Textarea(value=DEFAULT_SENTENCES, description="sentences (one a line)",
                                           style=_STYLE, layout=widgets.Layout(width="620px", height="140px"))
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
@@ -74,11 +56,10 @@ class KnobPanel(widgets.VBox):
         self.resolved_view = widgets.HTML(value=_resolved_html(engine))
         self.plot = widgets.Output()
 
-        for name in ("pooling", "bidirectional", "chunked_prefill", "max_batch_tokens", "dtype", "instruction",
-                     "sentences", "run_button", "error", "stats_view", "resolved_view", "plot"):
+        for name in (*(k.name for k in self._knobs), "sentences", "run_button", "error", "stats_view",
+                     "resolved_view", "plot"):
             getattr(self, name).add_class(f"lab-panel-{name.replace('_', '-')}")  # stable selectors in a browser
-        self._knob_widgets = (self.pooling, self.bidirectional, self.chunked_prefill, self.max_batch_tokens,
-                              self.dtype, self.instruction)
+        self._knob_widgets = tuple(getattr(self, k.name) for k in self._knobs)
         for w in self._knob_widgets:
             w.observe(self._on_knob_change, names="value")
         self.run_button.on_click(self._on_run)
@@ -99,16 +80,7 @@ class KnobPanel(widgets.VBox):
     # --------------------------------------------------------------------------------------------- knobs
     def knob_values(self) -> dict:
         """The knobs the widgets ask for, in ``configure``'s terms (model defaults stay ``None``)."""
-        bidirectional = bool(self.bidirectional.value)
-        return {
-            "pooling": self.pooling.value,
-            # the model's own attention stays None (the default), so the knob table still says "model default"
-            "bidirectional": None if bidirectional == (not self._default_causal) else bidirectional,
-            "chunked_prefill": int(self.chunked_prefill.value) or None,
-            "max_batch_tokens": int(self.max_batch_tokens.value),
-            "dtype": self.dtype.value,
-            "instruction": self.instruction.value.strip() or None,
-        }
+        return {k.name: _knob_value(k, getattr(self, k.name).value, self.engine) for k in self._knobs}
 
     def apply(self) -> bool:
         """Configure the engine from the widgets; on error show the message (nothing changes) and return False."""
@@ -170,6 +142,47 @@ class KnobPanel(widgets.VBox):
 def build_panel(engine) -> KnobPanel:
     """The knob panel over ``engine`` (what ``Engine.panel()`` returns)."""
     return KnobPanel(engine)
+
+
+def _shown_default(knob: Knob, engine):
+    """What a knob left at ``None`` runs as, in its widget's terms (``Widget.shows``, negated when ``invert``)."""
+    w = knob.widget
+    value = engine.resolved.defaults.get(w.shows, engine.resolved[w.shows]) if w.shows else None
+    return (not value) if w.invert else value
+
+
+def _knob_widget(knob: Knob, engine) -> widgets.Widget:
+    """The widget of ``knob`` (its ``lab.engine.knob_registry.Widget``), showing the engine's value."""
+    w, value = knob.widget, engine.knobs.get(knob.name, knob.default)
+    common = {"description": w.label, "style": _STYLE, "layout": _LAYOUT}
+    if w.kind == "dropdown":
+        options = [(str(v), v) for v in w.options()]
+        if knob.default is None:  # the model's own value first, named with what it resolves to
+            shown = f"model default ({engine.resolved[w.shows]})" if value is None and w.shows else "model default"
+            options.insert(0, (shown, None))
+        return widgets.Dropdown(options=options, value=value, **common)
+    if w.kind == "checkbox":
+        if value is None:
+            value = (not engine.resolved[w.shows]) if w.invert else engine.resolved[w.shows]
+        return widgets.Checkbox(value=bool(value), indent=True, **common)
+    if w.kind == "int":
+        return widgets.BoundedIntText(value=(value or 0) if w.zero_is_none else value, min=w.minimum, max=w.maximum,
+                                      step=w.step, tooltip=w.tooltip, **common)
+    return widgets.Text(value=value or "", placeholder=w.placeholder, **common)
+
+
+def _knob_value(knob: Knob, shown, engine):
+    """The knob value a widget showing ``shown`` asks for (``None`` where it shows the model's own)."""
+    w = knob.widget
+    if w.kind == "checkbox":
+        shown = bool(shown)
+        # the model's own value stays None (the default), so the resolved view still says "model default"
+        return None if knob.default is None and shown == _shown_default(knob, engine) else shown
+    if w.kind == "int":
+        return (int(shown) or None) if w.zero_is_none else int(shown)
+    if w.kind == "text":
+        return shown.strip() or None
+    return shown
 
 
 def _table(rows: dict) -> str:

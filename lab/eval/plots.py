@@ -43,13 +43,11 @@ def _require(df: pd.DataFrame, columns: Sequence[str], what: str) -> None:
 
 
 def _varying(df: pd.DataFrame, exclude: Sequence[str] = ()) -> list[str]:
-    """Engine knob columns (``lab.engine.knobs.Knobs`` fields) whose value differs between rows: they name the series.
-    Other columns (derived ratios, bucket names, ...) never split a line."""
-    from dataclasses import fields
+    """Engine knob columns (``lab.engine.knob_registry.KNOBS``) whose value differs between rows: they name the
+    series. Other columns (derived ratios, bucket names, ...) never split a line."""
+    from lab.engine.knob_registry import KNOBS
 
-    from lab.engine.knobs import Knobs
-
-    knobs = [f.name for f in fields(Knobs) if f.name in df.columns and f.name not in exclude]
+    knobs = [name for name in KNOBS if name in df.columns and name not in exclude]
     return [c for c in knobs if df[c].map(str).nunique() > 1]
 
 
