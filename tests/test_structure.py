@@ -9,8 +9,8 @@
 - models are not probed with ``hasattr`` / ``getattr`` outside ``lab/models`` (the ``PackedModel`` contract says
   what a model has);
 - ``kernels/`` imports nothing from ``lab`` but itself (installed as ``lab.kernels``);
-- no module of ``lab/`` or ``kernels/`` and no evals/ script past 600 lines (split it by concern); lab/ imports
-  nothing from evals/;
+- no module of ``lab/`` or ``kernels/`` and no evals/ script past 600 lines (split it by concern), the Engine facade
+  under 450; lab/ imports nothing from evals/;
 - ``kernels/`` defines none of the product's vocabulary (the names users choose from: pooling knob values past the
   kernels' own reductions, output kinds, score modes, instruction rules, long-input modes); lab's registries do
   (this one check imports them).
@@ -260,6 +260,13 @@ def test_evals_scripts_stay_under_600_lines(path):
 def test_modules_stay_small(path):
     n = len(path.read_text(encoding="utf-8").splitlines())
     assert n <= 600, f"{path.relative_to(ROOT)} has {n} lines; past 600 a module holds two concerns: split it"
+
+
+def test_the_engine_is_a_thin_face():
+    """``Engine`` reads like the README's tour: the work lives in the modules it calls (knobs, passes, live
+    settings, adapters, windows, rerank, st_encode)."""
+    n = len((LAB / "engine" / "engine.py").read_text(encoding="utf-8").splitlines())
+    assert n < 450, f"lab/engine/engine.py has {n} lines; move what is not the facade into its own module"
 
 
 def module_strings(path: Path) -> set[str]:

@@ -20,8 +20,6 @@ adapters in force and llm2vec's reading of the folders are ``lab.engine.adapter_
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import os
 
 import numpy as np
@@ -36,22 +34,14 @@ from lab.engine.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.engine.executor import Executor
 from lab.engine.gate import Gate
 from lab.engine.inputs import Request, check_inputs, check_texts
-from lab.engine.knob_registry import KNOBS, knob_docs
-from lab.engine.knobs import (
-    Knobs,
-    ModelFacts,
-    Resolved,
-    check_for_model,
-    resolve,
-    resolve_device,
-    resolve_dtype,
-)
+from lab.engine.knob_registry import knob_docs, knob_signature
+from lab.engine.knobs import Knobs, ModelFacts, Resolved, resolve, resolve_device, resolve_dtype
+from lab.engine.live import LiveState, gated_call, gated_change
 from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
 from lab.models import hub
 from lab.models.build import build_model
 from lab.models.folder import load_tokenizer, read_folder
 from lab.models.spec import ModelSpec
-from lab.ops.attention import resolve_backend
 from lab.ops.probes import check_forced
 from lab.outputs import multivector
 from lab.outputs.quantize import quantize_output
@@ -63,32 +53,6 @@ from lab.runtime.runner import Runner
 __all__ = ["Engine", "Stats"]
 
 _UNSET = object()
-
-
-def _call(method):
-    """A public call: enters the engine's gate as a call (``lab.engine.gate``: one at a time, never while a
-    ``configure`` runs), after repairing an interrupted ``configure`` alone."""
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        if self._dirty:
-            with self._gate.change():
-                self._repair()
-        with self._gate.call():
-            return method(self, *args, **kwargs)
-
-    return call
-
-
-def _change(method):
-    """A change of the engine (``configure``): enters the gate alone, once the other threads' calls finished."""
-
-    @functools.wraps(method)
-    def change(self, *args, **kwargs):
-        with self._gate.change():
-            return method(self, *args, **kwargs)
-
-    return change
 
 
 class Engine:
@@ -107,18 +71,14 @@ class Engine:
             (``lab.adapt.adapters.resolve_base``: absolute, relative to the adapter folder or the current directory,
             or a hub id): that base loads, the adapter first in ``adapters``. ``llm2vec_config.json`` in the model
             folder or an adapter folder sets knob defaults (``resolved.defaults``).
-        tune_allocator: on a CPU device, apply ``lab.runtime.allocator``'s glibc malloc settings to the whole
-            process: large freed activations stay in the heap, so packed steps stop page-faulting on fresh memory,
-            but the process keeps its peak heap until it exits and the settings cannot be undone. ``None`` (the
-            default): ``LAB_MALLOC_TUNING=1`` turns it on, ``0`` or unset leaves glibc's defaults. Fixed at load, not
-            a knob; ``resolved["malloc_tuning"]`` says whether the settings are in effect in this process.
-        cpu_paths: CPU fast-path choices forced for this engine alone, name -> choice (e.g. ``{"f32_gemm":
-            "onednn"}``; ``lab.ops.probes.CANDIDATES`` lists them); the others are probed on this machine. Fixed
-            for the engine's life.
-        compile: the packed forward through ``torch.compile`` (``lab.runtime.compiled``): ``True`` for every step
-            it takes, ``False`` never, ``None`` (the default) where a call's eager time would pay the compile back
-            and the compiled forward measured faster on this machine (``lab.runtime.planner.forward_choice``; the
-            choice is ``cpu_paths["forward"]``). Fixed for the engine's life.
+        tune_allocator: on CPU, apply ``lab.runtime.allocator``'s glibc malloc settings to the whole process, for good
+            (freed activations stay in the heap: no page faults, but the peak heap is kept); ``None``: as
+            ``LAB_MALLOC_TUNING`` says. ``resolved.malloc_tuning`` says whether they are in effect.
+        cpu_paths: CPU fast-path choices forced for this engine alone, name -> choice (``{"f32_gemm": "onednn"}``;
+            ``lab.ops.probes.CANDIDATES``); the others are probed on this machine.
+        compile: the packed forward through ``torch.compile`` (``lab.runtime.compiled``): always, never, or (``None``)
+            where it pays back and measures faster here (``lab.runtime.planner.forward_choice``).
+        These three are fixed for the engine's life.
 
     Every other argument is a knob (``lab.engine.knob_registry.KNOBS``, listed below, in the signature and in the
     README's knob table).
@@ -131,42 +91,35 @@ class Engine:
     def __init__(self, model: str, *, cpu_paths: dict[str, str] | None = None, tune_allocator: bool | None = None,
                  compile: bool | None = None, **knobs):
         tune = allocator.malloc_tuning_requested(tune_allocator)  # a bad LAB_MALLOC_TUNING fails before anything loads
-        self._knobs = Knobs().replace(**knobs)  # an unknown knob or a bad value is named before anything loads
+        k = Knobs().replace(**knobs)  # an unknown knob or a bad value is named before anything loads
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a local model folder or a hub id ('org/name'), got {type(model).__name__}")
-        self._source = hub.resolve(model, self._knobs.revision)  # a hub id: its snapshot folder, fetched if need be
+        self._source = hub.resolve(model, k.revision)  # a hub id: its snapshot folder, fetched if need be
         by_id = not os.path.exists(os.path.expanduser(os.fspath(model)))  # named by hub id, not by path
         folder = str(self._source.folder)  # as given: llm2vec's base argument (lab.engine.llm2vec)
-        model, adapters = split_adapter_model(folder, self._knobs.adapters)  # an adapter-only folder: its base
-        auto = adapters[: len(adapters) - len(self._knobs.adapters)]  # the adapters that came with the folder
-        self._knobs = self._knobs.replace(adapters=adapters)
+        model, adapters = split_adapter_model(folder, k.adapters)  # an adapter-only folder: its base
+        auto = adapters[: len(adapters) - len(k.adapters)]  # the adapters that came with the folder
+        k = k.replace(adapters=adapters)
         self.model_path = str(model)
         self.spec: ModelSpec = read_folder(model)
-        self.device = resolve_device(self._knobs.device)
+        self.device = resolve_device(k.device)
         forced = check_forced(cpu_paths)  # before anything loads: a bad name or choice changes nothing
         check_compile(compile, forced)
         if tune and self.device.type == "cpu":
             allocator.tune_cpu_allocator()
         self.tokenizer = load_tokenizer(self.spec)
-        dtype = resolve_dtype(self._knobs.dtype, self.device)
+        dtype = resolve_dtype(k.dtype, self.device)
         self.model = build_model(self.spec, self.device, dtype, forced)
         self._facts = ModelFacts.of(self.model, self.tokenizer, self.spec)  # what the knobs resolve against
         self.runner = Runner(self.model, device=self.device, dtype=dtype, cpu_paths=forced, compile=compile)
         self.executor = Executor(self.runner)
         self._gate = Gate()  # one call at a time, configure between calls (lab.engine.gate)
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
-        self._dirty = False  # a configure was interrupted while swapping weights (``_repair``)
         self._adapters = AdapterState(folder, auto=auto, repo_id=self._source.repo_id if by_id else None,
                                       decoder=self.is_decoder, base=self.model_path,
                                       architecture=self.spec.architecture)
-        if self._knobs.adapters:
-            merging, merged = self._merge_adapters(self._knobs.adapters)
-            self.runner.weights.set_merged(merged)
-            self._adapters.use(merging)
-        self._check_for_model(self._knobs)
+        self._live = LiveState(k, self.runner, self._adapters, self._facts, self.device)  # knobs, weights, plan
         self.stats = Stats()
-        self._backend = resolve_backend(self._knobs.attention_backend, self.device)
-        self.runner.plan_cpu_paths(self._workers)
         llm2vec.notice(self.model_name, self.llm2vec, self.resolved)
 
     # ------------------------------------------------------------------------------------------------- knobs
@@ -177,30 +130,23 @@ class Engine:
 
     @property
     def resolved(self) -> Resolved:
-        """The knob values that run (``lab.engine.knobs.resolve``: a frozen ``Resolved``, also a read-only mapping),
-        with where each value the model decides came from (``resolved.sources``: ``"user"``, ``"llm2vec_config.json
-        in <folder>"``, ``"llm2vec default"``, ``"sentence-transformers Pooling"``, ``"sentence-transformers
-        config"``, ``"model default"``) and what the model and its adapters set the knobs left at ``None`` to
-        (``resolved.defaults``); ``malloc_tuning``: whether ``lab.runtime.allocator``'s process-wide settings are in
-        effect (``tune_allocator``)."""
+        """What the knobs come to on this model (``lab.engine.knobs.resolve``: a frozen ``Resolved``; ``sources``
+        says where each value the model decides came from, ``defaults`` the model's own), with the runtime's dtype,
+        device, backend, workers, adapters, CPU paths and ``malloc_tuning``."""
         return resolve(self._knobs, self._facts, self.llm2vec, {
             "dtype": str(self.runner.dtype).removeprefix("torch."), "device": str(self.device),
-            "attention_backend": self._backend, "cpu_workers": self._workers, "adapters": self.adapter_names,
+            "attention_backend": self._live.backend, "cpu_workers": self._live.workers, "adapters": self.adapter_names,
             "cpu_paths": self.cpu_paths, "malloc_tuning": allocator.in_effect(), "instruction": self._instruction()})
 
     @property
-    def _workers(self) -> int:
-        """The CPU workers a packed step is shared among under the knobs in force (``Runner.cpu_workers``)."""
-        return self.runner.cpu_workers(self._knobs.cpu_workers, self._backend)
+    def _knobs(self) -> Knobs:
+        return self._live.knobs
 
     @property
     def cpu_paths(self) -> dict[str, str]:
-        """The CPU fast paths in force, decided by short probes on this machine (``lab.ops.probes``): name ->
-        choice, e.g. ``{"rope_layout": "pairs", "bf16_gemm": "native"}``; ``{}`` off the CPU.
-        They belong to this engine: ``Engine(..., cpu_paths={"f32_gemm": "onednn"})`` forces choices for it alone
-        (``lab.ops.probes.CANDIDATES`` lists the names and choices), ``LAB_CPU_<NAME>`` for every engine made while
-        it is set; ``runner.decisions`` says how each was made and ``lab.ops.probes.decisions()`` has the timings.
-        ``forward`` (``eager`` / ``compiled``, the ``compile`` argument) appears once a call has decided it."""
+        """This engine's CPU fast paths, name -> choice (``{"rope_layout": "pairs", ...}``; ``{}`` off the CPU), probed
+        on this machine or forced (``cpu_paths=``, ``LAB_CPU_<NAME>``); ``runner.decisions`` says how each was made.
+        ``forward`` (``eager`` / ``compiled``) appears once a call has decided it."""
         return {**self.model.layout, **{d.name: d.choice for d in self.runner.decisions}}
 
     @property
@@ -214,69 +160,20 @@ class Engine:
         differ. MTEB results are cached apart by these."""
         return self._adapters.ids
 
-    def _merge_adapters(self, paths: tuple[str, ...]):
-        """``(adapters, merged weights)`` of ``paths`` over the base weights, swapping nothing in
-        (``lab.engine.adapter_state``)."""
-        return self._adapters.merge(paths, self.model, self.runner.weights.base)
-
-    @_change
+    @gated_change
     def configure(self, **knobs) -> Engine:
-        """Change knobs live (no weight reload; ``dtype`` re-casts from the master copy, ``adapters`` re-merge
-        onto it when the list changes). Returns ``self``.
-
-        Raises ``ValueError``/``TypeError`` naming the knob and its valid values; on error nothing changes.
-        """
-        self._repair()
-        new = self.validate(**knobs)
-        backend = resolve_backend(new.attention_backend, self.device)
-        adapters = None
-        if new.adapters != self._knobs.adapters:  # computed before anything is swapped: an error changes nothing
-            adapters, merged = self._merge_adapters(new.adapters)
-        dtype = resolve_dtype(new.dtype, self.device)
-        workers = self.runner.cpu_workers(new.cpu_workers, backend)
-        replan = dtype != self.runner.dtype or workers != self._workers
-        self._dirty = True  # from here to the end, an interrupt is repaired by the next call (``_repair``)
-        if adapters is not None:
-            self.runner.weights.set_merged(merged)
-            self._adapters.use(adapters)
-        self.runner.weights.set_dtype(dtype)
-        self._knobs, self._backend = new, backend
-        if replan:
-            self.runner.plan_cpu_paths(workers)
-        self._dirty = False
+        """Change knobs live (no weight reload; ``dtype`` re-casts from the master copy, ``adapters`` re-merge onto
+        it); ``self``. A bad value raises ``ValueError`` / ``TypeError`` naming it and changes nothing
+        (``lab.engine.live``)."""
+        self._live.repair()
+        self._live.change(self.validate(**knobs))
         return self
-
-    def _repair(self) -> None:
-        """After a ``configure`` interrupted while it swapped weights: make the merged adapters, the weights' dtype
-        and the CPU plan agree with the knobs in force (the old ones, or the new ones if it got that far)."""
-        if not self._dirty:
-            return
-        k = self._knobs
-        adapters, merged = self._merge_adapters(k.adapters) if k.adapters else ([], {})
-        self.runner.weights.set_merged(merged)
-        self._adapters.use(adapters)
-        self.runner.weights.set_dtype(resolve_dtype(k.dtype, self.device), force=True)  # every weight from its source
-        self.runner.plan_cpu_paths(self._workers)
-        self._dirty = False
 
     def validate(self, **knobs) -> Knobs:
         """Check a knob change without applying it (``configure`` runs the same checks first): the new knob values,
         or ``ValueError``/``TypeError`` naming the knob, the value and the valid range. Sweeps call it on every
         variant before running any (``lab.evaluate``)."""
-        if "device" in knobs and knobs["device"] != self._knobs.device:
-            raise ValueError("device cannot change live (it moves every weight); create a new Engine instead")
-        if "revision" in knobs and knobs["revision"] != self._knobs.revision:
-            raise ValueError("revision cannot change live (it is another snapshot of the weights); create a new "
-                             f"Engine instead: Engine({self.model_name!r}, revision={knobs['revision']!r})")
-        new = self._knobs.replace(**knobs)
-        self._check_for_model(new)
-        resolve_backend(new.attention_backend, self.device)
-        resolve_dtype(new.dtype, self.device)
-        return new
-
-    def _check_for_model(self, k: Knobs) -> None:
-        """The knob values that depend on this model (sizes, layers, attention), checked by ``lab.engine.knobs``."""
-        check_for_model(k, self._facts, resolve(k, self._facts, self._adapters.layout(k.adapters)).causal)
+        return self._live.validate(knobs, self.model_name)
 
     @property
     def num_layers(self) -> int | None:
@@ -323,30 +220,17 @@ class Engine:
 
     def __repr__(self) -> str:
         r = self.resolved
-        layer = "" if r["layer"] == self.model.num_layers else f"layer={r['layer']}, "
-        adapters = f"adapters={r['adapters']}, " if r["adapters"] else ""
-        return (
-            f"Engine({self.model_name!r}, revision={self.revision[:12]!r}, {self.spec.architecture}, "
-            f"pooling={r['pooling']}, "
-            f"causal={r['causal']}, normalize={r['normalize']}, {layer}{adapters}dtype={r['dtype']}, "
-            f"device={r['device']})"
-        )
+        layer = "" if r.layer == self.model.num_layers else f"layer={r.layer}, "
+        adapters = f"adapters={r.adapters}, " if r.adapters else ""
+        return (f"Engine({self.model_name!r}, revision={self.revision[:12]!r}, {self.spec.architecture}, pooling="
+                f"{r.pooling}, causal={r.causal}, normalize={r.normalize}, {layer}{adapters}dtype={r.dtype}, "
+                f"device={r.device})")
 
     # ------------------------------------------------------------------------------------------------- embed
     def _instruction(self, instruction=_UNSET, prompt_name: str | None = None) -> str | None:
-        """The call's instruction: ``prompt_name``'s prompt, else ``instruction``, else the knob, else the model's
-        default prompt (``default_prompt_name``), as sentence-transformers resolves prompts."""
-        if prompt_name is not None:
-            if instruction is not _UNSET:
-                raise ValueError("pass either instruction= (the text) or prompt_name= (a key of the model's "
-                                 "prompts), not both")
-            return st_compat.resolve_prompt(self.spec.prompts, None, None, prompt_name)
-        instr = self._knobs.instruction if instruction is _UNSET else instruction
-        if instr is not None and not isinstance(instr, str):
-            raise TypeError(f"instruction must be a string or None, got {type(instr).__name__}")
-        if instr is None and instruction is _UNSET:
-            return st_compat.resolve_prompt(self.spec.prompts, self.spec.default_prompt_name, None, None)
-        return instr
+        """The call's instruction (``lab.engine.st_encode.call_instruction``)."""
+        return st_compat.call_instruction(self.spec, self._knobs.instruction, instruction, prompt_name,
+                                          given=instruction is not _UNSET)
 
     @property
     def prompts(self) -> dict[str, str]:
@@ -361,7 +245,7 @@ class Engine:
         limit = r.doc_max_length
         return llm2vec.cut_documents(self.tokenizer, texts, r.max_length, limit) if limit and texts else texts
 
-    @_call
+    @gated_call
     def tokenize(self, texts: list[str], *, instruction=_UNSET, prompt_name: str | None = None) -> list[Request]:
         """The requests ``embed(texts, instruction=...)`` runs: token ids after truncation, ``pool_start`` (the
         instruction's tokens, attended to but not pooled) and whether each input was cut."""
@@ -381,7 +265,7 @@ class Engine:
         return build.embed_pass(self, texts, instruction, pooling, head=head, include=include, output=output,
                                 task=task, instructions=instructions)
 
-    @_call
+    @gated_call
     def embed(self, texts: list[str], *, output="dense", instruction=_UNSET, prompt_name: str | None = None,
               precision: str = "float32", show_progress: bool | None = None):
         """Embed ``texts``, in input order. ``output`` (``lab.outputs.kinds``):
@@ -409,21 +293,16 @@ class Engine:
         build.check_embed(len(texts), output, precision, self._knobs.long_inputs,
                           per_item_instructions=instructions is not None)
         instruction = self._instruction(instruction, prompt_name)
-        if self._knobs.long_inputs == "chunk":
-            out = self._embed_split(texts, instruction, show_progress)
+        if self._knobs.long_inputs == "chunk":  # windows pooled, averaged per input, then the head
+            dense = windows.dense_pass(self, texts, instruction)
+            out = dense.finish(self.run_passes([dense.run], "embed", show_progress, split=dense.split)[0])
         else:
             p = self.embed_pass(texts, instruction, output=output, task=multivector.task_of(prompt_name),
                                 instructions=instructions)
             out = self.run_passes([p], "embed", show_progress)[0]
         return quantize_output(out, precision)
 
-    def _embed_split(self, texts: list[str], instruction: str | None, show_progress: bool | None) -> np.ndarray:
-        """``embed`` under ``long_inputs="chunk"``: inputs past ``max_length`` become windows, pooled, averaged per
-        input, then the embedding head (``lab.engine.windows.dense_pass``)."""
-        dense = windows.dense_pass(self, texts, instruction)
-        return dense.finish(self.run_passes([dense.run], "embed", show_progress, split=dense.split)[0])
-
-    @_call
+    @gated_call
     def embed_chunks(self, docs: list[str], chunk_tokens: int = 128, *, late: bool = True, overlap: int | None = None,
                      instruction=_UNSET, show_progress: bool | None = None):
         """Late chunking: ``(embeddings (M, dim) float32, chunks)``, ``chunks`` a DataFrame with ``doc, chunk,
@@ -439,7 +318,7 @@ class Engine:
         return windows.embed_chunks(self, check_texts(docs, "docs"), chunk_tokens, late=late, overlap=overlap,
                                     instruction=self._instruction(instruction), show_progress=show_progress)
 
-    @_call
+    @gated_call
     def encode(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,
                show_progress_bar: bool | None = None, output_value=st_compat.MODEL_DEFAULT,
                precision: str = "float32", convert_to_numpy: bool | None = None, convert_to_tensor: bool = False,
@@ -456,14 +335,14 @@ class Engine:
             args["sentences"] = kwargs.pop("inputs")
         return st_compat.encode(self, kwargs=kwargs, **args)
 
-    @_call
+    @gated_call
     def encode_query(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
         """``encode`` with the model's ``query`` prompt (unless another is given, or the ``instruction`` knob is set:
         then the knob), as sentence-transformers (``lab.engine.st_encode``)."""
         name = st_compat.query_prompt_name(self, prompt, prompt_name)
         return self.encode(sentences, prompt_name=name, prompt=prompt, **st_compat.task_kw(self.spec, "query", kwargs))
 
-    @_call
+    @gated_call
     def encode_document(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
         """``encode`` with the model's ``document`` / ``passage`` / ``corpus`` prompt (the first it has, unless
         another is given), as sentence-transformers; the ``instruction`` knob is the query side's and does not apply
@@ -476,19 +355,19 @@ class Engine:
     def _settings(self, items: int = 0) -> ExecSettings:
         k = self._knobs
         r = self.resolved
-        return ExecSettings(causal=r.causal, backend=self._backend, workers=self._workers, num_layers=r.layer,
+        return ExecSettings(causal=r.causal, backend=r.attention_backend, workers=r.cpu_workers, num_layers=r.layer,
                             max_batch_tokens=k.max_batch_tokens, max_num_seqs=k.max_num_seqs,
                             chunked_prefill=k.chunked_prefill, prefix_cache=k.prefix_cache, items=items)
 
-    @_call
+    @gated_call
     def run_passes(self, passes: list[Pass], desc: str, show_progress: bool | None = None, *, split: int = 0) -> list:
         """Run ``passes`` in one call: each pass's outputs in its input order (``desc``: the progress bar's label;
         ``split``: the inputs cut into windows, for ``stats.split``). ``stats`` are published only when every pass
         finished (a failed or interrupted call leaves the engine, its stats included, as it was)."""
         settings = self._settings(sum(len(p.items) for p in passes))
         stats = Stats(path="packed" if self.model.packed else "transformers-fallback (padded)",
-                      backend=self._backend, adapters=tuple(self.adapter_names), split=split, model=self.model_name,
-                      revision=self.revision)
+                      backend=self._live.backend, adapters=tuple(self.adapter_names), split=split,
+                      model=self.model_name, revision=self.revision)
         results = []
         with Call(stats, total=sum(len(p.items) for p in passes), desc=desc, show_progress=show_progress,
                   warned=self._warned_lengths, max_length=self.resolved.max_length) as call, torch.inference_mode():
@@ -523,7 +402,7 @@ class Engine:
         """How ``score`` / ``rerank`` score by default: ``cross-encoder``, ``llm`` or ``bi-encoder``."""
         return rerank.default_mode(self)
 
-    @_call
+    @gated_call
     def score(self, pairs, *, mode: str | None = None, activation: str | None = "default", instruction=_UNSET,
               prompt=None, similarity: str = "cosine", show_progress: bool | None = None) -> np.ndarray:
         """Scores of ``(query, document)`` pairs, in input order: ``(N,)`` float32, ``(N, num_labels)`` for a
@@ -537,7 +416,7 @@ class Engine:
             instruction), prompt=prompt, similarity=similarity)
         return job.combine(self.run_passes(job.passes, "score", show_progress, split=job.split))
 
-    @_call
+    @gated_call
     def rerank(self, query: str, documents: list[str], *, top_k: int | None = None, **score_kwargs):
         """``documents`` sorted best first for ``query``: a pandas DataFrame with ``rank``, ``index`` (into
         ``documents``), ``score``, ``document``; ``top_k`` keeps the best k. ``score_kwargs`` as in ``score``."""
@@ -549,16 +428,6 @@ class Engine:
         return cosine_matrix(a, b)
 
 
-def _signature() -> inspect.Signature:
-    """``Engine.__init__``'s signature as help and IDEs show it: ``model``, every registered knob (keyword, with its
-    default and type; ``lab.engine.knob_registry.KNOBS``), then the load-time arguments."""
-    own = inspect.signature(Engine.__init__).parameters
-    knobs = [inspect.Parameter(k.name, inspect.Parameter.KEYWORD_ONLY, default=k.default, annotation=k.type)
-             for k in KNOBS.values()]
-    return inspect.Signature([own["self"], own["model"], *knobs, own["cpu_paths"], own["tune_allocator"],
-                              own["compile"]])
-
-
-Engine.__init__.__signature__ = _signature()
+Engine.__init__.__signature__ = knob_signature(Engine.__init__, after="model")  # every knob, for help and IDEs
 if Engine.__doc__:  # the knobs' help from their one table (lab.engine.knob_registry.KNOBS); absent under python -OO
     Engine.__doc__ = f"{Engine.__doc__.rstrip()}\n\n    Knobs:\n{knob_docs()}\n"

@@ -13,6 +13,7 @@ the docs table then take it. What the knob does is the code that reads ``eng.kno
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,6 +98,17 @@ def knob_docs(indent: str = "        ") -> str:
 
     return "\n".join(textwrap.fill(f"{k.name}: {k.doc}", 119, initial_indent=indent, subsequent_indent=indent + "    ",
                                    break_on_hyphens=False) for k in KNOBS.values())
+
+
+def knob_signature(function, *, after: str) -> inspect.Signature:
+    """``function``'s signature with its ``**knobs`` replaced by every knob of ``KNOBS`` (keyword-only, with its
+    default and type) right after its parameter ``after``: what ``help`` and IDEs show for ``Engine``."""
+    own = list(inspect.signature(function).parameters.values())
+    knobs = [inspect.Parameter(k.name, inspect.Parameter.KEYWORD_ONLY, default=k.default, annotation=k.type)
+             for k in KNOBS.values()]
+    at = [p.name for p in own].index(after) + 1
+    rest = [p for p in own[at:] if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return inspect.Signature([*own[:at], *knobs, *rest])
 
 
 # ------------------------------------------------------------------------------------------------------- checks

@@ -82,6 +82,24 @@ def resolve_prompt(prompts: dict[str, str], default_name: str | None, prompt: st
     return prompts.get(default_name) if default_name is not None else None
 
 
+def call_instruction(spec, knob: str | None, instruction, prompt_name: str | None, *, given: bool) -> str | None:
+    """The instruction an ``embed`` / ``score`` / ``tokenize`` call runs with (``Engine``'s ``instruction=`` /
+    ``prompt_name=``; ``given``: whether the call passed ``instruction``): ``prompt_name``'s prompt, else
+    ``instruction``, else the ``instruction`` knob, else the folder's default prompt (``default_prompt_name``), as
+    sentence-transformers resolves prompts."""
+    if prompt_name is not None:
+        if given:
+            raise ValueError("pass either instruction= (the text) or prompt_name= (a key of the model's prompts), not "
+                             "both")
+        return resolve_prompt(spec.prompts, None, None, prompt_name)
+    instr = instruction if given else knob
+    if instr is not None and not isinstance(instr, str):
+        raise TypeError(f"instruction must be a string or None, got {type(instr).__name__}")
+    if instr is None and not given:
+        return resolve_prompt(spec.prompts, spec.default_prompt_name, None, None)
+    return instr
+
+
 def call_prompt(engine, prompt: str | None, prompt_name: str | None) -> str | None:
     """The instruction text an ``encode`` call runs with: ``prompt``, else ``prompts[prompt_name]`` (both given are
     refused, ``resolve_prompt``), else the engine's ``instruction`` knob, else the folder's default prompt: the
