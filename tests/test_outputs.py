@@ -371,3 +371,31 @@ def test_an_m3_head_of_the_wrong_width_is_named(m3_folder, tmp_path):
     with pytest.raises(ValueError, match=r"'colbert_linear.weight'.*has shape \(48, 40\), but config.json implies "
                                          r"\(48, 48\) \(\(outputs, hidden_size\)\)"):
         Engine(str(folder))
+
+
+def test_a_registered_output_kind_is_offered_by_embed(minilm_path, monkeypatch):
+    """``register`` a toy output kind (in a scratch copy of ``KINDS``): ``embed(output=...)`` gives it, alone and
+    beside ``dense`` from one forward, and a model without it gets the kind's ``needs`` in the error."""
+    from lab.outputs import kinds
+    from lab.outputs.heads import TokensHead
+    from lab.outputs.kinds import Output, OutputKind, register
+    from lab.outputs.pooling import pooling_method
+
+    monkeypatch.setattr(kinds, "KINDS", dict(kinds.KINDS))
+    eng = Engine(minilm_path)
+    texts = ["a man plays a guitar", "short", "two dogs run in the snow"]
+    with pytest.raises(ValueError, match="unknown output 'first_rows'; valid: 'dense', 'tokens', 'sparse', 'colbert'"):
+        eng.embed(texts, output="first_rows")
+    register(OutputKind("first_rows", lambda model, spec: True,
+                        lambda *_: Output(pooling_method("tokens"), TokensHead())))
+    first = eng.embed(texts, output="first_rows")
+    tokens = eng.embed(texts, output="tokens")
+    assert all(np.array_equal(a, b) for a, b in zip(first, tokens))
+    both = eng.embed(texts, output=("dense", "first_rows"))
+    np.testing.assert_array_equal(both["dense"], eng.embed(texts))
+    register(OutputKind("never", lambda model, spec: False, lambda *_: None, needs="a head no model has"))
+    with pytest.raises(ValueError, match="output='never' needs a head no model has; .* its outputs: dense, tokens, "
+                                         "first_rows"):
+        eng.embed(texts, output="never")
+    with pytest.raises(TypeError, match="OutputKind"):
+        register("never")

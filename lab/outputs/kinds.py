@@ -18,6 +18,9 @@ hidden states:
   ``MultiVectorEncoder`` folder: its Dense, skiplist and Normalize, with the task's lengths and query expansion
   (``lab.outputs.multivector``).
 
+The kinds are a registry (``KINDS``, name -> ``OutputKind``: whether a model has it, what it needs, how to build
+its method and head): ``output=`` takes its names, errors list them, ``register`` adds one.
+
 Several outputs (``output=("dense", "sparse", "colbert")``) make one ``Pooler``: its method (``Several``)
 applies each output's method to the step's hidden states in turn, inside the CPU worker that ran the step, and its
 head (``OutputHeads``) runs each output's head after; the call returns a dict. Every head here follows the one
@@ -47,38 +50,32 @@ from lab.outputs import multivector
 from lab.outputs.heads import Head, Pooler, SparseShape, TokensHead
 from lab.outputs.pooling import PoolingMethod, pooling_method
 
-OUTPUTS = ("dense", "tokens", "sparse", "colbert")
 LOGIT_BLOCK_BYTES = 64 << 20  # MLM logits computed this many bytes of float32 at a time (module doc)
 
 
 # ------------------------------------------------------------------------------------------- what a model has
 def parse_output(output) -> tuple[tuple[str, ...], bool]:
     """``output=`` -> (output names, whether several were asked for: a dict comes back)."""
+    valid = ", ".join(map(repr, KINDS))
     if isinstance(output, str):
         names, several = (output,), False
     elif isinstance(output, (tuple, list)) and output and all(isinstance(o, str) for o in output):
         names, several = tuple(output), True
     else:
-        raise TypeError(f"output must be one of {', '.join(map(repr, OUTPUTS))} or a tuple of them, got {output!r}")
+        raise TypeError(f"output must be one of {valid} or a tuple of them, got {output!r}")
     for name in names:
-        if name not in OUTPUTS:
-            raise ValueError(f"unknown output {name!r}; valid: {', '.join(map(repr, OUTPUTS))} (or a tuple of them)")
+        if name not in KINDS:
+            raise ValueError(f"unknown output {name!r}; valid: {valid} (or a tuple of them)")
     if len(set(names)) != len(names):
         raise ValueError(f"output={output!r} names an output twice")
     return names, several
 
 
 def available_outputs(model, spec) -> tuple[str, ...]:
-    """The outputs this model can give: ``dense`` and ``tokens`` always; ``sparse`` with a SPLADE MLM head (and a
-    SpladePooling module) or bge-m3's ``sparse_linear``; ``colbert`` with bge-m3's ``colbert_linear``."""
-    heads = model.token_heads
-    out = ["dense", "tokens"]
-    if (spec.splade is not None and "mlm" in heads) or "sparse_linear" in heads:
-        out.append("sparse")
-    mv = spec.multi_vector
-    if "colbert_linear" in heads or (mv is not None and mv.dense is None):  # a ColBERT folder's Dense loads as one
-        out.append("colbert")
-    return tuple(out)
+    """The outputs this model can give (each kind's ``has``): ``dense`` and ``tokens`` always; ``sparse`` with a
+    SPLADE MLM head (and a SpladePooling module) or bge-m3's ``sparse_linear``; ``colbert`` with bge-m3's
+    ``colbert_linear`` or a ColBERT folder's pipeline."""
+    return tuple(name for name, kind in KINDS.items() if kind.has(model, spec))
 
 
 def describe_heads(model, spec) -> str:
@@ -99,21 +96,13 @@ def describe_heads(model, spec) -> str:
             + (", ".join(has) if has else "no per-token heads") + f"; its outputs: {outputs}")
 
 
-_NEEDS = {
-    "sparse": "a sparse head: SPLADE (a *ForMaskedLM folder whose sentence-transformers modules include "
-              "SpladePooling) or bge-m3 (sparse_linear.pt beside the weights)",
-    "colbert": "a ColBERT head: bge-m3's colbert_linear.pt beside the weights, or a sentence-transformers "
-               "MultiVectorEncoder folder (a MultiVectorMask module in modules.json)",
-}
-
-
 def check_outputs(names: tuple[str, ...], model, spec, purpose: str | None = None) -> None:
     """Raise ``ValueError`` for an output the model cannot give, naming what it needs and what the model has."""
     have = available_outputs(model, spec)
     for name in names:
         if name not in have:
             what = purpose or f"output={name!r}"
-            raise ValueError(f"{what} needs {_NEEDS[name]}; {describe_heads(model, spec)}")
+            raise ValueError(f"{what} needs {KINDS[name].needs}; {describe_heads(model, spec)}")
 
 
 # --------------------------------------------------------------------------------------------------- methods
@@ -276,18 +265,16 @@ def output_pooler(output, dense: Pooler, *, model, spec, tokenizer, task: str | 
     return Pooler(Several([o.method for o in outputs]), OutputHeads(names, outputs, several))
 
 
-def _output(name: str, dense: Pooler, model, spec, tokenizer, task: str | None) -> Output:
-    if name == "dense":
-        return Output(dense.method, dense.head)
-    if name == "tokens":
-        return Output(pooling_method("tokens"), TokensHead())
-    if name == "colbert" and spec.multi_vector is not None:
-        mv = spec.multi_vector
+def _colbert(dense: Pooler, model, spec, tokenizer, task: str | None) -> Output:
+    mv = spec.multi_vector
+    if mv is not None:
         return Output(PerToken(multivector.token_fn(model, mv)),
                       multivector.ColbertRows(multivector.skip_ids(mv, tokenizer, task), mv.normalize))
-    if name == "colbert":
-        return Output(PerToken(lambda h: F.normalize(model.token_head("colbert_linear", h).float(), dim=-1)),
-                      ColbertHead())
+    return Output(PerToken(lambda h: F.normalize(model.token_head("colbert_linear", h).float(), dim=-1)),
+                  ColbertHead())
+
+
+def _sparse(dense: Pooler, model, spec, tokenizer, task: str | None) -> Output:
     vocab = model.config["vocab_size"]  # the width of the MLM logits and of bge-m3's lexical vectors
     if spec.splade is not None and "mlm" in model.token_heads:
         method = SpladePool(lambda h: model.token_head("mlm", h), vocab, spec.splade["pooling_strategy"],
@@ -297,3 +284,46 @@ def _output(name: str, dense: Pooler, model, spec, tokenizer, task: str | None) 
                                                            tokenizer.unk_token) if t is not None}
     return Output(PerToken(lambda h: torch.relu(model.token_head("sparse_linear", h).float())),
                   LexicalHead(vocab, drop))
+
+
+# ------------------------------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class OutputKind:
+    """One output ``embed(output=...)`` gives: ``has(model, spec)`` whether a model can give it, ``needs`` what it
+    takes (in words, for the error when a model cannot), ``build(dense, model, spec, tokenizer, task)`` its
+    ``Output`` (``dense``: the engine's own pooler)."""
+
+    name: str
+    has: Callable[[object, object], bool]
+    build: Callable[..., Output]
+    needs: str = ""
+
+
+KINDS: dict[str, OutputKind] = {}  # name -> kind: the values of ``output=``, in the order errors list them
+
+
+def register(kind: OutputKind) -> OutputKind:
+    """Add ``kind`` to ``KINDS``: ``embed(output=kind.name)`` then gives it on the models ``kind.has``. Returns it."""
+    if not isinstance(kind, OutputKind):
+        raise TypeError(f"an output kind must be a lab.outputs.kinds.OutputKind, got {type(kind).__name__}")
+    KINDS[kind.name] = kind
+    return kind
+
+
+def _output(name: str, dense: Pooler, model, spec, tokenizer, task: str | None) -> Output:
+    return KINDS[name].build(dense, model, spec, tokenizer, task)
+
+
+register(OutputKind("dense", lambda model, spec: True, lambda dense, *_: Output(dense.method, dense.head)))
+register(OutputKind("tokens", lambda model, spec: True,
+                    lambda *_: Output(pooling_method("tokens"), TokensHead())))
+register(OutputKind(
+    "sparse", lambda model, spec: ((spec.splade is not None and "mlm" in model.token_heads)
+                                   or "sparse_linear" in model.token_heads), _sparse,
+    needs="a sparse head: SPLADE (a *ForMaskedLM folder whose sentence-transformers modules include SpladePooling) "
+          "or bge-m3 (sparse_linear.pt beside the weights)"))
+register(OutputKind(
+    "colbert", lambda model, spec: ("colbert_linear" in model.token_heads  # a ColBERT folder's Dense loads as one
+                                    or (spec.multi_vector is not None and spec.multi_vector.dense is None)), _colbert,
+    needs="a ColBERT head: bge-m3's colbert_linear.pt beside the weights, or a sentence-transformers "
+          "MultiVectorEncoder folder (a MultiVectorMask module in modules.json)"))
