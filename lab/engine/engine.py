@@ -56,7 +56,7 @@ _UNSET = object()
 
 
 class Engine:
-    """A prefill-only engine over one model folder. Every knob but ``model`` and ``device`` is live.
+    """A prefill-only engine over one model folder. Every knob but ``device`` and ``revision`` is live.
 
         >>> eng = Engine("sentence-transformers/all-MiniLM-L6-v2", pooling="mean")   # a hub id, a folder, a .gguf
         >>> E = eng.embed(["a text", "another"])            # (2, dim) float32, input order
