@@ -255,3 +255,36 @@ def test_errors(minilm_engine, qwen2_folders):
     with pytest.raises(ValueError, match="prompt without query and document is"):
         Engine(str(qwen2_folders[0]), max_length=20).score([("q", "d")], prompt=PROMPT)
     assert llm.score([("q", "d")], mode="bi-encoder").shape == (1,)  # any model can score by its embeddings
+
+
+def test_a_registered_score_mode_is_offered_by_score_and_rerank(minilm_path, monkeypatch):
+    """``register_mode`` a toy mode (in a scratch copy of ``SCORE_MODES``): ``score`` and ``rerank`` run it, its
+    check refuses an engine it does not suit, and the options it does not take are refused by name."""
+    from lab.engine import rerank as rr
+    from lab.engine.rerank import ScoreJob, ScoreMode, register_mode
+
+    monkeypatch.setattr(rr, "SCORE_MODES", dict(rr.SCORE_MODES))
+    eng = Engine(minilm_path)
+    pairs = [("a man plays a guitar", "someone plays music"), ("a cat", "a kitten sleeps"), ("x", "")]
+    with pytest.raises(ValueError, match="unknown mode 'length'; valid: 'cross-encoder', 'llm', 'bi-encoder'"):
+        eng.score(pairs, mode="length")
+
+    def length_job(engine, mode, queries, documents, *, activation, instruction, prompt, similarity):
+        return ScoreJob([], lambda outs: np.array([len(d) - len(q) for q, d in zip(queries, documents)], np.float32))
+
+    register_mode(ScoreMode("length", lambda engine: None, length_job))
+    np.testing.assert_array_equal(eng.score(pairs, mode="length"), [-1.0, 10.0, -1.0])
+    ranked = eng.rerank("ab", ["abcd", "a", "abc"], mode="length")
+    assert ranked["document"].tolist() == ["abcd", "abc", "a"] and ranked.attrs["mode"] == "length"
+    with pytest.raises(ValueError, match="similarity='dot' is for mode='bi-encoder'; this call scores in "
+                                         "mode='length'"):
+        eng.score(pairs, mode="length", similarity="dot")
+
+    def refuse(engine):
+        raise ValueError("mode='never' needs a head this model lacks")
+
+    register_mode(ScoreMode("never", refuse, length_job))
+    with pytest.raises(ValueError, match="mode='never' needs a head this model lacks"):
+        eng.score(pairs, mode="never")
+    with pytest.raises(TypeError, match="ScoreMode"):
+        register_mode("never")

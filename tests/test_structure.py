@@ -283,11 +283,11 @@ def test_kernels_define_no_product_vocabulary():
 
     from lab.engine.framing import INSTRUCTION_POOLING
     from lab.engine.knob_registry import LONG_INPUTS
-    from lab.engine.rerank import MODES
+    from lab.engine.rerank import SCORE_MODES
     from lab.outputs.kinds import KINDS
     from lab.outputs.pooling import METHODS
 
-    vocabulary = ((set(METHODS) - set(SEGMENT_REDUCTIONS)) | set(KINDS) | set(MODES) | set(INSTRUCTION_POOLING)
+    vocabulary = ((set(METHODS) - set(SEGMENT_REDUCTIONS)) | set(KINDS) | set(SCORE_MODES) | set(INSTRUCTION_POOLING)
                   | set(LONG_INPUTS))
     assert {"eos_token", "colbert", "bi-encoder", "llm2vec", "chunk"} <= vocabulary  # the registries are read
     bad = {str(p.relative_to(ROOT)): sorted(module_strings(p) & vocabulary) for p in sorted(KERNELS.rglob("*.py"))}

@@ -1,6 +1,9 @@
 """Scoring and reranking (query, document) pairs with one ``Engine``: cross-encoders, LLM yes/no rerankers and
 bi-encoders.
 
+The modes are a registry (``SCORE_MODES``, name -> ``ScoreMode``: its check on the engine, the job it builds, the
+options it takes); ``score(mode=...)`` takes its names, its errors list them, ``register_mode`` adds one.
+
 Which mode runs (``default_mode``; ``mode=`` overrides it):
 
 - ``cross-encoder``: the model has a sequence-classification head (``BertForSequenceClassification``,
@@ -65,7 +68,6 @@ from lab.outputs.kinds import check_outputs
 from lab.outputs.pooling import pooling_method
 from lab.outputs.scoring import SCORE_OUTPUTS, pair_scores
 
-MODES = ("cross-encoder", "llm", "bi-encoder", *SCORE_OUTPUTS)
 ACTIVATIONS = ("default", *HEAD_ACTIVATIONS)  # "default": the mode's own (module doc)
 SIMILARITIES = ("cosine", "dot")
 
@@ -126,24 +128,38 @@ def default_mode(engine) -> str:
 
 
 def resolve_mode(engine, mode: str | None) -> str:
+    """``mode`` checked against ``SCORE_MODES`` and this engine (the mode's ``check``), or the default."""
     if mode is None:
         return default_mode(engine)
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(map(repr, MODES))} (or None for the default)")
-    if mode == "cross-encoder" and not engine.is_cross_encoder:
+    if mode not in SCORE_MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(map(repr, SCORE_MODES))} (or None for the "
+                         "default)")
+    SCORE_MODES[mode].check(engine)
+    return mode
+
+
+def _check_cross_encoder(engine) -> None:
+    if not engine.is_cross_encoder:
         raise ValueError(
             f"{engine.model_name} has no sequence-classification head, so it cannot score as a cross-encoder. "
             "Use mode='bi-encoder' (embedding similarity)" + (" or mode='llm' (yes/no prompt)" if has_lm_head(engine)
                                                               else "")
             + ", or load a *ForSequenceClassification checkpoint (a cross-encoder / reranker)"
         )
-    if mode == "llm" and not has_lm_head(engine):
+
+
+def _check_llm(engine) -> None:
+    if not has_lm_head(engine):
         why = ("it is not a decoder LLM" if not engine.is_decoder else "this checkpoint has no LM head weights")
         raise ValueError(f"mode='llm' needs a decoder with LM logits, but {why} ({engine.spec.architecture}); "
                          f"use mode={default_mode(engine)!r}")
-    if mode in SCORE_OUTPUTS:
+
+
+def _outputs_check(mode: str) -> Callable[[object], None]:
+    def check(engine) -> None:
         check_outputs(SCORE_OUTPUTS[mode], engine.model, engine.spec, purpose=f"mode={mode!r}")
-    return mode
+
+    return check
 
 
 # ------------------------------------------------------------------------------------------------ activation
@@ -322,45 +338,41 @@ def score_job(engine, pairs, *, mode: str | None = None, activation="default", i
     ``Engine.embed_pass``."""
     queries, documents = check_pairs(pairs)
     mode = resolve_mode(engine, mode)
+    kind = SCORE_MODES[mode]
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
-    if prompt is not None and mode != "llm":
-        raise ValueError(f"prompt= is for mode='llm'; this call scores in mode={mode!r}")
+    if prompt is not None and "prompt" not in kind.takes:
+        raise ValueError(f"prompt= is for {_modes_taking('prompt')}; this call scores in mode={mode!r}")
     if similarity not in SIMILARITIES:
         raise ValueError(f"unknown similarity {similarity!r}; valid: {', '.join(SIMILARITIES)}")
-    if similarity != "cosine" and mode != "bi-encoder":
-        raise ValueError(f"similarity={similarity!r} is for mode='bi-encoder'; this call scores in mode={mode!r}")
-    index = list(range(len(queries)))
-    if mode == "cross-encoder":
-        return _cross_encoder_job(engine, queries, documents, index, activation, instruction)
-    if mode == "llm":
-        prompt = prompt or YesNoPrompt()
-        layout = YesNoLayout(engine.tokenizer, prompt, instruction or prompt.instruction, engine.resolved.max_length)
-        # the default is sigmoid(logit_yes - logit_no) == softmax over (yes, no): the yes probability
-        head = YesNoHead(engine.model.lm_logits, layout.yes_id, layout.no_id,
-                         "sigmoid" if activation == "default" else activation)
-
-        def tokenize(chunk: list[int], first: int) -> list[Request]:
-            return layout.requests([queries[i] for i in chunk], [documents[i] for i in chunk], first_index=first)
-
-        # every prompt starts with the same template: the prefix cache computes it once under causal attention
-        return ScoreJob([_pair_pass(engine, mode, index, tokenize, Pooler(pooling_method("lasttoken"), head),
-                                    shared_prefix=True)], lambda outs: outs[0])
-    if activation == "softmax":
+    if similarity != "cosine" and "similarity" not in kind.takes:
+        raise ValueError(f"similarity={similarity!r} is for {_modes_taking('similarity')}; this call scores in "
+                         f"mode={mode!r}")
+    if activation == "softmax" and "softmax" not in kind.takes:
         raise ValueError(f"activation='softmax' needs several scores per pair; mode={mode!r} gives one")
-    activation = None if activation == "default" else activation
-    if mode in SCORE_OUTPUTS:
-        if engine.knobs["long_inputs"] == "chunk":
-            raise ValueError(f"long_inputs='chunk' averages one dense vector per window, but mode={mode!r} scores "
-                             f"per-token or lexical outputs ({', '.join(SCORE_OUTPUTS[mode])}), which have no window "
-                             "average; set long_inputs='truncate' for this mode (inputs are then cut at "
-                             f"max_length={engine.resolved.max_length})")
-        return _outputs_job(engine, mode, queries, documents, instruction, activation)
-    return _bi_encoder_job(engine, queries, documents, instruction, similarity, activation)
+    return kind.job(engine, mode, queries, documents, activation=activation, instruction=instruction, prompt=prompt,
+                    similarity=similarity)
 
 
-def _cross_encoder_job(engine, queries, documents, index, activation, instruction) -> ScoreJob:
+def _llm_job(engine, mode, queries, documents, *, activation, instruction, prompt, similarity) -> ScoreJob:
+    """``query`` and ``document`` in a yes/no prompt; ``logit(yes) - logit(no)`` at the last token."""
+    prompt = prompt or YesNoPrompt()
+    layout = YesNoLayout(engine.tokenizer, prompt, instruction or prompt.instruction, engine.resolved.max_length)
+    # the default is sigmoid(logit_yes - logit_no) == softmax over (yes, no): the yes probability
+    head = YesNoHead(engine.model.lm_logits, layout.yes_id, layout.no_id,
+                     "sigmoid" if activation == "default" else activation)
+
+    def tokenize(chunk: list[int], first: int) -> list[Request]:
+        return layout.requests([queries[i] for i in chunk], [documents[i] for i in chunk], first_index=first)
+
+    # every prompt starts with the same template: the prefix cache computes it once under causal attention
+    return ScoreJob([_pair_pass(engine, mode, list(range(len(queries))), tokenize,
+                                Pooler(pooling_method("lasttoken"), head), shared_prefix=True)], lambda outs: outs[0])
+
+
+def _cross_encoder_job(engine, mode, queries, documents, *, activation, instruction, prompt, similarity) -> ScoreJob:
     """``[CLS] query [SEP] document [SEP]`` sequences, first token through the classification head."""
+    index = list(range(len(queries)))
     classifier = engine.model.classifier
     labels = classifier.num_labels
     default = cross_encoder_activation(engine.spec.config, labels)
@@ -395,10 +407,11 @@ def _pair_pass(engine, mode: str, index: list[int], tokenize, pooler: Pooler, *,
     return Pass(requests, lambda chunk, first: chunk, pooler, shared_prefix=shared_prefix)
 
 
-def _bi_encoder_job(engine, queries, documents, instruction, similarity, activation) -> ScoreJob:
+def _bi_encoder_job(engine, mode, queries, documents, *, activation, instruction, prompt, similarity) -> ScoreJob:
     """Cosine (or dot) similarity of each query's and document's embeddings; distinct texts embed once, queries
     with ``instruction`` (attended, pooled per the ``include_instruction`` knob), documents without, each side as
     ``Engine.embed`` embeds it under the ``long_inputs`` knob (``lab.engine.windows.dense_pass``)."""
+    activation = None if activation == "default" else activation
     uq, ud = list(dict.fromkeys(queries)), list(dict.fromkeys(documents))
     qi, di = {t: i for i, t in enumerate(uq)}, {t: i for i, t in enumerate(ud)}
 
@@ -414,9 +427,15 @@ def _bi_encoder_job(engine, queries, documents, instruction, similarity, activat
                     split=sum(side.split for side in sides))
 
 
-def _outputs_job(engine, mode, queries, documents, instruction, activation) -> ScoreJob:
+def _outputs_job(engine, mode, queries, documents, *, activation, instruction, prompt, similarity) -> ScoreJob:
     """``late-interaction`` / ``sparse`` / ``m3``: the outputs the mode reads (``lab.outputs.scoring.SCORE_OUTPUTS``),
     one forward per side over the distinct texts (queries with ``instruction``), scored per pair."""
+    if engine.knobs["long_inputs"] == "chunk":
+        raise ValueError(f"long_inputs='chunk' averages one dense vector per window, but mode={mode!r} scores "
+                         f"per-token or lexical outputs ({', '.join(SCORE_OUTPUTS[mode])}), which have no window "
+                         "average; set long_inputs='truncate' for this mode (inputs are then cut at "
+                         f"max_length={engine.resolved.max_length})")
+    activation = None if activation == "default" else activation
     uq, ud = list(dict.fromkeys(queries)), list(dict.fromkeys(documents))
     qi, di = {t: i for i, t in enumerate(uq)}, {t: i for i, t in enumerate(ud)}
     outputs = SCORE_OUTPUTS[mode]
@@ -428,6 +447,42 @@ def _outputs_job(engine, mode, queries, documents, instruction, activation) -> S
 
     return ScoreJob([engine.embed_pass(uq, instruction, output=outputs), engine.embed_pass(ud, None, output=outputs)],
                     combine)
+
+
+# ------------------------------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class ScoreMode:
+    """One way ``Engine.score`` scores pairs: ``check(engine)`` raises ``ValueError`` naming what this engine
+    lacks for it; ``job(engine, mode, queries, documents, *, activation, instruction, prompt, similarity)`` builds
+    its ``ScoreJob``; ``takes``: the options beyond ``activation`` that apply (``prompt``, ``similarity``,
+    ``softmax``: several scores per pair)."""
+
+    name: str
+    check: Callable[[object], None]
+    job: Callable[..., ScoreJob]
+    takes: frozenset[str] = frozenset()
+
+
+SCORE_MODES: dict[str, ScoreMode] = {}  # name -> mode: the values of ``score(mode=...)``, in the order errors list
+
+
+def register_mode(mode: ScoreMode) -> ScoreMode:
+    """Add ``mode`` to ``SCORE_MODES``: ``Engine.score(pairs, mode=mode.name)`` then runs it. Returns it."""
+    if not isinstance(mode, ScoreMode):
+        raise TypeError(f"a score mode must be a lab.engine.rerank.ScoreMode, got {type(mode).__name__}")
+    SCORE_MODES[mode.name] = mode
+    return mode
+
+
+def _modes_taking(option: str) -> str:
+    return " / ".join(f"mode={name!r}" for name, m in SCORE_MODES.items() if option in m.takes)
+
+
+register_mode(ScoreMode("cross-encoder", _check_cross_encoder, _cross_encoder_job, frozenset({"softmax"})))
+register_mode(ScoreMode("llm", _check_llm, _llm_job, frozenset({"prompt", "softmax"})))
+register_mode(ScoreMode("bi-encoder", lambda engine: None, _bi_encoder_job, frozenset({"similarity"})))
+for _name in SCORE_OUTPUTS:  # the modes that read embed outputs (lab.outputs.scoring)
+    register_mode(ScoreMode(_name, _outputs_check(_name), _outputs_job))
 
 
 def rerank(engine, query: str, documents, *, top_k: int | None = None, **score_kwargs):
