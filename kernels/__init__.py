@@ -9,7 +9,7 @@
 - ``cpu_attention``: prefill-lab's own CPU attention kernel (C, ``cpu_attention.c``, compiled on the running machine
   and called through ctypes; varlen, causal / bidirectional, GQA; a candidate of the ``attention_kernel`` probe).
 - ``cpu_norms``: ``LayerNorm(x + residual)`` (in place) and ``RMSNorm(x + residual)`` (the sum and its norm in one
-  pass) in the same C library; candidates of the ``add_layer_norm`` / ``add_rms_norm`` probes.
+  pass) in the same C library (``cpu_rows.c``); candidates of the ``add_layer_norm`` / ``add_rms_norm`` probes.
 - ``cpu_rope``: rotary embeddings in the ``pairs`` layout, in place, one pass, in the same C library; a candidate
   of the decoders' ``rope_kernel`` probe.
 - ``tolerances``: the one (atol, rtol) table for comparing each Triton kernel with its torch reference (torch

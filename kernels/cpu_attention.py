@@ -1,5 +1,6 @@
-"""prefill-lab's own CPU attention kernel (``cpu_attention.c``), compiled on the running machine and called through
-ctypes: varlen, bidirectional or causal, grouped-query heads, float32 or bfloat16 in, float32 arithmetic.
+"""prefill-lab's own CPU attention kernel (``cpu_attention.c``; built into one library with the row kernels of
+``cpu_rows.c``, both on ``cpu_vector.h``), compiled on the running machine and called through ctypes: varlen,
+bidirectional or causal, grouped-query heads, float32 or bfloat16 in, float32 arithmetic.
 
 torch's fused CPU kernel runs MiniLM's 32-wide heads at well under its GEMM rate; this one stages each sequence's
 K^T and V once and computes exact softmax rows over blocks of 8 queries (4 without AVX-512) with the block's scores
@@ -35,7 +36,8 @@ import torch
 
 from . import env
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_rows.c"))  # one library
+HEADERS = (Path(__file__).with_name("cpu_vector.h"),)  # the vector helpers both include
 WIDTH = 16  # floats per vector in the kernel: the head size must be a multiple of it
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -71,13 +73,14 @@ def _cpu_flags() -> str:
 
 
 def build(cc: str | None = None, arch: list[str] | None = None, directory: Path | None = None) -> Path:
-    """Compile ``cpu_attention.c`` (once: the result is cached by source, compiler, CPU flags and ``arch``) and
-    return the shared library's path. ``arch``: the target flags; default ``-march=native`` (``-mcpu=native`` where
-    the compiler spells it so, nothing where neither works). ``directory``: default ``cache_dir()``."""
+    """Compile ``cpu_attention.c`` and ``cpu_rows.c`` into one library (once: the result is cached by the sources,
+    compiler, CPU flags and ``arch``) and return its path. ``arch``: the target flags; default ``-march=native``
+    (``-mcpu=native`` where the compiler spells it so, nothing where neither works). ``directory``: default
+    ``cache_dir()``."""
     cc = cc or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
-    source = SOURCE.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     tries = [arch] if arch is not None else [["-march=native"], ["-mcpu=native"], []]
     key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_flags().encode(), repr(tries).encode()]))
@@ -89,8 +92,8 @@ def build(cc: str | None = None, arch: list[str] | None = None, directory: Path 
     for flags in tries:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cc, "-O3", *flags, "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi", "-o", str(out), str(SOURCE),
-                   "-lm"]
+            cmd = [cc, "-O3", *flags, "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi", "-I", str(SOURCES[0].parent),
+                   "-o", str(out), *map(str, SOURCES), "-lm"]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
             if r.returncode == 0:
                 os.replace(out, target)  # atomic: a concurrent build of the same key just overwrites it
@@ -121,7 +124,7 @@ def _load() -> ctypes.CDLL | None:
 
 
 def bind(path: str | os.PathLike) -> ctypes.CDLL:
-    """Load a build of ``cpu_attention.c`` and declare its functions' signatures."""
+    """Load a build of the kernels (``build``) and declare its functions' signatures."""
     lib = ctypes.CDLL(str(path))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.lab_varlen_attention.restype = i32
@@ -141,7 +144,7 @@ def bind(path: str | os.PathLike) -> ctypes.CDLL:
 @contextlib.contextmanager
 def use_build(lib: ctypes.CDLL) -> Iterator[ctypes.CDLL]:
     """Inside the block, every caller that takes this machine's build (the engine's layers and probes,
-    ``cpu_norms``, ``cpu_rope``, ``available()``) gets ``lib`` instead: another build of ``cpu_attention.c``
+    ``cpu_norms``, ``cpu_rope``, ``available()``) gets ``lib`` instead: another build of the kernels
     (``bind(build(arch=[]))``, the portable one; ``arch=["-mavx2", "-mfma"]``, an AVX2 machine's), or any object with
     its functions. The build in force before (or the reason there was none) comes back after the block. It swaps
     the process's library: use it while no other thread runs these kernels.

@@ -1,5 +1,5 @@
 """``LayerNorm(x + residual)`` and ``RMSNorm(x + residual)`` on CPU in prefill-lab's own C library
-(``cpu_attention.c``, built and loaded by ``lab.kernels.cpu_attention``), one pass per row.
+(``cpu_rows.c``, built and loaded by ``lab.kernels.cpu_attention``), one pass per row.
 
 ``add_layer_norm`` writes where the caller says: into ``x`` itself when ``x`` is a GEMM output nothing else reads,
 so a BERT layer's two post-norms allocate nothing. ``add_rms_norm`` is the pre-norm of Llama-style blocks: the sum

@@ -1,5 +1,5 @@
 """Rotary position embeddings in the ``pairs`` layout on CPU, in place, in prefill-lab's own C library
-(``cpu_attention.c``, built and loaded by ``lab.kernels.cpu_attention``): one pass over the query and key heads.
+(``cpu_rows.c``, built and loaded by ``lab.kernels.cpu_attention``): one pass over the query and key heads.
 
 ``lab.models.rope.rotate_pairs_`` rotates float32 heads as a complex view of themselves, but bfloat16 heads through a
 float32 copy, rounded back at the end: three passes. ``rotate_pairs_`` here reads each pair, multiplies it by the

@@ -82,8 +82,8 @@ def test_import_lab_is_light(tmp_path):
 
 
 def test_wheel_carries_the_c_kernel_source(tmp_path):
-    """A regular (non-editable) install has ``cpu_attention.c`` beside its loader, or the kernel cannot build and
-    the probe silently never offers it."""
+    """A regular (non-editable) install has the kernels' C sources and header beside their loader, or the kernels
+    cannot build and the probe silently never offers them."""
     import zipfile
 
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
@@ -91,4 +91,5 @@ def test_wheel_carries_the_c_kernel_source(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = tmp_path.glob("prefill_lab-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "lab/kernels/cpu_attention.c" in names and "lab/kernels/cpu_attention.py" in names
+    assert {"lab/kernels/cpu_attention.c", "lab/kernels/cpu_rows.c", "lab/kernels/cpu_vector.h",
+            "lab/kernels/cpu_attention.py"} <= set(names)

@@ -255,8 +255,8 @@ def test_evals_scripts_stay_under_600_lines(path):
     assert n <= 600, f"{path.relative_to(ROOT)} has {n} lines; split it into a library part and a CLI part"
 
 
-@pytest.mark.parametrize("path", [*LAB_MODULES.values(), *sorted(KERNELS.rglob("*.py"))],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", [*LAB_MODULES.values(), *sorted(KERNELS.rglob("*.py")),
+                                  *sorted(KERNELS.glob("*.[ch]"))], ids=lambda p: str(p.relative_to(ROOT)))
 def test_modules_stay_small(path):
     n = len(path.read_text(encoding="utf-8").splitlines())
     assert n <= 600, f"{path.relative_to(ROOT)} has {n} lines; past 600 a module holds two concerns: split it"
