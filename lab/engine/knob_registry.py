@@ -28,7 +28,8 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LONG_INPUTS = ("truncate", "chunk")
 EVERY = "every call"  # the call kinds that honour a knob (``Knob.calls``): the README table's column
-DENSE = "dense outputs of every call"
+DENSE = "dense outputs: embed, encode, bi-encoder score / rerank"
+EMBEDDING = "embedding calls (not cross-encoder / LLM pair scoring)"
 CAUSAL = "every call, under causal attention"
 AT_LOAD = "fixed at load"
 
@@ -243,7 +244,7 @@ def normalize_device(device) -> str:
 
 # ------------------------------------------------------------------------------------------------------ the table
 for _knob in (
-    Knob("pooling", None, _pooling, type="str | None", calls="every dense call",
+    Knob("pooling", None, _pooling, type="str | None", calls=DENSE,
          widget=Widget("dropdown", "pooling", options=pooling_values, shows="pooling"), doc=(
         "``cls``, ``mean``, ``max``, ``lasttoken``, ``weightedmean``, or llm2vec's ``eos_token`` (``lasttoken`` after "
         "the EOS text llm2vec appends for the base: `` </s>`` for Llama / Mistral, ``<eos>`` Gemma, ``<|endoftext|>`` "
@@ -299,12 +300,12 @@ for _knob in (
         "``rerank`` and ``encode_query`` apply it to queries, ``encode_document`` to no document; a call's own "
         "``instruction=`` / ``prompt=`` / ``prompt_name=`` replaces it."
     )),
-    Knob("include_instruction", None, _optional_bool("include_instruction"), type="bool | None", calls=EVERY, doc=(
+    Knob("include_instruction", None, _optional_bool("include_instruction"), type="bool | None", calls=EMBEDDING, doc=(
         "pool the instruction's tokens too; ``None`` = an LLM2Vec layout's (``skip_instruction`` negated, llm2vec's "
         "default ``False``), else the model's Pooling config (sentence-transformers' ``include_prompt``, which pools "
         "them unless it says false), else ``False``; under a ``template``, ``False`` (its words are never the text)."
     )),
-    Knob("instruction_pooling", None, _instruction_pooling, type="str | None", calls=EVERY, doc=(
+    Knob("instruction_pooling", None, _instruction_pooling, type="str | None", calls=EMBEDDING, doc=(
         "which tokens of an input with an instruction are pooled (``lab.engine.framing``): ``llm2vec`` (llm2vec's "
         "embed mask: the input is ``instruction.strip() + ' ' + text``, in the base model's chat template where "
         "llm2vec applies one, and the last n tokens are pooled, n = the text tokenized alone without special tokens) "
@@ -321,7 +322,7 @@ for _knob in (
         "reading the input's last token. Dense and token outputs; composes with ``instruction``, chunked prefill "
         "and the prefix cache; ``long_inputs='chunk'`` refuses it."
     )),
-    Knob("append_eos", None, _optional_bool("append_eos"), type="bool | None", calls=EVERY, doc=(
+    Knob("append_eos", None, _optional_bool("append_eos"), type="bool | None", calls=EMBEDDING, doc=(
         "append EOS when the tokenizer does not (``None`` = on for decoders with lasttoken pooling)."
     )),
     Knob("prefix_cache", True, _prefix_cache, type="bool", calls=CAUSAL, doc=(
