@@ -3,9 +3,8 @@ that conflict, and how the knobs resolve on a model (``resolve`` -> ``Resolved``
 came from).
 
 ``None`` always means "the model's own default" (``resolve``: an LLM2Vec layout's, the model folder's
-sentence-transformers configs', else the model kind's). Every knob but
-``device`` and ``revision`` can change live through ``Engine.configure`` without reloading weights (``dtype``
-re-casts them).
+sentence-transformers configs', else the model kind's). Every knob but ``device`` and ``revision`` can change live
+through ``Engine.configure`` without reloading weights (``dtype`` re-casts them).
 
     >>> k = Knobs(pooling="mean"); k = k.replace(bidirectional=True); k.validate()
     >>> r = resolve(k, facts, layout); r.pooling, r.causal, r.sources["pooling"]      # ('mean', False, 'user')
@@ -28,6 +27,7 @@ from lab.engine.llm2vec import DEFAULT_SOURCE as LLM2VEC_DEFAULT_SOURCE
 if TYPE_CHECKING:
     from lab.engine.llm2vec import Layout
     from lab.models.spec import ModelSpec
+
 
 class Knobs(Mapping):
     """The value of every registered knob (``lab.engine.knob_registry.KNOBS``): a frozen mapping with attribute
