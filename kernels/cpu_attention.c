@@ -189,11 +189,6 @@ static void stage_transposed(const char *src, int64_t rs, int words, int L, int6
         for (int64_t t = 0; t < Lp; t++) dst[w * Lp + t] = t < L ? word(src + t * rs, w, widen) : 0;
 }
 
-/* n floats (a multiple of W) from src to dst, inline: the rows are short and many (at 14 tokens a sequence, a
- * library call per row cost about as much as the block's arithmetic). */
-static inline void copy_row(float *dst, const float *src, int n) {
-    for (int d = 0; d < n; d += W) st(dst + d, ld(src + d));
-}
 
 /* A head's values (or queries) as rows: dst[t * n + d] = element d of token t as float32 (widened from bfloat16
  * when `bf16`), zeros for L <= t < Lp. */
@@ -209,23 +204,6 @@ static void stage_rows(const char *src, int64_t rs, int n, int L, int64_t Lp, in
     for (int64_t i = (int64_t)L * n; i < Lp * n; i += W) st(dst + i, bc(0.0f));
 }
 
-/* n floats rounded to bfloat16 (nearest even; NaN stays NaN). */
-static inline void store_bf16(uint16_t *dst, const float *src, int n) {
-    int d = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    for (; d + 16 <= n; d += 16)
-        _mm256_storeu_si256((void *)(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d)));
-#endif
-    for (; d < n; d++) dst[d] = f32_to_bf16(src[d]);
-}
-
-/* n floats from src to dst + at, a float32 tensor's row or (bf16) a bfloat16 one's, rounded as store_bf16 rounds. */
-static inline void store_row(void *dst, int64_t at, const float *src, int n, int bf16) {
-    if (bf16)
-        store_bf16((uint16_t *)dst + at, src, n);
-    else
-        copy_row((float *)dst + at, src, n);
-}
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define NATIVE_BF16 1

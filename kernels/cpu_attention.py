@@ -92,8 +92,9 @@ def build(cc: str | None = None, arch: list[str] | None = None, directory: Path 
     for flags in tries:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cc, "-O3", *flags, "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi", "-I", str(SOURCES[0].parent),
-                   "-o", str(out), *map(str, SOURCES), "-lm"]
+            cmd = [cc, "-O3", *flags, "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi",
+                   "-Werror=implicit-function-declaration", "-I", str(SOURCES[0].parent), "-o", str(out),
+                   *map(str, SOURCES), "-lm"]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
             if r.returncode == 0:
                 os.replace(out, target)  # atomic: a concurrent build of the same key just overwrites it
