@@ -7,9 +7,13 @@ hands the import over to the library (or stays empty where the library is absent
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = str(ROOT / "kernels")
@@ -93,3 +97,17 @@ def test_wheel_carries_the_c_kernel_source(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {"lab/kernels/cpu_attention.c", "lab/kernels/cpu_rows.c", "lab/kernels/cpu_vector.h",
             "lab/kernels/cpu_attention.py"} <= set(names)
+
+
+def test_the_c_kernels_build_and_load_wherever_there_is_a_compiler(tmp_path):
+    """A broken C source must fail here rather than skip the kernel tests (they skip where the kernels cannot
+    build): with a C compiler on the machine, the sources compile into one library (portable flags: any CPU) that
+    loads with every kernel bound."""
+    from lab.kernels import cpu_attention
+
+    if not any(shutil.which(c) for c in (os.environ.get("CC") or "cc", "gcc", "clang")):
+        pytest.skip("no C compiler on this machine")
+    lib = cpu_attention.bind(cpu_attention.build(arch=[], directory=tmp_path))
+    for name in ("lab_varlen_attention", "lab_attention_scratch", "lab_add_layer_norm", "lab_add_rms_norm",
+                 "lab_rope_pairs"):
+        assert getattr(lib, name) is not None, name
