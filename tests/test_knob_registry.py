@@ -76,3 +76,13 @@ def test_every_knob_has_a_doc_a_type_and_a_check_that_takes_its_default():
         assert k.doc.strip() and k.type != "object" and k.calls, name
         assert k.check(k.default) == k.default, name
     assert {name for name, k in KNOBS.items() if not k.live} == {"device", "revision"}
+
+
+def test_a_knob_fixed_at_load_is_refused_by_configure(minilm_path, scratch):
+    register(Knob("toy_fixed", 1, positive_int("toy_fixed"), doc="a toy knob fixed at load.", live=False))
+    eng = Engine(minilm_path, toy_fixed=2)
+    eng.configure(toy_fixed=2)  # the value it has: nothing to change
+    with pytest.raises(ValueError, match=r"toy_fixed cannot change live; create a new Engine instead: "
+                                         r"Engine\('.*', toy_fixed=3\)"):
+        eng.configure(toy_fixed=3)
+    assert eng.knobs["toy_fixed"] == 2

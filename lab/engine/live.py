@@ -19,9 +19,12 @@ import functools
 
 import torch
 
+from lab.engine import knob_registry
 from lab.engine.adapter_state import AdapterState
 from lab.engine.knobs import Knobs, ModelFacts, check_for_model, resolve, resolve_dtype
 from lab.ops.attention import resolve_backend
+
+_FIXED_WHY = {"device": " (it moves every weight)", "revision": " (it is another snapshot of the weights)"}
 
 
 class LiveState:
@@ -52,11 +55,12 @@ class LiveState:
 
     def validate(self, changes: dict, model_name: str) -> Knobs:
         """The knobs in force with ``changes``, checked on this model (``Engine.validate``)."""
-        if "device" in changes and changes["device"] != self.knobs.device:
-            raise ValueError("device cannot change live (it moves every weight); create a new Engine instead")
-        if "revision" in changes and changes["revision"] != self.knobs.revision:
-            raise ValueError("revision cannot change live (it is another snapshot of the weights); create a new "
-                             f"Engine instead: Engine({model_name!r}, revision={changes['revision']!r})")
+        registry = knob_registry.KNOBS
+        fixed = [n for n, v in changes.items() if n in registry and not registry[n].live and v != self.knobs[n]]
+        if fixed:  # a knob fixed at load (``Knob.live``)
+            name = fixed[0]
+            raise ValueError(f"{name} cannot change live{_FIXED_WHY.get(name, '')}; create a new Engine instead: "
+                             f"Engine({model_name!r}, {name}={changes[name]!r})")
         new = self.knobs.replace(**changes)
         self.check(new)
         resolve_backend(new.attention_backend, self.device)

@@ -261,7 +261,7 @@ def output_pooler(output, dense: Pooler, *, model, spec, tokenizer, task: str | 
     check_outputs(names, model, spec)
     if names == ("dense",) and not several:
         return dense
-    outputs = [_output(name, dense, model, spec, tokenizer, task) for name in names]
+    outputs = [KINDS[name].build(dense, model, spec, tokenizer, task) for name in names]
     return Pooler(Several([o.method for o in outputs]), OutputHeads(names, outputs, several))
 
 
@@ -308,10 +308,6 @@ def register(kind: OutputKind) -> OutputKind:
         raise TypeError(f"an output kind must be a lab.outputs.kinds.OutputKind, got {type(kind).__name__}")
     KINDS[kind.name] = kind
     return kind
-
-
-def _output(name: str, dense: Pooler, model, spec, tokenizer, task: str | None) -> Output:
-    return KINDS[name].build(dense, model, spec, tokenizer, task)
 
 
 register(OutputKind("dense", lambda model, spec: True, lambda dense, *_: Output(dense.method, dense.head)))
