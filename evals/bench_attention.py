@@ -59,17 +59,31 @@ def run(lengths: list[int], dtypes: list[str], tokens: int, rounds: int) -> pd.D
                         meta = AttnMeta.from_lengths([length] * n, causal=False)
                         qkv = torch.randn(n * length, hq + 2 * hkv, d, dtype=dt)  # one fused projection's output
                         q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
-                        calls = {name: functools.partial(attention, q, k, v, meta, 0, kernel=name)
-                                 for name in kernels_for(model)}
+                        calls = {
+                            name: functools.partial(attention, q, k, v, meta, 0, kernel=name)
+                            for name in kernels_for(model)
+                        }
                         times = {name: wall for name, (wall, _, _) in interleaved(calls, rounds, 1).items()}
                         flops = 4 * n * length * length * hq * d
                         base = statistics.median(times["sdpa"])
                         for name, ts in times.items():
                             s = statistics.median(ts)
-                            rows.append({"model": model, "dtype": dtype, "length": length, "sequences": n,
-                                         "kernel": name, "seconds_median": s, "seconds_min": min(ts),
-                                         "rounds": rounds, "gflops": flops / s / 1e9, "time_vs_sdpa": s / base,
-                                         **info, "threads": 1})
+                            rows.append(
+                                {
+                                    "model": model,
+                                    "dtype": dtype,
+                                    "length": length,
+                                    "sequences": n,
+                                    "kernel": name,
+                                    "seconds_median": s,
+                                    "seconds_min": min(ts),
+                                    "rounds": rounds,
+                                    "gflops": flops / s / 1e9,
+                                    "time_vs_sdpa": s / base,
+                                    **info,
+                                    "threads": 1,
+                                }
+                            )
     finally:
         torch.set_num_threads(threads)
     return pd.DataFrame(rows)
@@ -103,8 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per timed call")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", default=str(RESULTS / "bench_attention"),
-                        help="folder (default evals/results/bench_attention)")
+    parser.add_argument(
+        "--out", default=str(RESULTS / "bench_attention"), help="folder (default evals/results/bench_attention)"
+    )
     args = parser.parse_args(argv)
     df = stamp(run(args.lengths, args.dtypes, args.tokens, args.rounds))
     save_run(df, Path(args.out), "bench_attention", plot(df))

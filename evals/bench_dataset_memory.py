@@ -76,15 +76,28 @@ def run(rows: int, sentences: int, max_length: int, shard_texts: int, actors: in
 
         def on_shard(row: dict) -> None:
             rows_done["n"] += row["rows"]
-            records.append({"shard": row["shard"], "rows_done": rows_done["n"],
-                            "driver_rss_mb": (memory.status_bytes("VmRSS") or 0) / MB,
-                            "seconds": time.perf_counter() - t0})
+            records.append(
+                {
+                    "shard": row["shard"],
+                    "rows_done": rows_done["n"],
+                    "driver_rss_mb": (memory.status_bytes("VmRSS") or 0) / MB,
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
-            embed_dataset(minilm_path(), corpus, Path(tmp) / "out", num_actors=actors, shard_texts=shard_texts,
-                          knobs={"max_length": max_length}, show_progress=False, on_shard=on_shard)
+            embed_dataset(
+                minilm_path(),
+                corpus,
+                Path(tmp) / "out",
+                num_actors=actors,
+                shard_texts=shard_texts,
+                knobs={"max_length": max_length},
+                show_progress=False,
+                on_shard=on_shard,
+            )
         finally:
             done.set()
             sampler.join()
@@ -102,10 +115,12 @@ def run(rows: int, sentences: int, max_length: int, shard_texts: int, actors: in
 def summary(df: pd.DataFrame) -> str:
     first, last = df.iloc[0], df.iloc[-1]
     half = df[df.rows_done >= last.rows_done / 2].iloc[0]  # the second half of the job
-    return (f"{int(last.rows_done):,} rows in {len(df)} shards: driver RSS {first.driver_rss_mb:,.0f} MB after the "
-            f"first shard, {half.driver_rss_mb:,.0f} MB at {int(half.rows_done):,} rows, {last.driver_rss_mb:,.0f} MB "
-            f"after the last (peak {last.driver_rss_peak_mb:,.0f} MB); the texts as Python strings: "
-            f"{last.texts_as_str_mb:,.0f} MB")
+    return (
+        f"{int(last.rows_done):,} rows in {len(df)} shards: driver RSS {first.driver_rss_mb:,.0f} MB after the "
+        f"first shard, {half.driver_rss_mb:,.0f} MB at {int(half.rows_done):,} rows, {last.driver_rss_mb:,.0f} MB "
+        f"after the last (peak {last.driver_rss_peak_mb:,.0f} MB); the texts as Python strings: "
+        f"{last.texts_as_str_mb:,.0f} MB"
+    )
 
 
 def plot(df: pd.DataFrame):
@@ -117,14 +132,20 @@ def plot(df: pd.DataFrame):
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(df.rows_done, df.driver_rss_mb, marker=".", label="driver RSS after each shard")
     base = df.driver_rss_mb.iloc[0]
-    ax.plot(df.rows_done, base + df.texts_as_str_mb.iloc[0] * df.rows_done / df.rows.iloc[0], ls="--",
-            label="the same, holding every text read")
+    ax.plot(
+        df.rows_done,
+        base + df.texts_as_str_mb.iloc[0] * df.rows_done / df.rows.iloc[0],
+        ls="--",
+        label="the same, holding every text read",
+    )
     ax.set_xlabel("rows embedded")
     ax.set_ylabel("MB")
     r = df.iloc[0]
-    ax.set_title(f"embed_dataset, all-MiniLM-L6-v2: {r.rows:,} texts of ~{r.sentences} sentences cut at "
-                 f"{r.max_length} tokens\n{r.actors} actors, shards of {r.shard_texts}, on {r.cpu_model} ({r.isa})",
-                 fontsize=9)
+    ax.set_title(
+        f"embed_dataset, all-MiniLM-L6-v2: {r.rows:,} texts of ~{r.sentences} sentences cut at "
+        f"{r.max_length} tokens\n{r.actors} actors, shards of {r.shard_texts}, on {r.cpu_model} ({r.isa})",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -90,12 +90,20 @@ def model_path(arg: str | None) -> str:
 # ------------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, 
-                    help="model folder or hub id (org/name[@revision]; default: the cached SmolLM2-135M-Instruct)")
-    ap.add_argument("--sections", nargs="+", default=["throughput", "memory", "prefix"],
-                    choices=["throughput", "memory", "prefix"])
-    ap.add_argument("--corpus", default="mixed", choices=["mixed", "scifact"],
-                    help="throughput texts: the held-out mixed corpus (short sentences + long abstracts) or SciFact")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model folder or hub id (org/name[@revision]; default: the cached SmolLM2-135M-Instruct)",
+    )
+    ap.add_argument(
+        "--sections", nargs="+", default=["throughput", "memory", "prefix"], choices=["throughput", "memory", "prefix"]
+    )
+    ap.add_argument(
+        "--corpus",
+        default="mixed",
+        choices=["mixed", "scifact"],
+        help="throughput texts: the held-out mixed corpus (short sentences + long abstracts) or SciFact",
+    )
     ap.add_argument("--docs", type=int, default=None, help="throughput texts, evenly spaced (default 128)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per system (median; default 3)")
     ap.add_argument("--warmup", type=int, default=1)
@@ -110,27 +118,41 @@ def parse_args(argv=None):
     ap.add_argument("--queries", type=int, default=None, help="prefix: SciFact claims (default all that qualify)")
     ap.add_argument("--prefix-poolings", nargs="+", default=["mean", "lasttoken"], choices=["mean", "lasttoken"])
     ap.add_argument("--prefix-dtype", default="float32")
-    ap.add_argument("--profile", action="store_true",
-                    help="throughput: also profile one call of each system (op-group rows + "
-                         "<name>_profile_<machine>.txt)")
-    ap.add_argument("--self-check", action="store_true",
-                    help="throughput: also run the baseline at another batch size (untimed) and record how well it "
-                         "agrees with itself (min_cosine_vs_itself_other_batch)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="throughput: also profile one call of each system (op-group rows + <name>_profile_<machine>.txt)",
+    )
+    ap.add_argument(
+        "--self-check",
+        action="store_true",
+        help="throughput: also run the baseline at another batch size (untimed) and record how well it "
+        "agrees with itself (min_cosine_vs_itself_other_batch)",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script (run label 'smoke')")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="CSV path (default evals/results/bench_decoder/<name>_<machine>.csv)")
-    ap.add_argument("--name", default=None,
-                    help="the files' name before the machine (default bench_decoder, bench_decoder_smoke with "
-                         "--smoke)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="CSV path (default evals/results/bench_decoder/<name>_<machine>.csv)"
+    )
+    ap.add_argument(
+        "--name",
+        default=None,
+        help="the files' name before the machine (default bench_decoder, bench_decoder_smoke with --smoke)",
+    )
     ap.add_argument("--label", default=None, help="the rows' run label (default 'smoke' with --smoke, else 'full')")
     ap.add_argument("--memory-point", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     small = args.smoke
-    defaults = {"docs": (6, 128), "repeats": (1, 3), "batch_sizes": ([16], [16, 32]), "max_length": (256, 512),
-                "lengths": ([256, 512, 1024], [1024, 2048, 4096, 8192]),
-                "chunks": (["none", "128", "512"], ["none", "256", "1024"]), "queries": (32, None)}
+    defaults = {
+        "docs": (6, 128),
+        "repeats": (1, 3),
+        "batch_sizes": ([16], [16, 32]),
+        "max_length": (256, 512),
+        "lengths": ([256, 512, 1024], [1024, 2048, 4096, 8192]),
+        "chunks": (["none", "128", "512"], ["none", "256", "1024"]),
+        "queries": (32, None),
+    }
     for k, (s, f) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, s if small else f)
@@ -164,8 +186,11 @@ def main(argv=None) -> int:
         pngs.append(save_file(companion(args.out, "profile", "txt", args.slug), "\n\n".join(PROFILES) + "\n"))
     print()
     print(summary(df))
-    print(f"\nwrote {args.out} ({len(df)} rows)" + "".join(f", {p}" for p in pngs)
-          + f" in {time.perf_counter() - t0:.0f} s")
+    print(
+        f"\nwrote {args.out} ({len(df)} rows)"
+        + "".join(f", {p}" for p in pngs)
+        + f" in {time.perf_counter() - t0:.0f} s"
+    )
     return 0
 
 

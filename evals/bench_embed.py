@@ -70,8 +70,13 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
         comp = Engine(model, dtype=dtype, tune_allocator=True, compile=True)  # the compiled forward (own rows)
         paths = ";".join(f"{k}={v}" for k, v in eng.cpu_paths.items())
         cfg = eng.spec.config
-        roof = gemm_roofline(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
-                             dtype=getattr(torch, dtype), plan=eng.runner.plan)
+        roof = gemm_roofline(
+            cfg["hidden_size"],
+            cfg["intermediate_size"],
+            cfg["num_hidden_layers"],
+            dtype=getattr(torch, dtype),
+            plan=eng.runner.plan,
+        )
         for corpus in corpora:
             texts = load_corpus(corpus, scifact_docs)
             b = base(texts)  # warm-up; then the baseline alone, before the engine runs on these texts
@@ -85,9 +90,11 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
             # the warm-up built the graphs (one per thread layout): each one's first call, trace + compile + run
             compile_seconds = sum(comp.runner.compiled.compile_seconds.values())
             times = {"engine": [], "engine-compiled": [], "sentence-transformers": []}
-            systems = (("engine", lambda t=texts, e=eng: e.embed(t)),
-                       ("engine-compiled", lambda t=texts, e=comp: e.embed(t)),
-                       ("sentence-transformers", lambda t=texts, b=base: b(t)))
+            systems = (
+                ("engine", lambda t=texts, e=eng: e.embed(t)),
+                ("engine-compiled", lambda t=texts, e=comp: e.embed(t)),
+                ("sentence-transformers", lambda t=texts, b=base: b(t)),
+            )
             for _ in range(repeats):
                 for name, fn in systems:
                     t0 = time.perf_counter()
@@ -98,30 +105,47 @@ def run(model: str, corpora: list[str], dtypes: list[str], repeats: int, scifact
             kernels = kernel_seconds(eng, texts, roof)
             for name, secs in times.items():
                 med, engine = statistics.median(secs), name != "sentence-transformers"
-                rows.append({
-                    "corpus": corpus, "dtype": dtype, "system": name, "model": eng.model_name,
-                    "revision": eng.revision, "texts": len(texts), "tokens": real,
-                    "padded_tokens": eng.stats.padded_tokens if engine else padded,
-                    "seconds_median": med, "seconds_min": min(secs), "seconds_max": max(secs), "repeats": repeats,
-                    "tokens_per_s": real / med, "min_cosine": cos.get(name, 1.0),
-                    "gemm_gflops": roof["gemm_gflops"], "roofline_tokens_per_s": roof["roofline_tokens_per_s"],
-                    "roofline_fraction": real / med / roof["roofline_tokens_per_s"],
-                    "threads": torch.get_num_threads(),
-                    **kernels, "kernel_share": kernels["kernel_seconds"] / med if name == "engine" else None,
-                    # the baseline timed alone before the engine ran: > 1 here means the engine slowed it down
-                    "baseline_slowdown": med / statistics.median(alone) if not engine else None,
-                    "cpu_paths": paths if name == "engine" else None, "malloc_tuning": eng.resolved["malloc_tuning"],
-                    "compile_seconds": compile_seconds if name == "engine-compiled" else None,
-                    **machine,
-                })
-            print(f"{corpus:13s} {dtype:9s} engine {rows[-3]['tokens_per_s']:8,.0f} tok/s  "
-                  f"compiled {rows[-2]['tokens_per_s']:8,.0f} tok/s (compile {compile_seconds:.0f} s)  "
-                  f"sentence-transformers {rows[-1]['tokens_per_s']:8,.0f} tok/s  "
-                  f"ratio {rows[-3]['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f} / "
-                  f"{rows[-2]['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f}  min cos {cos['engine']:.6f}  "
-                  f"roofline {rows[-3]['roofline_fraction']:.0%} / {rows[-1]['roofline_fraction']:.0%}  "
-                  f"GEMMs + attention {rows[-3]['kernel_share']:.0%} of the engine's time  "
-                  f"baseline after/alone {rows[-1]['baseline_slowdown']:.3f}  [{paths}]", flush=True)
+                rows.append(
+                    {
+                        "corpus": corpus,
+                        "dtype": dtype,
+                        "system": name,
+                        "model": eng.model_name,
+                        "revision": eng.revision,
+                        "texts": len(texts),
+                        "tokens": real,
+                        "padded_tokens": eng.stats.padded_tokens if engine else padded,
+                        "seconds_median": med,
+                        "seconds_min": min(secs),
+                        "seconds_max": max(secs),
+                        "repeats": repeats,
+                        "tokens_per_s": real / med,
+                        "min_cosine": cos.get(name, 1.0),
+                        "gemm_gflops": roof["gemm_gflops"],
+                        "roofline_tokens_per_s": roof["roofline_tokens_per_s"],
+                        "roofline_fraction": real / med / roof["roofline_tokens_per_s"],
+                        "threads": torch.get_num_threads(),
+                        **kernels,
+                        "kernel_share": kernels["kernel_seconds"] / med if name == "engine" else None,
+                        # the baseline timed alone before the engine ran: > 1 here means the engine slowed it down
+                        "baseline_slowdown": med / statistics.median(alone) if not engine else None,
+                        "cpu_paths": paths if name == "engine" else None,
+                        "malloc_tuning": eng.resolved["malloc_tuning"],
+                        "compile_seconds": compile_seconds if name == "engine-compiled" else None,
+                        **machine,
+                    }
+                )
+            print(
+                f"{corpus:13s} {dtype:9s} engine {rows[-3]['tokens_per_s']:8,.0f} tok/s  "
+                f"compiled {rows[-2]['tokens_per_s']:8,.0f} tok/s (compile {compile_seconds:.0f} s)  "
+                f"sentence-transformers {rows[-1]['tokens_per_s']:8,.0f} tok/s  "
+                f"ratio {rows[-3]['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f} / "
+                f"{rows[-2]['tokens_per_s'] / rows[-1]['tokens_per_s']:.3f}  min cos {cos['engine']:.6f}  "
+                f"roofline {rows[-3]['roofline_fraction']:.0%} / {rows[-1]['roofline_fraction']:.0%}  "
+                f"GEMMs + attention {rows[-3]['kernel_share']:.0%} of the engine's time  "
+                f"baseline after/alone {rows[-1]['baseline_slowdown']:.3f}  [{paths}]",
+                flush=True,
+            )
     df = pd.DataFrame(rows)
     st = df[df.system == "sentence-transformers"].set_index(["corpus", "dtype"])["tokens_per_s"]
     df["ratio_vs_sentence_transformers"] = [r.tokens_per_s / st[(r.corpus, r.dtype)] for r in df.itertuples()]
@@ -143,13 +167,22 @@ def kernel_seconds(eng, texts: list[str], roof: dict) -> dict:
     cfg, workers = eng.spec.config, eng.resolved["cpu_workers"]
     lengths = [r.length for r in eng.tokenize(texts)]
     heads = cfg["num_attention_heads"]
-    one_layer = attention_seconds(lengths, heads, cfg["hidden_size"] // heads, dtype=eng.runner.dtype,
-                                  threads=max(1, torch.get_num_threads() // workers),
-                                  kernel=eng.cpu_paths.get("attention_kernel", "sdpa"))
+    one_layer = attention_seconds(
+        lengths,
+        heads,
+        cfg["hidden_size"] // heads,
+        dtype=eng.runner.dtype,
+        threads=max(1, torch.get_num_threads() // workers),
+        kernel=eng.cpu_paths.get("attention_kernel", "sdpa"),
+    )
     attn = cfg["num_hidden_layers"] * one_layer / workers
     gemm = sum(lengths) / roof["roofline_tokens_per_s"]
-    return {"gemm_seconds_at_roofline": gemm, "attention_seconds": attn, "kernel_seconds": gemm + attn,
-            "roofline_cap": gemm / (gemm + attn)}
+    return {
+        "gemm_seconds_at_roofline": gemm,
+        "attention_seconds": attn,
+        "kernel_seconds": gemm + attn,
+        "roofline_cap": gemm / (gemm + attn),
+    }
 
 
 def targets(df: pd.DataFrame) -> pd.DataFrame:
@@ -180,20 +213,44 @@ def plot(df: pd.DataFrame):
         for j, system in enumerate(systems):
             r = g[g.system == system].iloc[0]
             x = i + (j - (len(systems) - 1) / 2) * width
-            ax.bar(x, r.tokens_per_s, width, color=["#999999", "#1f77b4", "#2ca02c"][j],
-                   label=system if i == 0 else None)
-            ax.errorbar(x, r.tokens_per_s, yerr=[[r.tokens_per_s - r.tokens / r.seconds_max],
-                                                 [r.tokens / r.seconds_min - r.tokens_per_s]], color="k", capsize=3)
+            ax.bar(
+                x, r.tokens_per_s, width, color=["#999999", "#1f77b4", "#2ca02c"][j], label=system if i == 0 else None
+            )
+            ax.errorbar(
+                x,
+                r.tokens_per_s,
+                yerr=[[r.tokens_per_s - r.tokens / r.seconds_max], [r.tokens / r.seconds_min - r.tokens_per_s]],
+                color="k",
+                capsize=3,
+            )
         eng = g[g.system == "engine"].iloc[0]
         top = eng.tokens / eng.seconds_min  # above the error bar
-        ax.text(i + (systems.index("engine") - (len(systems) - 1) / 2) * width, top,
-                f"{eng.ratio_vs_sentence_transformers:.2f}x", ha="center", va="bottom",
-                fontsize=9, fontweight="bold")
-        ax.hlines(eng.roofline_tokens_per_s, i - 0.45, i + 0.45, colors="r", linestyles="dotted",
-                  label="GEMM roofline" if i == 0 else None)
+        ax.text(
+            i + (systems.index("engine") - (len(systems) - 1) / 2) * width,
+            top,
+            f"{eng.ratio_vs_sentence_transformers:.2f}x",
+            ha="center",
+            va="bottom",
+            fontsize=9,
+            fontweight="bold",
+        )
+        ax.hlines(
+            eng.roofline_tokens_per_s,
+            i - 0.45,
+            i + 0.45,
+            colors="r",
+            linestyles="dotted",
+            label="GEMM roofline" if i == 0 else None,
+        )
         if "kernel_seconds" in g:
-            ax.hlines(eng.tokens / eng.kernel_seconds, i - 0.45, i + 0.45, colors="darkorange", linestyles="dashed",
-                      label="GEMMs at roofline + attention kernel" if i == 0 else None)
+            ax.hlines(
+                eng.tokens / eng.kernel_seconds,
+                i - 0.45,
+                i + 0.45,
+                colors="darkorange",
+                linestyles="dashed",
+                label="GEMMs at roofline + attention kernel" if i == 0 else None,
+            )
     ax.set_xticks(range(len(groups)), [f"{c}\n{d}" for (c, d), _ in groups])
     ax.set_ylabel("tokens / s (median)")
     isa = f"{df.isa.iloc[0]}, " if "isa" in df else ""
@@ -209,14 +266,16 @@ def plot(df: pd.DataFrame):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="model folder or hub id (org/name[@revision]; default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument(
+        "--model", default=None, help="model folder or hub id (org/name[@revision]; default: bundled all-MiniLM-L6-v2)"
+    )
     parser.add_argument("--corpora", nargs="+", default=["stsbenchmark", "scifact", "mixed"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--scifact-docs", type=int, default=1000)
-    parser.add_argument("--out", default=str(RESULTS / "bench_embed"),
-                        help="folder (default evals/results/bench_embed)")
+    parser.add_argument(
+        "--out", default=str(RESULTS / "bench_embed"), help="folder (default evals/results/bench_embed)"
+    )
     args = parser.parse_args(argv)
     if args.model is None:
         from lab._extras import minilm_path
@@ -226,9 +285,21 @@ def main(argv: list[str] | None = None) -> None:
     args.model = local_folder(args.model)
     df = stamp(run(args.model, args.corpora, args.dtypes, args.repeats, args.scifact_docs))
     save_run(df, Path(args.out), "bench_embed", plot(df))
-    cols = ["corpus", "dtype", "system", "tokens_per_s", "ratio_vs_sentence_transformers", "roofline_fraction",
-            "roofline_cap", "kernel_share", "ratio_at_kernel_seconds", "min_cosine", "baseline_slowdown",
-            "meets_ratio_target", "meets_roofline_target"]
+    cols = [
+        "corpus",
+        "dtype",
+        "system",
+        "tokens_per_s",
+        "ratio_vs_sentence_transformers",
+        "roofline_fraction",
+        "roofline_cap",
+        "kernel_share",
+        "ratio_at_kernel_seconds",
+        "min_cosine",
+        "baseline_slowdown",
+        "meets_ratio_target",
+        "meets_roofline_target",
+    ]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
 
 

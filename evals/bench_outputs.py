@@ -30,8 +30,9 @@ def main(argv=None) -> pd.DataFrame:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--outputs", nargs="+", default=["dense", "tokens"])
-    ap.add_argument("--out", default=None,
-                    help="CSV path (default evals/results/bench_outputs/bench_outputs_<machine>.csv)")
+    ap.add_argument(
+        "--out", default=None, help="CSV path (default evals/results/bench_outputs/bench_outputs_<machine>.csv)"
+    )
     args = ap.parse_args(argv)
     from lab import Engine
     from lab._extras import minilm_path
@@ -49,13 +50,26 @@ def main(argv=None) -> pd.DataFrame:
             t0 = time.perf_counter()
             eng.embed(texts, output=out)
             secs = time.perf_counter() - t0
-            rows.append({"output": out, "round": r, "texts": len(texts), "tokens": eng.stats.tokens, "seconds": secs,
-                         "tokens_per_s": eng.stats.tokens / secs, "padded_tokens": eng.stats.padded_tokens})
+            rows.append(
+                {
+                    "output": out,
+                    "round": r,
+                    "texts": len(texts),
+                    "tokens": eng.stats.tokens,
+                    "seconds": secs,
+                    "tokens_per_s": eng.stats.tokens / secs,
+                    "padded_tokens": eng.stats.padded_tokens,
+                }
+            )
     df = pd.DataFrame(rows)
     info = cpu_info()
     df["cpu_model"], df["cpu_flags"], df["threads"], df["load_before"], df["malloc_tuning"] = (
-        info["cpu_model"], info["cpu_flags"], eng.resolved["cpu_workers"], round(load, 2),
-        eng.resolved["malloc_tuning"])
+        info["cpu_model"],
+        info["cpu_flags"],
+        eng.resolved["cpu_workers"],
+        round(load, 2),
+        eng.resolved["malloc_tuning"],
+    )
     med = df.groupby("output").tokens_per_s.median()
     df["ratio_vs_dense"] = df.output.map(med / med["dense"])
     df = stamp(df)

@@ -100,32 +100,101 @@ class System:
     model: str = "source"  # which folder it loads: the model folder (``source``) or the peers' ``export``
 
 
-SYSTEMS = {s.name: s for s in [
-    System("st-torch-float32", "sentence-transformers/torch", "st-torch", "project", "float32",
-           (("dtype", "float32"),)),
-    System("st-torch-bfloat16", "sentence-transformers/torch", "st-torch", "project", "bfloat16",
-           (("dtype", "bfloat16"),)),
-    System("st-onnx-float32", "sentence-transformers/onnxruntime", "st-onnx", "peers", "float32", model="export"),
-    System("st-openvino-default", "sentence-transformers/openvino", "st-openvino", "peers", "default",
-           (("precision", "default"),), model="export"),
-    System("st-openvino-float32", "sentence-transformers/openvino", "st-openvino", "peers", "float32",
-           (("precision", "f32"),), model="export"),
-    System("fastembed-float32", "fastembed/onnxruntime", "fastembed", "peers", "float32", model="export"),
-    System("engine-float32", "prefill-lab Engine", ENGINE, "project", "float32", (("dtype", "float32"),)),
-    System("engine-bfloat16", "prefill-lab Engine", ENGINE, "project", "bfloat16", (("dtype", "bfloat16"),)),
-    System("engine-compiled-float32", "prefill-lab Engine, torch.compile", ENGINE, "project", "float32",
-           (("dtype", "float32"), ("compile", True))),
-    System("engine-compiled-bfloat16", "prefill-lab Engine, torch.compile", ENGINE, "project", "bfloat16",
-           (("dtype", "bfloat16"), ("compile", True))),
-    System("st-torch-cuda-float16", "sentence-transformers/torch", "st-torch", "project", "float16",
-           (("dtype", "float16"), ("device", "cuda")), device="cuda"),
-    System("st-torch-cuda-bfloat16", "sentence-transformers/torch", "st-torch", "project", "bfloat16",
-           (("dtype", "bfloat16"), ("device", "cuda")), device="cuda"),
-    System("engine-cuda-triton", "prefill-lab Engine", ENGINE, "project", "float16",
-           (("dtype", "float16"), ("device", "cuda"), ("attention_backend", "triton")), device="cuda"),
-    System("engine-cuda-torch", "prefill-lab Engine", ENGINE, "project", "float16",
-           (("dtype", "float16"), ("device", "cuda"), ("attention_backend", "torch")), device="cuda"),
-]}
+SYSTEMS = {
+    s.name: s
+    for s in [
+        System(
+            "st-torch-float32",
+            "sentence-transformers/torch",
+            "st-torch",
+            "project",
+            "float32",
+            (("dtype", "float32"),),
+        ),
+        System(
+            "st-torch-bfloat16",
+            "sentence-transformers/torch",
+            "st-torch",
+            "project",
+            "bfloat16",
+            (("dtype", "bfloat16"),),
+        ),
+        System("st-onnx-float32", "sentence-transformers/onnxruntime", "st-onnx", "peers", "float32", model="export"),
+        System(
+            "st-openvino-default",
+            "sentence-transformers/openvino",
+            "st-openvino",
+            "peers",
+            "default",
+            (("precision", "default"),),
+            model="export",
+        ),
+        System(
+            "st-openvino-float32",
+            "sentence-transformers/openvino",
+            "st-openvino",
+            "peers",
+            "float32",
+            (("precision", "f32"),),
+            model="export",
+        ),
+        System("fastembed-float32", "fastembed/onnxruntime", "fastembed", "peers", "float32", model="export"),
+        System("engine-float32", "prefill-lab Engine", ENGINE, "project", "float32", (("dtype", "float32"),)),
+        System("engine-bfloat16", "prefill-lab Engine", ENGINE, "project", "bfloat16", (("dtype", "bfloat16"),)),
+        System(
+            "engine-compiled-float32",
+            "prefill-lab Engine, torch.compile",
+            ENGINE,
+            "project",
+            "float32",
+            (("dtype", "float32"), ("compile", True)),
+        ),
+        System(
+            "engine-compiled-bfloat16",
+            "prefill-lab Engine, torch.compile",
+            ENGINE,
+            "project",
+            "bfloat16",
+            (("dtype", "bfloat16"), ("compile", True)),
+        ),
+        System(
+            "st-torch-cuda-float16",
+            "sentence-transformers/torch",
+            "st-torch",
+            "project",
+            "float16",
+            (("dtype", "float16"), ("device", "cuda")),
+            device="cuda",
+        ),
+        System(
+            "st-torch-cuda-bfloat16",
+            "sentence-transformers/torch",
+            "st-torch",
+            "project",
+            "bfloat16",
+            (("dtype", "bfloat16"), ("device", "cuda")),
+            device="cuda",
+        ),
+        System(
+            "engine-cuda-triton",
+            "prefill-lab Engine",
+            ENGINE,
+            "project",
+            "float16",
+            (("dtype", "float16"), ("device", "cuda"), ("attention_backend", "triton")),
+            device="cuda",
+        ),
+        System(
+            "engine-cuda-torch",
+            "prefill-lab Engine",
+            ENGINE,
+            "project",
+            "float16",
+            (("dtype", "float16"), ("device", "cuda"), ("attention_backend", "torch")),
+            device="cuda",
+        ),
+    ]
+}
 PRECISION_CLASSES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "f16": "float16", "fp16": "float16"}
 
 
@@ -155,12 +224,27 @@ class Peer:
     """A worker process: ``call(op, **args)`` sends one request line and returns the reply (``PeerError`` on
     ``ok: false`` or a dead worker, with its message or the tail of its log)."""
 
-    def __init__(self, name: str, argv: list[str], *, env: dict | None = None, log_path: Path | None = None,
-                 cwd: str | Path | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        env: dict | None = None,
+        log_path: Path | None = None,
+        cwd: str | Path | None = None,
+    ):
         self.name, self.log_path = name, log_path
         self.log = open(log_path, "w", encoding="utf-8") if log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, encoding="utf-8", env=env, cwd=cwd)
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            encoding="utf-8",
+            env=env,
+            cwd=cwd,
+        )
 
     def _log_tail(self, n: int = 3000) -> str:
         if not self.log_path:
@@ -178,8 +262,9 @@ class Peer:
             line = ""
         if not line:
             self.proc.wait(timeout=30)
-            raise PeerError(f"{self.name}: the worker exited (code {self.proc.returncode}) during {op!r}"
-                            + self._log_tail())
+            raise PeerError(
+                f"{self.name}: the worker exited (code {self.proc.returncode}) during {op!r}" + self._log_tail()
+            )
         reply = json.loads(line)
         if not reply.pop("ok", False):
             raise PeerError(f"{self.name}: {op!r} failed: {reply.get('error')}")
@@ -205,8 +290,15 @@ def worker_env(venv: str) -> dict:
     return env
 
 
-def start_peers(systems: list[System], model: str, *, log_dir: Path, peers_python: str | None = None,
-                export_dir: str | None = None, log=sys.stderr) -> tuple[dict, dict]:
+def start_peers(
+    systems: list[System],
+    model: str,
+    *,
+    log_dir: Path,
+    peers_python: str | None = None,
+    export_dir: str | None = None,
+    log=sys.stderr,
+) -> tuple[dict, dict]:
     """Start and load every system's worker, one after the other (loads do not overlap): ``(peers, load replies)``
     by name. On a failure the workers started so far are closed."""
     peers, loads = {}, {}
@@ -214,11 +306,20 @@ def start_peers(systems: list[System], model: str, *, log_dir: Path, peers_pytho
         for s in systems:
             python = sys.executable if s.venv == "project" else peers_python
             folder = model if s.model == "source" else export_dir
-            peer = peers[s.name] = Peer(s.name, [str(python), str(WORKER), "serve"], env=worker_env(s.venv),
-                                        log_path=log_dir / f"{s.name}.log", cwd=ROOT.parent)
+            peer = peers[s.name] = Peer(
+                s.name,
+                [str(python), str(WORKER), "serve"],
+                env=worker_env(s.venv),
+                log_path=log_dir / f"{s.name}.log",
+                cwd=ROOT.parent,
+            )
             loads[s.name] = peer.call("load", kind=s.kind, model=str(folder), options=dict(s.options))
-            print(f"loaded {s.name:22s} in {loads[s.name]['load_seconds']:5.1f} s  "
-                  f"({loads[s.name]['info']['precision']})", file=log, flush=True)
+            print(
+                f"loaded {s.name:22s} in {loads[s.name]['load_seconds']:5.1f} s  "
+                f"({loads[s.name]['info']['precision']})",
+                file=log,
+                flush=True,
+            )
     except BaseException:
         close_all(peers)
         raise
@@ -230,8 +331,15 @@ def close_all(peers: dict) -> None:
         p.close()
 
 
-def measure(peers: dict, corpora: dict[str, list[str]], repeats: int, *, reference: str = REFERENCE,
-            settle: float = 0.2, log=sys.stderr) -> list[dict]:
+def measure(
+    peers: dict,
+    corpora: dict[str, list[str]],
+    repeats: int,
+    *,
+    reference: str = REFERENCE,
+    settle: float = 0.2,
+    log=sys.stderr,
+) -> list[dict]:
     """Time every peer on every corpus (module doc): one record per corpus and system with ``seconds`` and
     ``cpu_seconds`` (one per round), ``tokens`` (``reference``'s count), ``min_cosine`` (to ``reference``'s
     warm-up vectors), ``peak_rss_mb`` and the 1-minute load average before / after the corpus."""
@@ -260,14 +368,27 @@ def measure(peers: dict, corpora: dict[str, list[str]], repeats: int, *, referen
                 cpu[name].append(reply["cpu_seconds"])
         load_after = os.getloadavg()[0]
         for name in names:
-            out.append({"corpus": corpus, "system": name, "texts": len(texts), "tokens": tokens,
-                        "seconds": times[name], "cpu_seconds": cpu[name],
-                        "min_cosine": min_cosine(vectors[name], vectors[reference]),
-                        "peak_rss_mb": peers[name].call("memory")["peak_rss_mb"],
-                        "loadavg_before": load_before, "loadavg_after": load_after})
+            out.append(
+                {
+                    "corpus": corpus,
+                    "system": name,
+                    "texts": len(texts),
+                    "tokens": tokens,
+                    "seconds": times[name],
+                    "cpu_seconds": cpu[name],
+                    "min_cosine": min_cosine(vectors[name], vectors[reference]),
+                    "peak_rss_mb": peers[name].call("memory")["peak_rss_mb"],
+                    "loadavg_before": load_before,
+                    "loadavg_after": load_after,
+                }
+            )
             rec = out[-1]
-            print(f"{corpus:13s} {name:22s} {tokens / statistics.median(rec['seconds']):9,.0f} tok/s  "
-                  f"min cos {rec['min_cosine']:.6f}", file=log, flush=True)
+            print(
+                f"{corpus:13s} {name:22s} {tokens / statistics.median(rec['seconds']):9,.0f} tok/s  "
+                f"min cos {rec['min_cosine']:.6f}",
+                file=log,
+                flush=True,
+            )
     return out
 
 
@@ -275,8 +396,9 @@ def precision_class(precision: str) -> str:
     return PRECISION_CLASSES.get(precision, precision)
 
 
-def assemble(records: list[dict], loads: dict, machine: dict, *, run_date: str | None = None,
-             systems: dict | None = None) -> pd.DataFrame:
+def assemble(
+    records: list[dict], loads: dict, machine: dict, *, run_date: str | None = None, systems: dict | None = None
+) -> pd.DataFrame:
     """The CSV's rows from ``measure``'s records and the workers' ``load`` replies (module doc for the columns)."""
     systems = systems or SYSTEMS
     rows = []
@@ -285,35 +407,59 @@ def assemble(records: list[dict], loads: dict, machine: dict, *, run_date: str |
         info = load["info"]
         med = statistics.median(rec["seconds"])
         matches = bool(rec["min_cosine"] >= MATCH_COSINE)
-        rows.append({
-            "run_date": run_date or datetime.date.today().isoformat(), "corpus": rec["corpus"],
-            "system": s.name, "runtime": s.runtime, "device": s.device, "precision": s.precision,
-            "precision_class": precision_class(info["precision"]), "texts": rec["texts"], "tokens": rec["tokens"],
-            "repeats": len(rec["seconds"]), "seconds_median": med, "seconds_min": min(rec["seconds"]),
-            "seconds_max": max(rec["seconds"]), "cpu_seconds_median": statistics.median(rec["cpu_seconds"]),
-            "tokens_per_s": rec["tokens"] / med if matches else np.nan,
-            "min_cosine_vs_st_float32": rec["min_cosine"], "matches": matches,
-            "note": "" if matches else (f"min cosine {rec['min_cosine']:.6f} < {MATCH_COSINE} to {REFERENCE}: "
-                                        "speed not reported"),
-            "load_seconds": load["load_seconds"], "rss_load_delta_mb": load["rss_load_delta_mb"],
-            "peak_rss_mb": rec["peak_rss_mb"], "packages": info.get("packages", ""),
-            "settings": info.get("settings", ""), "torch_threads": info.get("torch_threads"),
-            "model": machine.get("model"), "revision": machine.get("revision"),
-            "machine": machine.get("machine"), "commit": machine.get("commit"),
-            "cpu_model": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"),
-            "cpu_count": os.cpu_count(), "loadavg_before": rec["loadavg_before"],
-            "loadavg_after": rec["loadavg_after"], "roofline_tokens_per_s": info.get("roofline_tokens_per_s"),
-            "weights_mb": info.get("weights_mb"), "derived_weights_mb": info.get("derived_weights_mb"),
-            "compile_seconds": info.get("compile_seconds"), "isa": machine.get("isa"),
-        })
+        rows.append(
+            {
+                "run_date": run_date or datetime.date.today().isoformat(),
+                "corpus": rec["corpus"],
+                "system": s.name,
+                "runtime": s.runtime,
+                "device": s.device,
+                "precision": s.precision,
+                "precision_class": precision_class(info["precision"]),
+                "texts": rec["texts"],
+                "tokens": rec["tokens"],
+                "repeats": len(rec["seconds"]),
+                "seconds_median": med,
+                "seconds_min": min(rec["seconds"]),
+                "seconds_max": max(rec["seconds"]),
+                "cpu_seconds_median": statistics.median(rec["cpu_seconds"]),
+                "tokens_per_s": rec["tokens"] / med if matches else np.nan,
+                "min_cosine_vs_st_float32": rec["min_cosine"],
+                "matches": matches,
+                "note": ""
+                if matches
+                else (f"min cosine {rec['min_cosine']:.6f} < {MATCH_COSINE} to {REFERENCE}: speed not reported"),
+                "load_seconds": load["load_seconds"],
+                "rss_load_delta_mb": load["rss_load_delta_mb"],
+                "peak_rss_mb": rec["peak_rss_mb"],
+                "packages": info.get("packages", ""),
+                "settings": info.get("settings", ""),
+                "torch_threads": info.get("torch_threads"),
+                "model": machine.get("model"),
+                "revision": machine.get("revision"),
+                "machine": machine.get("machine"),
+                "commit": machine.get("commit"),
+                "cpu_model": machine.get("cpu_model"),
+                "cpu_flags": machine.get("cpu_flags"),
+                "cpu_count": os.cpu_count(),
+                "loadavg_before": rec["loadavg_before"],
+                "loadavg_after": rec["loadavg_after"],
+                "roofline_tokens_per_s": info.get("roofline_tokens_per_s"),
+                "weights_mb": info.get("weights_mb"),
+                "derived_weights_mb": info.get("derived_weights_mb"),
+                "compile_seconds": info.get("compile_seconds"),
+                "isa": machine.get("isa"),
+            }
+        )
     df = pd.DataFrame(rows)
     if df.empty:
         return df
     # the Engine's GEMM roofline for each CPU precision class, on every matching CPU row of that class
     roof = df[(df.system.map(lambda n: systems[n].kind == ENGINE)) & (df.device == "cpu")]
     roof = roof.dropna(subset=["roofline_tokens_per_s"]).groupby("precision_class").roofline_tokens_per_s.first()
-    df["roofline_tokens_per_s"] = [roof.get(r.precision_class) if r.device == "cpu" else np.nan
-                                   for r in df.itertuples()]
+    df["roofline_tokens_per_s"] = [
+        roof.get(r.precision_class) if r.device == "cpu" else np.nan for r in df.itertuples()
+    ]
     df["roofline_fraction"] = df.tokens_per_s / df.roofline_tokens_per_s.astype(float)
     ref = df[df.system == REFERENCE].set_index("corpus").tokens_per_s
     df["ratio_vs_st_float32"] = [r.tokens_per_s / ref.get(r.corpus, np.nan) for r in df.itertuples()]
@@ -327,10 +473,31 @@ def assemble(records: list[dict], loads: dict, machine: dict, *, run_date: str |
         names.append(None if best is None else best.system)
         ratios.append(np.nan if best is None else r.tokens_per_s / best.tokens_per_s)
     df["fastest_peer"], df["ratio_vs_fastest_peer"] = names, ratios
-    first = ["run_date", "corpus", "system", "runtime", "device", "precision", "precision_class", "texts", "tokens",
-             "repeats", "seconds_median", "seconds_min", "seconds_max", "cpu_seconds_median", "tokens_per_s",
-             "ratio_vs_st_float32", "fastest_peer", "ratio_vs_fastest_peer", "min_cosine_vs_st_float32", "matches",
-             "note", "roofline_tokens_per_s", "roofline_fraction"]
+    first = [
+        "run_date",
+        "corpus",
+        "system",
+        "runtime",
+        "device",
+        "precision",
+        "precision_class",
+        "texts",
+        "tokens",
+        "repeats",
+        "seconds_median",
+        "seconds_min",
+        "seconds_max",
+        "cpu_seconds_median",
+        "tokens_per_s",
+        "ratio_vs_st_float32",
+        "fastest_peer",
+        "ratio_vs_fastest_peer",
+        "min_cosine_vs_st_float32",
+        "matches",
+        "note",
+        "roofline_tokens_per_s",
+        "roofline_fraction",
+    ]
     return df[first + [c for c in df.columns if c not in first]]
 
 
@@ -359,12 +526,26 @@ def plot(df: pd.DataFrame):
                 ax.text(x, 0, "n/m", ha="center", va="bottom", fontsize=7, rotation=90)
                 continue
             hatch = "//" if name.startswith("engine") else None
-            ax.bar(x, r.tokens_per_s, width, color=cmap(j % 20), hatch=hatch, edgecolor="k", linewidth=0.4,
-                   label=None if name in labelled else f"{name} ({r.precision_class})")
+            ax.bar(
+                x,
+                r.tokens_per_s,
+                width,
+                color=cmap(j % 20),
+                hatch=hatch,
+                edgecolor="k",
+                linewidth=0.4,
+                label=None if name in labelled else f"{name} ({r.precision_class})",
+            )
             labelled.add(name)
             hi = r.tokens / r.seconds_min
-            ax.errorbar(x, r.tokens_per_s, yerr=[[r.tokens_per_s - r.tokens / r.seconds_max], [hi - r.tokens_per_s]],
-                        color="k", capsize=2, linewidth=0.8)
+            ax.errorbar(
+                x,
+                r.tokens_per_s,
+                yerr=[[r.tokens_per_s - r.tokens / r.seconds_max], [hi - r.tokens_per_s]],
+                color="k",
+                capsize=2,
+                linewidth=0.8,
+            )
             top = max(top, hi)
     ax.set_xticks(range(len(corpora)), corpora)
     ax.set_ylabel("tokens / s (median of rounds)")
@@ -391,8 +572,15 @@ def load_texts(corpora: list[str], scifact_docs: int, max_texts: int | None) -> 
     return out
 
 
-def run(systems: list[System], texts: dict[str, list[str]], repeats: int, *, model: str, settle: float = 0.2,
-        log=sys.stderr) -> pd.DataFrame:
+def run(
+    systems: list[System],
+    texts: dict[str, list[str]],
+    repeats: int,
+    *,
+    model: str,
+    settle: float = 0.2,
+    log=sys.stderr,
+) -> pd.DataFrame:
     """Build / reuse the peers' venv and export where a peer runs, start every worker, measure, assemble."""
     from lab.ops.probes import cpu_info, machine_slug
 
@@ -403,14 +591,16 @@ def run(systems: list[System], texts: dict[str, list[str]], repeats: int, *, mod
         peers_python = ensure_venv(log=log)
         export_dir = ensure_export(peers_python, model, log=log)
     with tempfile.TemporaryDirectory(prefix="bench_peers_logs_") as tmp:
-        peers, loads = start_peers(systems, model, log_dir=Path(tmp), peers_python=peers_python,
-                                   export_dir=export_dir, log=log)
+        peers, loads = start_peers(
+            systems, model, log_dir=Path(tmp), peers_python=peers_python, export_dir=export_dir, log=log
+        )
         try:
             records = measure(peers, texts, repeats, settle=settle, log=log)
         finally:
             close_all(peers)
-    return assemble(records, loads, {**cpu_info(), "machine": machine_slug(), "commit": git_commit(),
-                                     **model_identity(model)})
+    return assemble(
+        records, loads, {**cpu_info(), "machine": machine_slug(), "commit": git_commit(), **model_identity(model)}
+    )
 
 
 def model_identity(model: str) -> dict:
@@ -425,10 +615,16 @@ def model_identity(model: str) -> dict:
 def git_commit() -> str | None:
     """The checkout's commit (short hash, ``+`` when the tree has changes), None outside git."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return sha + ("+" if dirty else "")
@@ -436,17 +632,27 @@ def git_commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="model folder or hub id (org/name[@revision]; default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument(
+        "--model", default=None, help="model folder or hub id (org/name[@revision]; default: bundled all-MiniLM-L6-v2)"
+    )
     parser.add_argument("--corpora", nargs="+", default=None, choices=CORPORA, help=f"default: {' '.join(CORPORA)}")
-    parser.add_argument("--systems", nargs="+", default=None, metavar="SYSTEM",
-                        help=f"default: every CPU system (and the CUDA ones with a GPU); valid: {', '.join(SYSTEMS)}")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=None,
+        metavar="SYSTEM",
+        help=f"default: every CPU system (and the CUDA ones with a GPU); valid: {', '.join(SYSTEMS)}",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds, >= 3 (default 5; smoke 3)")
     parser.add_argument("--scifact-docs", type=int, default=1000)
     parser.add_argument("--max-texts", type=int, default=None, help="evenly spaced texts per corpus (default all)")
     parser.add_argument("--settle", type=float, default=0.2, help="idle seconds before each timed call")
-    parser.add_argument("--smoke", action="store_true", default=lab_env.flag("LAB_SMOKE", False),
-                        help=f"{SMOKE_TEXTS} texts of {' and '.join(SMOKE_CORPORA)}, 3 rounds (also LAB_SMOKE=1)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        default=lab_env.flag("LAB_SMOKE", False),
+        help=f"{SMOKE_TEXTS} texts of {' and '.join(SMOKE_CORPORA)}, 3 rounds (also LAB_SMOKE=1)",
+    )
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.smoke else 5)
@@ -467,12 +673,21 @@ def main(argv: list[str] | None = None) -> None:
     systems, skipped = select_systems(args.systems, torch.cuda.is_available())
     if skipped:
         print(f"skipped (no CUDA device): {', '.join(skipped)}", file=sys.stderr)
-    df = run(systems, load_texts(corpora, args.scifact_docs, max_texts), repeats, model=args.model,
-             settle=args.settle)
+    df = run(systems, load_texts(corpora, args.scifact_docs, max_texts), repeats, model=args.model, settle=args.settle)
     csv, png = output_paths(Path(args.out), machine_slug(), args.smoke)
     save_table(csv, df, {png: plot(df)})
-    cols = ["corpus", "system", "precision_class", "tokens_per_s", "ratio_vs_st_float32", "ratio_vs_fastest_peer",
-            "min_cosine_vs_st_float32", "matches", "rss_load_delta_mb", "peak_rss_mb"]
+    cols = [
+        "corpus",
+        "system",
+        "precision_class",
+        "tokens_per_s",
+        "ratio_vs_st_float32",
+        "ratio_vs_fastest_peer",
+        "min_cosine_vs_st_float32",
+        "matches",
+        "rss_load_delta_mb",
+        "peak_rss_mb",
+    ]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
     print(f"wrote {csv} and {png}")
 

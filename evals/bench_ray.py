@@ -59,8 +59,12 @@ STS = DATA / "stsbenchmark"
 
 def load_texts(n: int) -> tuple[list[str], str]:
     """``n`` STSBenchmark sentences, cycling the corpus when ``n`` is larger; and a note saying how."""
-    corpus = [r[c] for split in ("train", "validation", "test") for r in read_jsonl(STS / f"{split}.jsonl.gz")
-              for c in ("sentence1", "sentence2")]
+    corpus = [
+        r[c]
+        for split in ("train", "validation", "test")
+        for r in read_jsonl(STS / f"{split}.jsonl.gz")
+        for c in ("sentence1", "sentence2")
+    ]
     note = f"STSBenchmark train+validation+test sentences ({len(corpus)})"
     if n > len(corpus):
         note += f", cycled to {n} (the corpus repeated from its start)"
@@ -80,9 +84,18 @@ def throughput(systems: dict, texts: list[str], rounds: int) -> pd.DataFrame:
     rows = []
     for name, (_, meta) in systems.items():
         secs = times[name]
-        rows.append({"system": name, **meta, "texts": len(texts), "rounds": rounds,
-                     "seconds_median": statistics.median(secs), "seconds_min": min(secs), "seconds_max": max(secs),
-                     "min_cosine": min_cosine(outputs[name], outputs["engine"])})
+        rows.append(
+            {
+                "system": name,
+                **meta,
+                "texts": len(texts),
+                "rounds": rounds,
+                "seconds_median": statistics.median(secs),
+                "seconds_min": min(secs),
+                "seconds_max": max(secs),
+                "min_cosine": min_cosine(outputs[name], outputs["engine"]),
+            }
+        )
     df = pd.DataFrame(rows)
     df["tokens_per_s"] = df.tokens / df.seconds_median
     df["ratio_vs_engine"] = df.tokens_per_s / df.tokens_per_s[df.system == "engine"].iloc[0]
@@ -103,10 +116,20 @@ def overhead(reng_one, reng_many, texts: list[str], shard_texts: int, local) -> 
             wall = time.perf_counter() - t0
         actors = len(reng.actors)
         busy = summary.seconds.sum()
-        rows.append({"measure": "embed_dataset", "actors": actors, "threads_per_actor": reng.threads_per_actor,
-                     "shards": len(summary), "shard_texts": shard_texts, "tokens": int(summary.tokens.sum()),
-                     "wall_s": wall, "busy_s": busy, "seconds_per_shard": (wall * actors - busy) / len(summary),
-                     "actor_tokens_per_s": summary.tokens.sum() / busy})
+        rows.append(
+            {
+                "measure": "embed_dataset",
+                "actors": actors,
+                "threads_per_actor": reng.threads_per_actor,
+                "shards": len(summary),
+                "shard_texts": shard_texts,
+                "tokens": int(summary.tokens.sum()),
+                "wall_s": wall,
+                "busy_s": busy,
+                "seconds_per_shard": (wall * actors - busy) / len(summary),
+                "actor_tokens_per_s": summary.tokens.sum() / busy,
+            }
+        )
     emb = local.embed(texts[:shard_texts])
     with tempfile.TemporaryDirectory() as out:  # the driver's part of a shard, alone: Parquet write + manifest
         src = read_source(texts[:shard_texts])
@@ -117,10 +140,18 @@ def overhead(reng_one, reng_many, texts: list[str], shard_texts: int, local) -> 
             name = write_shard(Path(out), k, src.ids, emb)
             man.record(k, {"file": name, "rows": len(src)})
             driver.append(time.perf_counter() - t0)
-    rows.append({"measure": "driver write + manifest", "shards": 10, "shard_texts": shard_texts,
-                 "seconds_per_shard": statistics.median(driver)})
-    for name, fn in (("round trip, one text (ray)", lambda: list(reng_one.map_chunks([(0, ["a"], 0)]))),
-                     ("one text, local Engine", lambda: local.embed(["a"]))):
+    rows.append(
+        {
+            "measure": "driver write + manifest",
+            "shards": 10,
+            "shard_texts": shard_texts,
+            "seconds_per_shard": statistics.median(driver),
+        }
+    )
+    for name, fn in (
+        ("round trip, one text (ray)", lambda: list(reng_one.map_chunks([(0, ["a"], 0)]))),
+        ("one text, local Engine", lambda: local.embed(["a"])),
+    ):
         fn()
         trips = []
         for _ in range(30):
@@ -130,9 +161,12 @@ def overhead(reng_one, reng_many, texts: list[str], shard_texts: int, local) -> 
         rows.append({"measure": name, "shards": 30, "seconds_per_shard": statistics.median(trips)})
     df = pd.DataFrame(rows)
     one, many = df.iloc[0], df.iloc[1]
-    params = {"rate": many.actor_tokens_per_s, "overhead": max(one.seconds_per_shard, 0.0),
-              "driver": df.seconds_per_shard[df.measure == "driver write + manifest"].iloc[0],
-              "shard_tokens": many.tokens / many.shards}
+    params = {
+        "rate": many.actor_tokens_per_s,
+        "overhead": max(one.seconds_per_shard, 0.0),
+        "driver": df.seconds_per_shard[df.measure == "driver write + manifest"].iloc[0],
+        "shard_tokens": many.tokens / many.shards,
+    }
     return df, params
 
 
@@ -144,10 +178,20 @@ def projection(params: dict, rates: list[float], counts: list[int]) -> pd.DataFr
     for source, rate in sources:
         for n in counts:
             tps = min(n * s / (s / rate + o), s / d if d > 0 else float("inf"))
-            rows.append({"rate_source": source, "actor_tokens_per_s": rate, "actors": n, "shard_tokens": s,
-                         "overhead_s_per_shard": o, "driver_s_per_shard": d, "tokens_per_s": tps,
-                         "efficiency": tps / (n * rate), "hours_per_100M_tokens": 1e8 / tps / 3600,
-                         "driver_bound": n * s / (s / rate + o) > s / d if d > 0 else False})
+            rows.append(
+                {
+                    "rate_source": source,
+                    "actor_tokens_per_s": rate,
+                    "actors": n,
+                    "shard_tokens": s,
+                    "overhead_s_per_shard": o,
+                    "driver_s_per_shard": d,
+                    "tokens_per_s": tps,
+                    "efficiency": tps / (n * rate),
+                    "hours_per_100M_tokens": 1e8 / tps / 3600,
+                    "driver_bound": n * s / (s / rate + o) > s / d if d > 0 else False,
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -160,9 +204,14 @@ def plot(tp: pd.DataFrame, proj: pd.DataFrame, title: str):
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     x = np.arange(len(tp))
     ax.bar(x, tp.tokens_per_s, color=["#999999"] + ["#1f77b4"] * (len(tp) - 1))
-    ax.errorbar(x, tp.tokens_per_s, yerr=[tp.tokens_per_s - tp.tokens / tp.seconds_max,
-                                          tp.tokens / tp.seconds_min - tp.tokens_per_s], fmt="none", color="k",
-                capsize=3)
+    ax.errorbar(
+        x,
+        tp.tokens_per_s,
+        yerr=[tp.tokens_per_s - tp.tokens / tp.seconds_max, tp.tokens / tp.seconds_min - tp.tokens_per_s],
+        fmt="none",
+        color="k",
+        capsize=3,
+    )
     for i, r in enumerate(tp.itertuples()):
         ax.text(i, r.tokens / r.seconds_min, f"{r.ratio_vs_engine:.2f}x", ha="center", va="bottom", fontsize=9)
     ax.axhline(0.9 * tp.tokens_per_s.iloc[0], color="r", ls="dotted", label="0.9x engine (target)")
@@ -184,8 +233,9 @@ def plot(tp: pd.DataFrame, proj: pd.DataFrame, title: str):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="model folder or hub id (org/name[@revision]; default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument(
+        "--model", default=None, help="model folder or hub id (org/name[@revision]; default: bundled all-MiniLM-L6-v2)"
+    )
     parser.add_argument("--texts", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shard-texts", type=int, default=2048)
@@ -222,12 +272,35 @@ def main(argv: list[str] | None = None) -> None:
         one = RayEngine(args.model, num_actors=1, threads_per_actor=cores)
         many = RayEngine(args.model, num_actors=cores, threads_per_actor=1)
         tokens = sum(r.length for r in eng.tokenize(texts))
-        systems = {"engine": (eng.embed, {"actors": 0, "threads_per_actor": cores, "tokens": tokens,
-                                          "malloc_tuning": eng.resolved["malloc_tuning"]}),
-                   f"ray-1x{cores}": (one.embed, {"actors": 1, "threads_per_actor": cores, "tokens": tokens,
-                                                  "malloc_tuning": one.resolved["malloc_tuning"]}),
-                   f"ray-{cores}x1": (many.embed, {"actors": cores, "threads_per_actor": 1, "tokens": tokens,
-                                                   "malloc_tuning": many.resolved["malloc_tuning"]})}
+        systems = {
+            "engine": (
+                eng.embed,
+                {
+                    "actors": 0,
+                    "threads_per_actor": cores,
+                    "tokens": tokens,
+                    "malloc_tuning": eng.resolved["malloc_tuning"],
+                },
+            ),
+            f"ray-1x{cores}": (
+                one.embed,
+                {
+                    "actors": 1,
+                    "threads_per_actor": cores,
+                    "tokens": tokens,
+                    "malloc_tuning": one.resolved["malloc_tuning"],
+                },
+            ),
+            f"ray-{cores}x1": (
+                many.embed,
+                {
+                    "actors": cores,
+                    "threads_per_actor": 1,
+                    "tokens": tokens,
+                    "malloc_tuning": many.resolved["malloc_tuning"],
+                },
+            ),
+        }
         tp = throughput(systems, texts, args.rounds)
         ov, params = overhead(one, many, texts, args.shard_texts, eng)
         one.close()
@@ -238,8 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     machine = {**cpu_info(), "cores": cores, "ray": ray.__version__, "model": eng.model_name, "corpus": note}
     tp, ov, proj = (stamp(df.assign(**machine)) for df in (tp, ov, proj))
     out, suffix = Path(args.out), "_quick" if args.quick else ""
-    title = (f"{machine['model']} on {machine['cpu_model']} ({cores} cores), {len(texts):,} texts, median of "
-             f"{args.rounds}; Ray {ray.__version__}")
+    title = (
+        f"{machine['model']} on {machine['cpu_model']} ({cores} cores), {len(texts):,} texts, median of "
+        f"{args.rounds}; Ray {ray.__version__}"
+    )
     save_run(tp, out, f"bench_ray{suffix}", plot(tp, proj, title))
     save_run(ov, out, f"bench_ray_overhead{suffix}")
     save_run(proj, out, f"bench_ray_projection{suffix}")

@@ -37,10 +37,20 @@ from lab import env
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_scaling"
 SHAPES = {  # Qwen2-0.5B / Qwen2-1.5B layer shapes (config.json of the published models)
-    "0.5B": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-             "num_key_value_heads": 2},
-    "1.5B": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2},
+    "0.5B": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+    },
+    "1.5B": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+    },
 }
 BATCH = 16  # texts per padded batch (transformers)
 
@@ -55,8 +65,14 @@ def checkpoint(size: str) -> Path:
     if (out / "config.json").exists():
         return out
     tok = AutoTokenizer.from_pretrained(smollm2_path())
-    config = Qwen2Config(vocab_size=len(tok), max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True,
-                         torch_dtype="bfloat16", **SHAPES[size])
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        **SHAPES[size],
+    )
     torch.manual_seed(0)
     model = Qwen2Model(config).to(torch.bfloat16).eval()
     partial = out.with_name(out.name + ".partial")
@@ -72,10 +88,14 @@ def systems(path: Path, dtype: str, max_length: int) -> dict:
 
     eager = Engine(str(path), dtype=dtype, pooling="mean", max_length=max_length, compile=False)
     compiled = Engine(str(path), dtype=dtype, pooling="mean", max_length=max_length, compile=True)
-    padded = PaddedTransformersEmbedder(str(path), batch_size=BATCH, dtype=dtype, pooling="mean",
-                                        max_length=max_length)
-    return {"engine": (eager, eager.embed), "engine-compiled": (compiled, compiled.embed),
-            "transformers-padded": (padded.model, padded)}
+    padded = PaddedTransformersEmbedder(
+        str(path), batch_size=BATCH, dtype=dtype, pooling="mean", max_length=max_length
+    )
+    return {
+        "engine": (eager, eager.embed),
+        "engine-compiled": (compiled, compiled.embed),
+        "transformers-padded": (padded.model, padded),
+    }
 
 
 def run(sizes: list[str], dtype: str, n_texts: int, repeats: int, max_length: int) -> pd.DataFrame:
@@ -99,19 +119,33 @@ def run(sizes: list[str], dtype: str, n_texts: int, repeats: int, max_length: in
         for name, (obj, _) in runs.items():
             model = obj.model if hasattr(obj, "runner") else obj
             med = statistics.median(secs[name])
-            rows.append({
-                "size": size, "system": name, "dtype": dtype, "texts": len(texts), "tokens": tokens,
-                "repeats": repeats, "seconds_median": med, "seconds_min": min(secs[name]),
-                "seconds_max": max(secs[name]), "tokens_per_s": tokens / med,
-                "min_cosine_vs_engine": min_cosine(first[name], first["engine"]),
-                "peak_rss_delta_mb": None if first[name + ":peak"] is None else first[name + ":peak"] / 2**20,
-                "weights_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
-                "compile_seconds": (sum(obj.runner.compiled.compile_seconds.values())
-                                    if name == "engine-compiled" else None),
-                "cpu_paths": json.dumps(obj.cpu_paths) if hasattr(obj, "runner") else None, **cpu_info(),
-            })
-            print(f"{size} {name:22s} {rows[-1]['tokens_per_s']:8.1f} tok/s  peak {rows[-1]['peak_rss_delta_mb']} MB"
-                  f"  min cos vs engine {rows[-1]['min_cosine_vs_engine']:.5f}", flush=True)
+            rows.append(
+                {
+                    "size": size,
+                    "system": name,
+                    "dtype": dtype,
+                    "texts": len(texts),
+                    "tokens": tokens,
+                    "repeats": repeats,
+                    "seconds_median": med,
+                    "seconds_min": min(secs[name]),
+                    "seconds_max": max(secs[name]),
+                    "tokens_per_s": tokens / med,
+                    "min_cosine_vs_engine": min_cosine(first[name], first["engine"]),
+                    "peak_rss_delta_mb": None if first[name + ":peak"] is None else first[name + ":peak"] / 2**20,
+                    "weights_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+                    "compile_seconds": (
+                        sum(obj.runner.compiled.compile_seconds.values()) if name == "engine-compiled" else None
+                    ),
+                    "cpu_paths": json.dumps(obj.cpu_paths) if hasattr(obj, "runner") else None,
+                    **cpu_info(),
+                }
+            )
+            print(
+                f"{size} {name:22s} {rows[-1]['tokens_per_s']:8.1f} tok/s  peak {rows[-1]['peak_rss_delta_mb']} MB"
+                f"  min cos vs engine {rows[-1]['min_cosine_vs_engine']:.5f}",
+                flush=True,
+            )
         del runs
     df = pd.DataFrame(rows)
     eng = df[df.system == "engine"].set_index("size").tokens_per_s
@@ -131,8 +165,9 @@ def plot(df: pd.DataFrame):
     width = 0.8 / len(names)
     for j, name in enumerate(names):
         sel = df[df.system == name].set_index("size").reindex(sizes)
-        ax.bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(sizes))], sel.tokens_per_s, width,
-               label=name)
+        ax.bar(
+            [i + (j - (len(names) - 1) / 2) * width for i in range(len(sizes))], sel.tokens_per_s, width, label=name
+        )
     ax.set_xticks(range(len(sizes)), [f"Qwen2-{s} shapes" for s in sizes])
     ax.set_ylabel("tokens / s (median)")
     r = df.iloc[0]
@@ -153,8 +188,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     df = stamp(run(args.sizes, args.dtype, args.texts, args.repeats, args.max_length))
     save_run(df, Path(args.out), "bench_scaling", plot(df))
-    print(df[["size", "system", "tokens_per_s", "ratio_vs_engine", "peak_rss_delta_mb", "weights_mb",
-              "compile_seconds", "min_cosine_vs_engine"]].to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
+    print(
+        df[
+            [
+                "size",
+                "system",
+                "tokens_per_s",
+                "ratio_vs_engine",
+                "peak_rss_delta_mb",
+                "weights_mb",
+                "compile_seconds",
+                "min_cosine_vs_engine",
+            ]
+        ].to_string(index=False, float_format=lambda v: f"{v:,.3f}")
+    )
 
 
 if __name__ == "__main__":

@@ -94,19 +94,34 @@ def run(args) -> list[dict]:
             secs = time.perf_counter() - t0
             cos = (emb[a] * emb[b]).sum(1)  # unit vectors: the dot product is the cosine
             r = eng.resolved
-            rows.append({
-                "model": eng.model_name, "pooling": pooling,
-                "attention": "bidirectional" if bidirectional else "causal",
-                "spearman_x100": 100 * spearman(cos, gold), "pearson_x100": 100 * pearson(cos, gold),
-                "cosine_mean": float(cos.mean()), "cosine_std": float(cos.std()),
-                "pairs": len(pairs), "sentences": len(sentences), "tokens": eng.stats.tokens,
-                "seconds": secs, "append_eos": r["append_eos"], "dtype": r["dtype"], "device": r["device"],
-                "run": "full" if args.limit is None or args.limit >= 1379 else f"limit={len(pairs)}",
-                "torch": torch.__version__, "machine": platform.machine(),
-                "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "run_date": run_date(),
-            })
-            print(f"  {pooling:9s} {rows[-1]['attention']:13s} Spearman {rows[-1]['spearman_x100']:6.2f}  "
-                  f"Pearson {rows[-1]['pearson_x100']:6.2f}  ({secs:.1f} s, {eng.stats.tokens} tokens)", flush=True)
+            rows.append(
+                {
+                    "model": eng.model_name,
+                    "pooling": pooling,
+                    "attention": "bidirectional" if bidirectional else "causal",
+                    "spearman_x100": 100 * spearman(cos, gold),
+                    "pearson_x100": 100 * pearson(cos, gold),
+                    "cosine_mean": float(cos.mean()),
+                    "cosine_std": float(cos.std()),
+                    "pairs": len(pairs),
+                    "sentences": len(sentences),
+                    "tokens": eng.stats.tokens,
+                    "seconds": secs,
+                    "append_eos": r["append_eos"],
+                    "dtype": r["dtype"],
+                    "device": r["device"],
+                    "run": "full" if args.limit is None or args.limit >= 1379 else f"limit={len(pairs)}",
+                    "torch": torch.__version__,
+                    "machine": platform.machine(),
+                    "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "run_date": run_date(),
+                }
+            )
+            print(
+                f"  {pooling:9s} {rows[-1]['attention']:13s} Spearman {rows[-1]['spearman_x100']:6.2f}  "
+                f"Pearson {rows[-1]['pearson_x100']:6.2f}  ({secs:.1f} s, {eng.stats.tokens} tokens)",
+                flush=True,
+            )
     return rows
 
 
@@ -121,18 +136,29 @@ def write(rows: list[dict], out: Path) -> list[Path]:
     lines = [
         "# Causal vs bidirectional attention, no training: STSBenchmark test",
         "",
-        (f"Model `{r0['model']}`, {r0['pairs']} pairs ({r0['run']}), {r0['sentences']} distinct sentences, "
-         f"{r0['dtype']} on {r0['device']}; cosine similarity vs gold, Spearman x100 (MTEB's main score for STS). "
-         "One Engine, switched with `configure(pooling=..., bidirectional=...)`. lasttoken pooling appends EOS "
-         "(the Engine's default for decoders)."),
+        (
+            f"Model `{r0['model']}`, {r0['pairs']} pairs ({r0['run']}), {r0['sentences']} distinct sentences, "
+            f"{r0['dtype']} on {r0['device']}; cosine similarity vs gold, Spearman x100 (MTEB's main score for STS). "
+            "One Engine, switched with `configure(pooling=..., bidirectional=...)`. lasttoken pooling appends EOS "
+            "(the Engine's default for decoders)."
+        ),
         "",
         "| pooling | " + " | ".join(table.columns) + " |",
         "|---|" + "---:|" * len(table.columns),
     ]
     for pooling, vals in table.iterrows():
         lines.append(f"| {pooling} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
-    cols = ["pooling", "attention", "spearman_x100", "pearson_x100", "cosine_mean", "cosine_std", "tokens",
-            "seconds", "append_eos"]
+    cols = [
+        "pooling",
+        "attention",
+        "spearman_x100",
+        "pearson_x100",
+        "cosine_mean",
+        "cosine_std",
+        "tokens",
+        "seconds",
+        "append_eos",
+    ]
     lines += ["", "All rows:", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, r in df[cols].iterrows():
         lines.append("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r) + " |")
@@ -156,16 +182,23 @@ def write(rows: list[dict], out: Path) -> list[Path]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, 
-                    help="model folder or hub id (org/name[@revision]; default: the cached SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model folder or hub id (org/name[@revision]; default: the cached SmolLM2-135M-Instruct)",
+    )
     ap.add_argument("--limit", type=int, default=None, help="evenly spaced pairs (default: all 1,379)")
     ap.add_argument("--poolings", nargs="+", default=["mean", "lasttoken"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=None,
-                    help="output path without suffix (default evals/results/causal_vs_bidirectional/"
-                         "causal_vs_bidirectional_<machine>)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output path without suffix (default evals/results/causal_vs_bidirectional/"
+        "causal_vs_bidirectional_<machine>)",
+    )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = run(args)

@@ -25,8 +25,12 @@ def plot(df, csv_path: Path, slug: str | None = None) -> list[Path]:
     run = df["run"].iloc[0] if len(df) else ""
     tp = df[(df.section == "throughput") & (df.metric == "time")]
     if len(tp):
-        tp = tp.assign(label=tp.system + " " + tp.setting.str.replace("max_batch_tokens=", "tokens ").str.replace(
-            "batch_size=", "batch "), group=tp.dtype + "\n" + tp.pooling)
+        tp = tp.assign(
+            label=tp.system
+            + " "
+            + tp.setting.str.replace("max_batch_tokens=", "tokens ").str.replace("batch_size=", "batch "),
+            group=tp.dtype + "\n" + tp.pooling,
+        )
         pivot = tp.pivot_table(index="group", columns="label", values="tokens_per_s", sort=False)
         ax = pivot.plot.bar(rot=0, figsize=(8, 4.5))
         ax.set_ylabel("tokens / s (median)")
@@ -37,27 +41,50 @@ def plot(df, csv_path: Path, slug: str | None = None) -> list[Path]:
         for i, group in enumerate(pivot.index):
             r = speed[(speed.dtype + "\n" + speed.pooling) == group]
             if len(r):
-                ax.annotate(f"{float(r.value.iloc[0]):.2f}x", (i, pivot.loc[group].max()), ha="center",
-                            va="bottom", fontsize=9, xytext=(0, 3), textcoords="offset points")
+                ax.annotate(
+                    f"{float(r.value.iloc[0]):.2f}x",
+                    (i, pivot.loc[group].max()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=9,
+                    xytext=(0, 3),
+                    textcoords="offset points",
+                )
         plt.tight_layout()
         save("throughput")
     mem = df[df.section == "memory"]
     if len(mem):
-        m = mem.assign(length=mem.setting.str.extract(r"length=(\d+)")[0].astype(int),
-                       chunk=mem.setting.str.extract(r"chunked_prefill=(\w+)")[0])
-        peak_metric = next((x for x in ("run_cuda_delta_mb", "peak_tensor_mb", "run_rss_delta_mb", "peak_rss_mb")
-                            if (m.metric == x).any()), "peak_rss_mb")
+        m = mem.assign(
+            length=mem.setting.str.extract(r"length=(\d+)")[0].astype(int),
+            chunk=mem.setting.str.extract(r"chunked_prefill=(\w+)")[0],
+        )
+        peak_metric = next(
+            (
+                x
+                for x in ("run_cuda_delta_mb", "peak_tensor_mb", "run_rss_delta_mb", "peak_rss_mb")
+                if (m.metric == x).any()
+            ),
+            "peak_rss_mb",
+        )
         fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
         for chunk, g in m.groupby("chunk", sort=False):
             label = "off" if chunk == "None" else chunk
-            for ax, metric, col in ((axes[0], peak_metric, "value"), (axes[1], "run_rss_delta_mb", "value"),
-                                    (axes[2], "time", "seconds_median")):
+            for ax, metric, col in (
+                (axes[0], peak_metric, "value"),
+                (axes[1], "run_rss_delta_mb", "value"),
+                (axes[2], "time", "seconds_median"),
+            ):
                 s = g[g.metric == metric].sort_values("length")
                 ax.plot(s.length, s[col], marker="o", label=f"chunked_prefill={label}")
-        title0 = {"peak_tensor_mb": "peak tensor memory above the loaded model",
-                  "run_cuda_delta_mb": "peak CUDA memory above the loaded model"}.get(peak_metric, "peak memory")
-        for ax, title, ylabel in ((axes[0], title0, "MB (" + peak_metric + ")"),
-                                  (axes[1], "RSS high-water mark above idle", "MB"), (axes[2], "time", "seconds")):
+        title0 = {
+            "peak_tensor_mb": "peak tensor memory above the loaded model",
+            "run_cuda_delta_mb": "peak CUDA memory above the loaded model",
+        }.get(peak_metric, "peak memory")
+        for ax, title, ylabel in (
+            (axes[0], title0, "MB (" + peak_metric + ")"),
+            (axes[1], "RSS high-water mark above idle", "MB"),
+            (axes[2], "time", "seconds"),
+        ):
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted(m.length.unique()), [str(x) for x in sorted(m.length.unique())])
             ax.set_xlabel("input length (tokens)")
@@ -83,16 +110,58 @@ def plot(df, csv_path: Path, slug: str | None = None) -> list[Path]:
 def summary(df) -> str:
     import pandas as pd
 
-    keep = df[df.metric.isin(["time", "speedup_vs_baseline", "speedup_vs_best_baseline", "min_cosine_vs_baseline",
-                              "min_cosine_vs_float32_baseline", "min_cosine_vs_itself_other_batch",
-                              "speedup_vs_baseline_cpu_time",
-                              "speedup_prefix_cache_cpu_time",
-                              "identical_tokens", "peak_rss_mb", "run_rss_delta_mb", "peak_cuda_allocated_mb",
-                              "peak_tensor_mb", "state_mb", "speedup_prefix_cache", "min_cosine_cache_vs_nocache",
-                              "instruction_fraction_min", "gemm_seconds", "attention_seconds",
-                              "other_ops_seconds", "profiled_wall_seconds", "speedup_ceiling_at_gemm_roofline"])]
-    cols = ["section", "system", "dtype", "pooling", "setting", "metric", "value", "target", "meets_target",
-            "seconds_median", "cpu_seconds_median", "tokens_per_s", "roofline_fraction", "baseline_slowdown"]
-    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 40,
-                           "display.float_format", "{:.4g}".format):
+    keep = df[
+        df.metric.isin(
+            [
+                "time",
+                "speedup_vs_baseline",
+                "speedup_vs_best_baseline",
+                "min_cosine_vs_baseline",
+                "min_cosine_vs_float32_baseline",
+                "min_cosine_vs_itself_other_batch",
+                "speedup_vs_baseline_cpu_time",
+                "speedup_prefix_cache_cpu_time",
+                "identical_tokens",
+                "peak_rss_mb",
+                "run_rss_delta_mb",
+                "peak_cuda_allocated_mb",
+                "peak_tensor_mb",
+                "state_mb",
+                "speedup_prefix_cache",
+                "min_cosine_cache_vs_nocache",
+                "instruction_fraction_min",
+                "gemm_seconds",
+                "attention_seconds",
+                "other_ops_seconds",
+                "profiled_wall_seconds",
+                "speedup_ceiling_at_gemm_roofline",
+            ]
+        )
+    ]
+    cols = [
+        "section",
+        "system",
+        "dtype",
+        "pooling",
+        "setting",
+        "metric",
+        "value",
+        "target",
+        "meets_target",
+        "seconds_median",
+        "cpu_seconds_median",
+        "tokens_per_s",
+        "roofline_fraction",
+        "baseline_slowdown",
+    ]
+    with pd.option_context(
+        "display.width",
+        200,
+        "display.max_columns",
+        20,
+        "display.max_colwidth",
+        40,
+        "display.float_format",
+        "{:.4g}".format,
+    ):
         return keep[cols].to_string(index=False)

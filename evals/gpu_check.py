@@ -48,8 +48,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "evals" / "results" / "gpu_check"
 COLUMNS = [
-    "section", "kernel", "provider", "config", "dtype", "metric", "value", "p20", "p50", "p80",
-    "baseline", "speedup", "bound", "ok", "device", "torch", "triton", "when", "run_date",
+    "section",
+    "kernel",
+    "provider",
+    "config",
+    "dtype",
+    "metric",
+    "value",
+    "p20",
+    "p50",
+    "p80",
+    "baseline",
+    "speedup",
+    "bound",
+    "ok",
+    "device",
+    "torch",
+    "triton",
+    "when",
+    "run_date",
 ]
 
 
@@ -74,8 +91,13 @@ class Check:
             triton_version = ""
         name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke run)"
         now = datetime.now(timezone.utc)
-        self.common = {"device": name, "torch": torch.__version__, "triton": triton_version,
-                       "when": now.isoformat(timespec="seconds"), "run_date": now.date().isoformat()}
+        self.common = {
+            "device": name,
+            "torch": torch.__version__,
+            "triton": triton_version,
+            "when": now.isoformat(timespec="seconds"),
+            "run_date": now.date().isoformat(),
+        }
 
     def over_budget(self) -> bool:
         return time.perf_counter() - self.t0 > self.budget_s
@@ -131,10 +153,26 @@ class Check:
         bound = error_bound(kernel, dtype, err_torch, scale=scale)
         ok = bool(err_kernel <= bound)
         if err_torch is not None:
-            self.add(section=section, kernel=kernel, provider="torch", config=config, dtype=dname,
-                     metric="max_abs_err", value=float(err_torch))
-        return self.add(section=section, kernel=kernel, provider="triton", config=config, dtype=dname,
-                        metric="max_abs_err", value=float(err_kernel), bound=float(bound), ok=ok)
+            self.add(
+                section=section,
+                kernel=kernel,
+                provider="torch",
+                config=config,
+                dtype=dname,
+                metric="max_abs_err",
+                value=float(err_torch),
+            )
+        return self.add(
+            section=section,
+            kernel=kernel,
+            provider="triton",
+            config=config,
+            dtype=dname,
+            metric="max_abs_err",
+            value=float(err_kernel),
+            bound=float(bound),
+            ok=ok,
+        )
 
     def timings(self, section, kernel, config, dtype, providers: dict) -> None:
         """Time each provider; ``torch`` (the reference) is the baseline of the speedup column."""
@@ -144,13 +182,31 @@ class Check:
             try:
                 results[provider] = self.bench(fn)
             except Exception as exc:  # noqa: BLE001  (an optional baseline that cannot run here is recorded)
-                self.add(section=section, kernel=kernel, provider=provider, config=config, dtype=dname,
-                         metric="skipped", value=repr(exc)[:200])
+                self.add(
+                    section=section,
+                    kernel=kernel,
+                    provider=provider,
+                    config=config,
+                    dtype=dname,
+                    metric="skipped",
+                    value=repr(exc)[:200],
+                )
         base = results.get("torch")
         for provider, (p20, p50, p80) in results.items():
-            self.add(section=section, kernel=kernel, provider=provider, config=config, dtype=dname, metric="ms",
-                     value=p50, p20=p20, p50=p50, p80=p80, baseline="torch" if base else "",
-                     speedup=base[1] / p50 if base and p50 > 0 else "")
+            self.add(
+                section=section,
+                kernel=kernel,
+                provider=provider,
+                config=config,
+                dtype=dname,
+                metric="ms",
+                value=p50,
+                p20=p20,
+                p50=p50,
+                p80=p80,
+                baseline="torch" if base else "",
+                speedup=base[1] / p50 if base and p50 > 0 else "",
+            )
 
 
 def max_err(a, b) -> float:
@@ -222,7 +278,8 @@ def check_attention(ck: Check, dtypes) -> None:
         lengths = lengths_for(torch, gen, b, max_len)
         prefix = torch.randint(0, max_prefix + 1, (b,), generator=gen).tolist() if max_prefix else None
         config = f"{name}: B={b} T={sum(lengths)} max={max_len} Hq={hq} Hkv={hkv} D={d}" + (
-            f" prefix={sum(prefix)}" if prefix else "")
+            f" prefix={sum(prefix)}" if prefix else ""
+        )
         cu = cu_of(torch, lengths, dev)
         for dtype in dtypes:
             with ck.guard("attention", f"varlen_attention {config} {dtype}"):
@@ -239,7 +296,15 @@ def check_attention(ck: Check, dtypes) -> None:
                     kw32 = {"k_prefix": kp.float(), "v_prefix": vp.float(), "cu_prefix": cp}
                 exact = ref.varlen_attention_naive(q.float(), k.float(), v.float(), cu, causal=causal, **kw32)
                 run_ref = functools.partial(
-                    ref.varlen_attention, q, k, v, cu, max_len, causal=causal, seqlens=lengths, prefix_lens=prefix,
+                    ref.varlen_attention,
+                    q,
+                    k,
+                    v,
+                    cu,
+                    max_len,
+                    causal=causal,
+                    seqlens=lengths,
+                    prefix_lens=prefix,
                     **kw,
                 )
                 run_tri = functools.partial(ka.varlen_attention, q, k, v, cu, max_len, causal=causal, **kw)
@@ -258,7 +323,8 @@ def check_attention(ck: Check, dtypes) -> None:
                 providers["sdpa_flash_padded"] = functools.partial(_sdpa_flash, qp, kpad, vpad, causal)
                 if flash_attn_varlen_func is not None and not prefix and dev == "cuda":
                     providers["flash_attn_varlen"] = functools.partial(
-                        flash_attn_varlen_func, q, k, v, cu, cu, max_len, max_len, causal=causal)
+                        flash_attn_varlen_func, q, k, v, cu, cu, max_len, max_len, causal=causal
+                    )
                 ck.timings("attention", "varlen_attention", config, dtype, providers)
                 del qp, kpad, vpad
 
@@ -285,10 +351,16 @@ def check_pooling(ck: Check, dtypes) -> None:
                     got = kp.segment_pool(hidden, cu, method, **kw)
                     ck.accuracy("pooling", "segment_pool", config, dtype, max_err(got, want), scale=max_abs(want))
                     if method in ("mean", "lasttoken") and not ck.over_budget():
-                        ck.timings("pooling", "segment_pool", config, dtype, {
-                            "triton": functools.partial(kp.segment_pool, hidden, cu, method, **kw),
-                            "torch": functools.partial(ref.segment_pool, hidden, cu, method, **kw),
-                        })
+                        ck.timings(
+                            "pooling",
+                            "segment_pool",
+                            config,
+                            dtype,
+                            {
+                                "triton": functools.partial(kp.segment_pool, hidden, cu, method, **kw),
+                                "torch": functools.partial(ref.segment_pool, hidden, cu, method, **kw),
+                            },
+                        )
 
 
 # ------------------------------------------------------------------------------------------------------- norms
@@ -308,21 +380,45 @@ def check_norms(ck: Check, dtypes) -> None:
                 bias = (0.1 * torch.randn(n, device=ck.device)).to(dtype)
                 exact = ref.add_layer_norm(x.float(), r.float(), w.float(), bias.float(), 1e-12)
                 err_torch = max_err(ref.add_layer_norm(x, r, w, bias, 1e-12), exact)
-                ck.accuracy("norms", "add_layer_norm", config, dtype,
-                            max_err(kn.add_layer_norm(x, r, w, bias, 1e-12), exact), err_torch)
+                ck.accuracy(
+                    "norms",
+                    "add_layer_norm",
+                    config,
+                    dtype,
+                    max_err(kn.add_layer_norm(x, r, w, bias, 1e-12), exact),
+                    err_torch,
+                )
                 exact, _ = ref.add_rms_norm(x.float(), r.float(), w.float(), 1e-6)
                 err_torch = max_err(ref.add_rms_norm(x, r, w, 1e-6)[0], exact)
-                ck.accuracy("norms", "add_rms_norm", config, dtype,
-                            max_err(kn.add_rms_norm(x, r, w, 1e-6)[0], exact), err_torch)
+                ck.accuracy(
+                    "norms",
+                    "add_rms_norm",
+                    config,
+                    dtype,
+                    max_err(kn.add_rms_norm(x, r, w, 1e-6)[0], exact),
+                    err_torch,
+                )
                 if not ck.over_budget():
-                    ck.timings("norms", "add_layer_norm", config, dtype, {
-                        "triton": functools.partial(kn.add_layer_norm, x, r, w, bias, 1e-12),
-                        "torch": functools.partial(ref.add_layer_norm, x, r, w, bias, 1e-12),
-                    })
-                    ck.timings("norms", "add_rms_norm", config, dtype, {
-                        "triton": functools.partial(kn.add_rms_norm, x, r, w, 1e-6),
-                        "torch": functools.partial(ref.add_rms_norm, x, r, w, 1e-6),
-                    })
+                    ck.timings(
+                        "norms",
+                        "add_layer_norm",
+                        config,
+                        dtype,
+                        {
+                            "triton": functools.partial(kn.add_layer_norm, x, r, w, bias, 1e-12),
+                            "torch": functools.partial(ref.add_layer_norm, x, r, w, bias, 1e-12),
+                        },
+                    )
+                    ck.timings(
+                        "norms",
+                        "add_rms_norm",
+                        config,
+                        dtype,
+                        {
+                            "triton": functools.partial(kn.add_rms_norm, x, r, w, 1e-6),
+                            "torch": functools.partial(ref.add_rms_norm, x, r, w, 1e-6),
+                        },
+                    )
 
 
 # ------------------------------------------------------------------------------------------------------ rotary
@@ -345,22 +441,42 @@ def check_rotary(ck: Check, dtypes) -> None:
                 x = torch.randn(t, h, d, device=ck.device, dtype=dtype)
                 exact = ref.apply_rotary(x.float(), cos, sin)
                 err_torch = max_err(ref.apply_rotary(x.clone(), cos, sin), exact)
-                ck.accuracy("rotary", "apply_rotary", config, dtype,
-                            max_err(kr.apply_rotary(x.clone(), cos, sin), exact), err_torch)
+                ck.accuracy(
+                    "rotary",
+                    "apply_rotary",
+                    config,
+                    dtype,
+                    max_err(kr.apply_rotary(x.clone(), cos, sin), exact),
+                    err_torch,
+                )
                 # the ``pairs`` head layout (``lab.models.rope``; a decoder loaded on CPU keeps it on the GPU)
                 order = pairs_order(d).to(ck.device)
                 xp, cis = x[..., order].contiguous(), torch.complex(cos, sin)
                 err_pairs = max_err(rotate_pairs_(xp.clone(), cis), exact[..., order])
                 bound = error_bound("apply_rotary", dtype, err_torch)
-                ck.add(section="rotary", kernel="rotate_pairs_", provider="torch_pairs", config=config,
-                       dtype=str(dtype).replace("torch.", ""), metric="max_abs_err", value=float(err_pairs),
-                       bound=float(bound), ok=bool(err_pairs <= bound))
+                ck.add(
+                    section="rotary",
+                    kernel="rotate_pairs_",
+                    provider="torch_pairs",
+                    config=config,
+                    dtype=str(dtype).replace("torch.", ""),
+                    metric="max_abs_err",
+                    value=float(err_pairs),
+                    bound=float(bound),
+                    ok=bool(err_pairs <= bound),
+                )
                 if not ck.over_budget():
-                    ck.timings("rotary", "apply_rotary", config, dtype, {
-                        "triton": functools.partial(kr.apply_rotary, x, cos, sin),
-                        "torch_pairs": functools.partial(rotate_pairs_, xp, cis),
-                        "torch": functools.partial(ref.apply_rotary, x, cos, sin),
-                    })
+                    ck.timings(
+                        "rotary",
+                        "apply_rotary",
+                        config,
+                        dtype,
+                        {
+                            "triton": functools.partial(kr.apply_rotary, x, cos, sin),
+                            "torch_pairs": functools.partial(rotate_pairs_, xp, cis),
+                            "torch": functools.partial(ref.apply_rotary, x, cos, sin),
+                        },
+                    )
 
 
 # ------------------------------------------------------------------------------------------------------ engine
@@ -374,8 +490,22 @@ def load_texts(n: int) -> tuple[list[str], str]:
         texts = [s for rec in read_jsonl(path) for s in (rec["sentence1"], rec["sentence2"])]
         source = f"stsbenchmark test ({len(texts)} sentences)"
     if not texts:
-        words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "researchers",
-                 "measure", "prefill", "throughput"]
+        words = [
+            "the",
+            "quick",
+            "brown",
+            "fox",
+            "jumps",
+            "over",
+            "a",
+            "lazy",
+            "dog",
+            "while",
+            "researchers",
+            "measure",
+            "prefill",
+            "throughput",
+        ]
         texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 40)) for i in range(2000)]
     out = (texts * (n // len(texts) + 1))[:n]
     return out, source
@@ -427,11 +557,27 @@ def check_engine(ck: Check, n_texts: int, st_batch: int, model: str | None = Non
 
     base = results.get("sentence_transformers")
     for provider, secs in results.items():
-        ck.add(section="engine", kernel="embed", provider=provider, config=config, dtype=dtype, metric="s",
-               value=secs, p50=secs, baseline="sentence_transformers" if base else "",
-               speedup=base / secs if base else "")
-        ck.add(section="engine", kernel="embed", provider=provider, config=config, dtype=dtype,
-               metric="texts_per_s", value=len(texts) / secs)
+        ck.add(
+            section="engine",
+            kernel="embed",
+            provider=provider,
+            config=config,
+            dtype=dtype,
+            metric="s",
+            value=secs,
+            p50=secs,
+            baseline="sentence_transformers" if base else "",
+            speedup=base / secs if base else "",
+        )
+        ck.add(
+            section="engine",
+            kernel="embed",
+            provider=provider,
+            config=config,
+            dtype=dtype,
+            metric="texts_per_s",
+            value=len(texts) / secs,
+        )
     if "sentence_transformers" in embs:
         ref_emb = embs["sentence_transformers"]
         ref_emb = ref_emb / np.linalg.norm(ref_emb, axis=1, keepdims=True).clip(1e-12)
@@ -440,8 +586,17 @@ def check_engine(ck: Check, n_texts: int, st_batch: int, model: str | None = Non
                 e = embs[provider] / np.linalg.norm(embs[provider], axis=1, keepdims=True).clip(1e-12)
                 cos = (e * ref_emb).sum(1)
                 bound = 0.99 if dtype == "bfloat16" else 0.9999
-                ck.add(section="engine", kernel="embed", provider=provider, config=config, dtype=dtype,
-                       metric="min_cosine_vs_st", value=float(cos.min()), bound=bound, ok=bool(cos.min() >= bound))
+                ck.add(
+                    section="engine",
+                    kernel="embed",
+                    provider=provider,
+                    config=config,
+                    dtype=dtype,
+                    metric="min_cosine_vs_st",
+                    value=float(cos.min()),
+                    bound=bound,
+                    ok=bool(cos.min() >= bound),
+                )
 
 
 # ----------------------------------------------------------------------------------------------------- decoder
@@ -465,10 +620,17 @@ def check_decoder(ck: Check, tokenizer_from: str | None) -> None:
         tokenizer_from = minilm_path()
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     small = ck.smoke
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64 if small else 512, intermediate_size=96 if small else 1408,
-                      num_hidden_layers=2 if small else 4, num_attention_heads=4 if small else 8,
-                      num_key_value_heads=2, head_dim=16 if small else 64, max_position_embeddings=2048,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64 if small else 512,
+        intermediate_size=96 if small else 1408,
+        num_hidden_layers=2 if small else 4,
+        num_attention_heads=4 if small else 8,
+        num_key_value_heads=2,
+        head_dim=16 if small else 64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).float().eval()
     folder = Path(tempfile.mkdtemp()) / "llama-random"
@@ -477,8 +639,10 @@ def check_decoder(ck: Check, tokenizer_from: str | None) -> None:
     sentences, _ = load_texts(8 if small else 96)
     texts = sentences + [" ".join(sentences[i : i + 24]) for i in range(0, len(sentences) - 23, 24)]
     reference = model.model.to(ck.device)
-    config = (f"random Llama h={cfg.hidden_size} L={cfg.num_hidden_layers} Hq={cfg.num_attention_heads} "
-              f"Hkv={cfg.num_key_value_heads} D={cfg.head_dim}, {len(texts)} texts")
+    config = (
+        f"random Llama h={cfg.hidden_size} L={cfg.num_hidden_layers} Hq={cfg.num_attention_heads} "
+        f"Hkv={cfg.num_key_value_heads} D={cfg.head_dim}, {len(texts)} texts"
+    )
     want = None
     for dtype in ("float32",) if small else ("float32", "bfloat16"):  # the interpreter lacks bfloat16 math
         for backend in ("triton", "torch"):
@@ -487,14 +651,39 @@ def check_decoder(ck: Check, tokenizer_from: str | None) -> None:
                 requests = eng.tokenize(texts)
                 if want is None:  # the float32 reference, one text at a time, mean over its tokens
                     with torch.no_grad():
-                        want = np.stack([reference(input_ids=torch.tensor([list(r.ids)], device=ck.device))
-                                         .last_hidden_state[0].mean(0).float().cpu().numpy() for r in requests])
+                        want = np.stack(
+                            [
+                                reference(input_ids=torch.tensor([list(r.ids)], device=ck.device))
+                                .last_hidden_state[0]
+                                .mean(0)
+                                .float()
+                                .cpu()
+                                .numpy()
+                                for r in requests
+                            ]
+                        )
                 cos = min_cosine(eng.embed(texts), want)
                 bound = 0.9999 if dtype == "float32" else 0.99
-                ck.add(section="decoder", kernel="embed", provider=f"engine_{backend}", config=config, dtype=dtype,
-                       metric="min_cosine_vs_transformers", value=cos, bound=bound, ok=bool(cos >= bound))
-                ck.add(section="decoder", kernel="embed", provider=f"engine_{backend}", config=config, dtype=dtype,
-                       metric="longest_tokens", value=float(max(r.length for r in requests)))
+                ck.add(
+                    section="decoder",
+                    kernel="embed",
+                    provider=f"engine_{backend}",
+                    config=config,
+                    dtype=dtype,
+                    metric="min_cosine_vs_transformers",
+                    value=cos,
+                    bound=bound,
+                    ok=bool(cos >= bound),
+                )
+                ck.add(
+                    section="decoder",
+                    kernel="embed",
+                    provider=f"engine_{backend}",
+                    config=config,
+                    dtype=dtype,
+                    metric="longest_tokens",
+                    value=float(max(r.length for r in requests)),
+                )
 
 
 # -------------------------------------------------------------------------------------------------------- main
@@ -508,29 +697,40 @@ def csv_text(rows: list[dict]) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'section':<9} {'kernel':<16} {'provider':<22} {'dtype':<8} {'metric':<16} {'value':>11} "
-          f"{'speedup':>8} {'ok':>5}  config")
+    print(
+        f"\n{'section':<9} {'kernel':<16} {'provider':<22} {'dtype':<8} {'metric':<16} {'value':>11} "
+        f"{'speedup':>8} {'ok':>5}  config"
+    )
     for r in rows:
         ok = "" if r["ok"] == "" else ("PASS" if r["ok"] else "FAIL")
         speed = f"{float(r['speedup']):.2f}x" if r["speedup"] not in ("", None) else ""
-        print(f"{r['section']:<9} {r['kernel'][:16]:<16} {r['provider'][:22]:<22} {r['dtype']:<8} "
-              f"{r['metric'][:16]:<16} {str(r['value'])[:11]:>11} {speed:>8} {ok:>5}  {r['config'][:70]}")
+        print(
+            f"{r['section']:<9} {r['kernel'][:16]:<16} {r['provider'][:22]:<22} {r['dtype']:<8} "
+            f"{r['metric'][:16]:<16} {str(r['value'])[:11]:>11} {speed:>8} {ok:>5}  {r['config'][:70]}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("csv", nargs="?", default=None,
-                        help="output CSV (default evals/results/gpu_check/gpu_check_<machine>.csv)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CPU + TRITON_INTERPRET=1, tiny shapes: exercises this script without a GPU")
+    parser.add_argument(
+        "csv", nargs="?", default=None, help="output CSV (default evals/results/gpu_check/gpu_check_<machine>.csv)"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU + TRITON_INTERPRET=1, tiny shapes: exercises this script without a GPU",
+    )
     parser.add_argument("--skip-engine", action="store_true", help="kernels only (no engine or decoder section)")
     parser.add_argument("--engine-texts", type=int, default=10000, help="texts per engine timing run")
     parser.add_argument("--st-batch-size", type=int, default=128, help="SentenceTransformer.encode batch size")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip further timings after this long")
-    parser.add_argument("--model", default=None,
-                        help="all-MiniLM-L6-v2 folder or hub id for the engine section (default: the bundled "
-                             "package's; a "
-                             "machine without that package, such as a lent GPU box, gets a copy)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="all-MiniLM-L6-v2 folder or hub id for the engine section (default: the bundled "
+        "package's; a "
+        "machine without that package, such as a lent GPU box, gets a copy)",
+    )
     args = parser.parse_args(argv)
 
     if args.smoke:  # must precede the first `import triton` (sentence-transformers imports it too)
@@ -554,8 +754,12 @@ def main(argv: list[str] | None = None) -> int:
     ck = Check(device, args.smoke, args.budget_s)
     dtypes = [torch.float16] if args.smoke else [torch.bfloat16, torch.float16]  # the interpreter lacks bf16 math
     torch.manual_seed(0)
-    steps = [("attention", lambda: check_attention(ck, dtypes)), ("pooling", lambda: check_pooling(ck, dtypes)),
-             ("norms", lambda: check_norms(ck, dtypes)), ("rotary", lambda: check_rotary(ck, dtypes))]
+    steps = [
+        ("attention", lambda: check_attention(ck, dtypes)),
+        ("pooling", lambda: check_pooling(ck, dtypes)),
+        ("norms", lambda: check_norms(ck, dtypes)),
+        ("rotary", lambda: check_rotary(ck, dtypes)),
+    ]
     if not args.skip_engine:
         n = 8 if args.smoke else args.engine_texts
         steps.append(("engine", lambda: check_engine(ck, n, args.st_batch_size, args.model)))
@@ -570,8 +774,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         save_table(Path(args.csv), csv_text(ck.rows))
     print_table(ck.rows)
-    print(f"\nwrote {len(ck.rows)} rows to {args.csv} in {time.perf_counter() - ck.t0:.0f}s; "
-          f"{'SOME CHECKS FAILED' if ck.failed else 'all correctness checks passed'}")
+    print(
+        f"\nwrote {len(ck.rows)} rows to {args.csv} in {time.perf_counter() - ck.t0:.0f}s; "
+        f"{'SOME CHECKS FAILED' if ck.failed else 'all correctness checks passed'}"
+    )
     return 1 if ck.failed else 0
 
 

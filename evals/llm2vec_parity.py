@@ -87,14 +87,25 @@ DEFAULT_VENV = env.path("LAB_LLM2VEC_VENV", Path.home() / ".cache" / "prefill-la
 STS_FILES = ("sts12/test.jsonl.gz", "sts14/test.jsonl.gz", "sts16/test.jsonl.gz")  # held out of the study's training
 # llm2vec's encoder settings and the Engine knobs that mean the same
 LLM2VEC_ENCODER = {"pooling_mode": "mean", "max_length": 512, "skip_instruction": True}
-ENGINE_KNOBS = {"pooling": "mean", "max_length": 512, "include_instruction": False, "normalize": False,
-                "dtype": "float32", "device": "cpu"}
+ENGINE_KNOBS = {
+    "pooling": "mean",
+    "max_length": 512,
+    "include_instruction": False,
+    "normalize": False,
+    "dtype": "float32",
+    "device": "cpu",
+}
 PLAIN_KNOBS = {"dtype": "float32", "device": "cpu"}  # what the plain rows pass the Engine
 BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # the base names llm2vec 0.2.3's prepare_for_tokenization wraps in a chat template
-TEMPLATED = ("meta-llama/Meta-Llama-3-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.2",
-             "meta-llama/Llama-2-7b-chat-hf", "google/gemma-2-9b-it", "Qwen/Qwen2-1.5B-Instruct",
-             "Qwen/Qwen2-7B-Instruct")
+TEMPLATED = (
+    "meta-llama/Meta-Llama-3-8B-Instruct",
+    "mistralai/Mistral-7B-Instruct-v0.2",
+    "meta-llama/Llama-2-7b-chat-hf",
+    "google/gemma-2-9b-it",
+    "Qwen/Qwen2-1.5B-Instruct",
+    "Qwen/Qwen2-7B-Instruct",
+)
 
 
 @dataclass(frozen=True)
@@ -143,44 +154,75 @@ VARIANTS = [
     Variant("bidirectional + MNTP + SimCSE", model="mntp", peft="simcse"),
     Variant("control: MNTP + SimCSE in the ForCausalLM scope", model="mntp", peft="simcse", scope="causal"),
     # llm2vec's instruction handling: its embed mask is the Engine's instruction_pooling="llm2vec"
-    Variant("bidirectional + MNTP + SimCSE, instruction", model="mntp", peft="simcse",
-            instruction=INSTRUCTION, knobs={"instruction_pooling": "llm2vec"}),
+    Variant(
+        "bidirectional + MNTP + SimCSE, instruction",
+        model="mntp",
+        peft="simcse",
+        instruction=INSTRUCTION,
+        knobs={"instruction_pooling": "llm2vec"},
+    ),
     # as llm2vec's users call it, no settings on either side: the published layout by local path
     published("published: -mntp + supervised, no llm2vec_config.json"),
     published("published: -mntp + supervised, no llm2vec_config.json, instruction", instruction=INSTRUCTION),
     # llm2vec_config.json in one folder: read from the supervised folder when one is given, else the -mntp folder
     published("config in -mntp only, supervised given (ignored)", mntp_config=ODD_CONFIG, instruction=INSTRUCTION),
-    published("config in -mntp only, no supervised (applies)", peft=None, mntp_config=ODD_CONFIG,
-              instruction=INSTRUCTION),
-    published("config in supervised only: weighted_mean, max_length 128, skip_instruction false",
-              peft_config={"pooling_mode": "weighted_mean", "max_length": 128, "skip_instruction": False},
-              instruction=INSTRUCTION),
-    published("config in supervised only: eos_token", peft_config={"pooling_mode": "eos_token"},
-              instruction=INSTRUCTION),
+    published(
+        "config in -mntp only, no supervised (applies)", peft=None, mntp_config=ODD_CONFIG, instruction=INSTRUCTION
+    ),
+    published(
+        "config in supervised only: weighted_mean, max_length 128, skip_instruction false",
+        peft_config={"pooling_mode": "weighted_mean", "max_length": 128, "skip_instruction": False},
+        instruction=INSTRUCTION,
+    ),
+    published(
+        "config in supervised only: eos_token", peft_config={"pooling_mode": "eos_token"}, instruction=INSTRUCTION
+    ),
     # documents over doc_max_length: llm2vec's word cut
     published("SciFact, doc_max_length 400 (default)", texts="scifact"),
-    published("SciFact, doc_max_length 64 (supervised config)", texts="scifact", peft_config={"doc_max_length": 64},
-              instruction=INSTRUCTION),
-    published("SciFact, doc_max_length 200, max_length 128 (supervised config)", texts="scifact",
-              peft_config={"doc_max_length": 200, "max_length": 128}),
+    published(
+        "SciFact, doc_max_length 64 (supervised config)",
+        texts="scifact",
+        peft_config={"doc_max_length": 64},
+        instruction=INSTRUCTION,
+    ),
+    published(
+        "SciFact, doc_max_length 200, max_length 128 (supervised config)",
+        texts="scifact",
+        peft_config={"doc_max_length": 200, "max_length": 128},
+    ),
     # the chat templates llm2vec chooses by the -mntp config.json's _name_or_path (SmolLM2's weights under each name)
     *(published(f"template: {t}", name_or_path=t, instruction=INSTRUCTION) for t in TEMPLATED),
-    published("template: mistralai/Mistral-7B-Instruct-v0.2, eos_token",
-              name_or_path="mistralai/Mistral-7B-Instruct-v0.2", peft_config={"pooling_mode": "eos_token"},
-              instruction=INSTRUCTION),
-    published("template: meta-llama/Meta-Llama-3-8B-Instruct, eos_token",
-              name_or_path="meta-llama/Meta-Llama-3-8B-Instruct", peft_config={"pooling_mode": "eos_token"},
-              instruction=INSTRUCTION),
+    published(
+        "template: mistralai/Mistral-7B-Instruct-v0.2, eos_token",
+        name_or_path="mistralai/Mistral-7B-Instruct-v0.2",
+        peft_config={"pooling_mode": "eos_token"},
+        instruction=INSTRUCTION,
+    ),
+    published(
+        "template: meta-llama/Meta-Llama-3-8B-Instruct, eos_token",
+        name_or_path="meta-llama/Meta-Llama-3-8B-Instruct",
+        peft_config={"pooling_mode": "eos_token"},
+        instruction=INSTRUCTION,
+    ),
     # the published layout by hub id, from a hub cache (HF_HUB_CACHE, offline)
-    published("hub ids: -mntp + supervised", hub=("McGill-NLP/LLM2Vec-SmolLM2-135M-Instruct-mntp", BASE_ID),
-              instruction=INSTRUCTION),
-    published("hub ids: Meta-Llama-3-8B-Instruct", name_or_path="meta-llama/Meta-Llama-3-8B-Instruct",
-              hub=("McGill-NLP/LLM2Vec-Meta-Llama-3-8B-Instruct-mntp", "meta-llama/Meta-Llama-3-8B-Instruct"),
-              instruction=INSTRUCTION),
+    published(
+        "hub ids: -mntp + supervised",
+        hub=("McGill-NLP/LLM2Vec-SmolLM2-135M-Instruct-mntp", BASE_ID),
+        instruction=INSTRUCTION,
+    ),
+    published(
+        "hub ids: Meta-Llama-3-8B-Instruct",
+        name_or_path="meta-llama/Meta-Llama-3-8B-Instruct",
+        hub=("McGill-NLP/LLM2Vec-Meta-Llama-3-8B-Instruct-mntp", "meta-llama/Meta-Llama-3-8B-Instruct"),
+        instruction=INSTRUCTION,
+    ),
     # the -mntp config.json and the adapter's base disagree on the name: which one llm2vec's template follows
-    published("hub ids: -mntp _name_or_path Meta-Llama-3-8B-Instruct, base SmolLM2",
-              name_or_path="meta-llama/Meta-Llama-3-8B-Instruct",
-              hub=("McGill-NLP/LLM2Vec-SmolLM2-named-Llama-3-mntp", BASE_ID), instruction=INSTRUCTION),
+    published(
+        "hub ids: -mntp _name_or_path Meta-Llama-3-8B-Instruct, base SmolLM2",
+        name_or_path="meta-llama/Meta-Llama-3-8B-Instruct",
+        hub=("McGill-NLP/LLM2Vec-SmolLM2-named-Llama-3-mntp", BASE_ID),
+        instruction=INSTRUCTION,
+    ),
 ]
 
 
@@ -224,8 +266,13 @@ def transformers4_copy(src: Path, out: Path) -> Path:
     (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
     tcfg = json.loads((src / "tokenizer_config.json").read_text())
     keep = {k: tcfg[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length") if k in tcfg}
-    keep.update({"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-                 "model_input_names": ["input_ids", "attention_mask"]})  # no token_type_ids: LlamaModel refuses them
+    keep.update(
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+            "model_input_names": ["input_ids", "attention_mask"],
+        }
+    )  # no token_type_ids: LlamaModel refuses them
     (out / "tokenizer_config.json").write_text(json.dumps(keep, indent=2))
     (out / "model.safetensors").symlink_to((src / "model.safetensors").resolve())
     return out
@@ -254,7 +301,7 @@ def causal_scoped(src: Path, dst: Path) -> Path:
     weights = dst / "adapter_model.safetensors"
     bare = "base_model.model."
     sd = load_file(weights)
-    moved = {(k if k.startswith(bare + "model.") else bare + "model." + k[len(bare):]): v for k, v in sd.items()}
+    moved = {(k if k.startswith(bare + "model.") else bare + "model." + k[len(bare) :]): v for k, v in sd.items()}
     save_file(moved, weights, metadata={"format": "pt"})
     return dst
 
@@ -292,18 +339,26 @@ def published_folders(v: Variant, folders: dict[str, Path], work: Path, hub_cach
     mntp, sup = work / "plain" / tag / "mntp", work / "plain" / tag / "supervised"
     mntp_name, base_name = v.hub if v.hub else (str(mntp), str(base.resolve()))
     sup_name = f"{mntp_name}-supervised" if v.hub else str(sup)
-    for src, dst, cfg, parent in ((folders["mntp:bare"], mntp, v.mntp_config, base_name),
-                                  (folders["simcse:bare"], sup, v.peft_config, mntp_name)):
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("llm2vec_config.json", "config.json", "tokenizer*",
-                                                                "*.png", "*.csv", "train_config.json"))
+    for src, dst, cfg, parent in (
+        (folders["mntp:bare"], mntp, v.mntp_config, base_name),
+        (folders["simcse:bare"], sup, v.peft_config, mntp_name),
+    ):
+        shutil.copytree(
+            src,
+            dst,
+            ignore=shutil.ignore_patterns(
+                "llm2vec_config.json", "config.json", "tokenizer*", "*.png", "*.csv", "train_config.json"
+            ),
+        )
         adapter = json.loads((dst / "adapter_config.json").read_text())
         adapter["base_model_name_or_path"] = parent
         (dst / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
         if cfg is not None:
             (dst / "llm2vec_config.json").write_text(json.dumps(cfg, indent=4))
     config = json.loads((base / "config.json").read_text())
-    config.update({"_name_or_path": v.name_or_path,
-                   "auto_map": {"AutoModel": "modeling_llama_encoder.LlamaEncoderModel"}})
+    config.update(
+        {"_name_or_path": v.name_or_path, "auto_map": {"AutoModel": "modeling_llama_encoder.LlamaEncoderModel"}}
+    )
     (mntp / "config.json").write_text(json.dumps(config, indent=2))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(base / f, mntp / f)
@@ -322,8 +377,11 @@ def texts_for(v: Variant, sts: list[str], documents: int) -> list[str]:
     longest third of the corpus by words, so llm2vec's default ``doc_max_length`` 400 cuts many of them."""
     if v.texts == "sts":
         return sts
-    docs = sorted((scifact_text(r) for r in read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")),
-                  key=lambda t: len(t.split()), reverse=True)
+    docs = sorted(
+        (scifact_text(r) for r in read_jsonl(DATA / "scifact" / "corpus.jsonl.gz")),
+        key=lambda t: len(t.split()),
+        reverse=True,
+    )
     docs = docs[: len(docs) // 3]
     return [docs[i] for i in spread(len(docs), documents)]
 
@@ -345,14 +403,25 @@ def run_llm2vec(py: Path, v: Variant, names: tuple[str, str | None], texts: list
 
     tag = "".join(c if c.isalnum() else "_" for c in v.name)
     model, peft = names
-    job = {"model": model, "peft": peft, "inputs": [[v.instruction, t] for t in texts],
-           "out": str(work / f"{tag}.npy"), "report": str(work / f"{tag}.json")}
+    job = {
+        "model": model,
+        "peft": peft,
+        "inputs": [[v.instruction, t] for t in texts],
+        "out": str(work / f"{tag}.npy"),
+        "report": str(work / f"{tag}.json"),
+    }
     if not v.plain:  # the settings rows: every encoder setting given, the adapters merged
         job.update({"bidirectional": v.bidirectional, "encoder": LLM2VEC_ENCODER, "merge_peft": True})
     (work / f"{tag}.job.json").write_text(json.dumps(job))
     env = {k: val for k, val in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([str(py), str(REF / "run_llm2vec.py"), str(work / f"{tag}.job.json")], cwd=work, env=env,
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [str(py), str(REF / "run_llm2vec.py"), str(work / f"{tag}.job.json")],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"llm2vec failed on {v.name!r}:\n{done.stderr[-4000:]}")
     return np.load(job["out"]), json.loads(Path(job["report"]).read_text())
@@ -426,27 +495,45 @@ def main(argv: list[str] | None = None) -> int:
             ours, engine_s, eng = run_engine(v, names, texts)
             cos = row_cosines(ours, theirs).tolist()
             ref = report["config"]
-            rows.append({
-                "variant": v.name, "model": "-mntp folder" if v.model == "mntp" else "base",
-                "layout": ("hub ids" if v.hub else "published") if v.plain else "settings given",
-                "adapters": "+".join(Path(a).name for a in eng.knobs["adapters"]) or "none",
-                "key_scope": v.scope if v.model == "mntp" else "", "bidirectional": not eng.resolved.causal,
-                "instruction": v.instruction, "texts": v.texts, "sentences": len(texts),
-                "docs_cut": sum(a != b for a, b in zip(eng.cut_documents(texts), texts)), "min_cos": min(cos),
-                "median_cos": statistics.median(cos), "missing_adapter_keys": report["missing_adapter_keys"],
-                "llm2vec_seconds": round(report["load_seconds"] + report["encode_seconds"], 2),
-                "engine_seconds": round(engine_s, 2), "pooling": eng.resolved["pooling"],
-                "max_length": eng.resolved["max_length"], "doc_max_length": eng.resolved.doc_max_length,
-                "include_instruction": eng.resolved.include_instruction, "template_name": eng.llm2vec.name,
-                "ref_pooling": ref["pooling_mode"], "ref_max_length": ref["max_length"],
-                "ref_doc_max_length": ref["doc_max_length"], "ref_skip_instruction": ref["skip_instruction"],
-                "ref_name_or_path": ref["name_or_path"], "ref_model_class": ref["model_class"],
-                **{f"ref_{k}": val for k, val in report["versions"].items()}, "torch": torch.__version__,
-            })
-            print(f"{v.name}: min cos {min(cos):.6f}, median {statistics.median(cos):.6f}, "
-                  f"missing adapter keys {report['missing_adapter_keys']}; llm2vec {ref}, Engine "
-                  f"{rows[-1]['pooling']}/{rows[-1]['max_length']}/{rows[-1]['doc_max_length']}/"
-                  f"include_instruction={rows[-1]['include_instruction']}/{rows[-1]['template_name']!r}", flush=True)
+            rows.append(
+                {
+                    "variant": v.name,
+                    "model": "-mntp folder" if v.model == "mntp" else "base",
+                    "layout": ("hub ids" if v.hub else "published") if v.plain else "settings given",
+                    "adapters": "+".join(Path(a).name for a in eng.knobs["adapters"]) or "none",
+                    "key_scope": v.scope if v.model == "mntp" else "",
+                    "bidirectional": not eng.resolved.causal,
+                    "instruction": v.instruction,
+                    "texts": v.texts,
+                    "sentences": len(texts),
+                    "docs_cut": sum(a != b for a, b in zip(eng.cut_documents(texts), texts)),
+                    "min_cos": min(cos),
+                    "median_cos": statistics.median(cos),
+                    "missing_adapter_keys": report["missing_adapter_keys"],
+                    "llm2vec_seconds": round(report["load_seconds"] + report["encode_seconds"], 2),
+                    "engine_seconds": round(engine_s, 2),
+                    "pooling": eng.resolved["pooling"],
+                    "max_length": eng.resolved["max_length"],
+                    "doc_max_length": eng.resolved.doc_max_length,
+                    "include_instruction": eng.resolved.include_instruction,
+                    "template_name": eng.llm2vec.name,
+                    "ref_pooling": ref["pooling_mode"],
+                    "ref_max_length": ref["max_length"],
+                    "ref_doc_max_length": ref["doc_max_length"],
+                    "ref_skip_instruction": ref["skip_instruction"],
+                    "ref_name_or_path": ref["name_or_path"],
+                    "ref_model_class": ref["model_class"],
+                    **{f"ref_{k}": val for k, val in report["versions"].items()},
+                    "torch": torch.__version__,
+                }
+            )
+            print(
+                f"{v.name}: min cos {min(cos):.6f}, median {statistics.median(cos):.6f}, "
+                f"missing adapter keys {report['missing_adapter_keys']}; llm2vec {ref}, Engine "
+                f"{rows[-1]['pooling']}/{rows[-1]['max_length']}/{rows[-1]['doc_max_length']}/"
+                f"include_instruction={rows[-1]['include_instruction']}/{rows[-1]['template_name']!r}",
+                flush=True,
+            )
     from evals.results_index import save_run
 
     slug = machine_slug()
@@ -461,44 +548,70 @@ def markdown(table, slug: str) -> str:
     versions = table.iloc[0]
     sts = table[table["texts"] == "sts"]["sentences"]
     docs = table[table["texts"] == "scifact"]["sentences"]
-    inputs = (f"{int(sts.iloc[0]) if len(sts) else 0} distinct sentences of STS12/14/16 test"
-              + (f" (the SciFact rows: {int(docs.iloc[0])} abstracts of the corpus's longest third)"
-                 if len(docs) else ""))
-    intro = (f"{inputs}; cosine between llm2vec's and the Engine's embedding of each. Adapters: the study's MNTP and "
-             "SimCSE (`evals/results/llm2vec`), rescoped with `lab.adapt.rescope`.")
-    settings = ("*settings given* rows: the -mntp folder is the base's config and tokenizer beside the MNTP adapter, "
-                "llm2vec called with every encoder setting (mean, 512, skip_instruction, `enable_bidirectional`, "
-                "`merge_peft=True`) and the Engine with the same knobs. The control row loads copies with the keys in "
-                "the ForCausalLM scope (`causal_scoped`, tensors unchanged): llm2vec's peft misses their keys and "
-                "runs without them.")
-    plain = ("*published* and *hub ids* rows: called as llm2vec's users call it, "
-             "`LLM2Vec.from_pretrained(mntp, peft_model_name_or_path=supervised, torch_dtype=float32)` and "
-             "`Engine(mntp, adapters=[supervised], dtype='float32', device='cpu')`, nothing else; the -mntp folder "
-             "holds a config.json with `_name_or_path` (the template name) and an `auto_map` to "
-             "`modeling_llama_encoder.LlamaEncoderModel`, the tokenizer and the MNTP adapter; the supervised folder "
-             "holds the SimCSE adapter; `llm2vec_config.json` only where the row says. *hub ids* rows name both by "
-             "hub id from an offline hub cache, the -mntp adapter's base by the base's id. The settings columns are "
-             "what each side ended with (llm2vec: its attributes and `model.config._name_or_path`; the Engine: "
-             "`eng.resolved` and `eng.llm2vec.name`); *cut* counts the inputs llm2vec's doc_max_length rule "
-             "shortened.")
-    reproduce = (f"Reproduce: `python evals/llm2vec_parity.py` (machine `{slug}`; llm2vec {versions['ref_llm2vec']}, "
-                 f"transformers {versions['ref_transformers']}, peft {versions['ref_peft']}, torch "
-                 f"{versions['ref_torch']} in the reference venv; torch {versions['torch']} for the Engine)")
-    lines = ["# Engine vs official llm2vec (SmolLM2-135M-Instruct, float32)", "", reproduce, "", intro, "",
-             settings, "", plain, "",
-             ("| variant | layout | min cos | median cos | llm2vec: pooling / max / doc max / skip instr. / name | "
-              "Engine: pooling / max / doc max / incl. instr. / name | cut | missing adapter keys |"),
-             "|---|---|---:|---:|---|---|---:|---:|"]
+    inputs = f"{int(sts.iloc[0]) if len(sts) else 0} distinct sentences of STS12/14/16 test" + (
+        f" (the SciFact rows: {int(docs.iloc[0])} abstracts of the corpus's longest third)" if len(docs) else ""
+    )
+    intro = (
+        f"{inputs}; cosine between llm2vec's and the Engine's embedding of each. Adapters: the study's MNTP and "
+        "SimCSE (`evals/results/llm2vec`), rescoped with `lab.adapt.rescope`."
+    )
+    settings = (
+        "*settings given* rows: the -mntp folder is the base's config and tokenizer beside the MNTP adapter, "
+        "llm2vec called with every encoder setting (mean, 512, skip_instruction, `enable_bidirectional`, "
+        "`merge_peft=True`) and the Engine with the same knobs. The control row loads copies with the keys in "
+        "the ForCausalLM scope (`causal_scoped`, tensors unchanged): llm2vec's peft misses their keys and "
+        "runs without them."
+    )
+    plain = (
+        "*published* and *hub ids* rows: called as llm2vec's users call it, "
+        "`LLM2Vec.from_pretrained(mntp, peft_model_name_or_path=supervised, torch_dtype=float32)` and "
+        "`Engine(mntp, adapters=[supervised], dtype='float32', device='cpu')`, nothing else; the -mntp folder "
+        "holds a config.json with `_name_or_path` (the template name) and an `auto_map` to "
+        "`modeling_llama_encoder.LlamaEncoderModel`, the tokenizer and the MNTP adapter; the supervised folder "
+        "holds the SimCSE adapter; `llm2vec_config.json` only where the row says. *hub ids* rows name both by "
+        "hub id from an offline hub cache, the -mntp adapter's base by the base's id. The settings columns are "
+        "what each side ended with (llm2vec: its attributes and `model.config._name_or_path`; the Engine: "
+        "`eng.resolved` and `eng.llm2vec.name`); *cut* counts the inputs llm2vec's doc_max_length rule "
+        "shortened."
+    )
+    reproduce = (
+        f"Reproduce: `python evals/llm2vec_parity.py` (machine `{slug}`; llm2vec {versions['ref_llm2vec']}, "
+        f"transformers {versions['ref_transformers']}, peft {versions['ref_peft']}, torch "
+        f"{versions['ref_torch']} in the reference venv; torch {versions['torch']} for the Engine)"
+    )
+    lines = [
+        "# Engine vs official llm2vec (SmolLM2-135M-Instruct, float32)",
+        "",
+        reproduce,
+        "",
+        intro,
+        "",
+        settings,
+        "",
+        plain,
+        "",
+        (
+            "| variant | layout | min cos | median cos | llm2vec: pooling / max / doc max / skip instr. / name | "
+            "Engine: pooling / max / doc max / incl. instr. / name | cut | missing adapter keys |"
+        ),
+        "|---|---|---:|---:|---|---|---:|---:|",
+    ]
     for _, r in table.iterrows():
         name = r["ref_name_or_path"] or '""'  # llm2vec's name for a config.json without _name_or_path
-        ref = (f"{r['ref_pooling']} / {r['ref_max_length']} / {r['ref_doc_max_length']} / "
-               f"{r['ref_skip_instruction']} / {name}")
-        cut = ("off" if r["doc_max_length"] != r["doc_max_length"] or not r["doc_max_length"]
-               else int(r["doc_max_length"]))
-        ours = (f"{r['pooling']} / {r['max_length']} / {cut} / {r['include_instruction']} / "
-                f"{r['template_name']}")
-        lines.append(f"| {r['variant']} | {r['layout']} | {r['min_cos']:.6f} | {r['median_cos']:.6f} | {ref} | "
-                     f"{ours} | {r['docs_cut']} | {r['missing_adapter_keys']} |")
+        ref = (
+            f"{r['ref_pooling']} / {r['ref_max_length']} / {r['ref_doc_max_length']} / "
+            f"{r['ref_skip_instruction']} / {name}"
+        )
+        cut = (
+            "off"
+            if r["doc_max_length"] != r["doc_max_length"] or not r["doc_max_length"]
+            else int(r["doc_max_length"])
+        )
+        ours = f"{r['pooling']} / {r['max_length']} / {cut} / {r['include_instruction']} / {r['template_name']}"
+        lines.append(
+            f"| {r['variant']} | {r['layout']} | {r['min_cos']:.6f} | {r['median_cos']:.6f} | {ref} | "
+            f"{ours} | {r['docs_cut']} | {r['missing_adapter_keys']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

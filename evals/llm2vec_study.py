@@ -85,20 +85,37 @@ def _merge(fresh, path: Path, on: list[str]):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, 
-                    help="base model folder or hub id (org/name[@revision]; default: the cached "
-                         "SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="base model folder or hub id (org/name[@revision]; default: the cached SmolLM2-135M-Instruct)",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit", type=int, default=60 if SMOKE else None, help="evaluation pairs per task")
-    ap.add_argument("--heldout", action="store_true",
-                    help=f"also score {', '.join(HELD_OUT)} for the variants marked heldout in VARIANTS")
-    ap.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS), metavar="NAME",
-                    help="score only these variants (and train only the adapters they need), keeping the other "
-                         "rows of results.csv and layers.csv; default: all, and the tables hold only them")
-    ap.add_argument("--sweep", nargs="*", default=None, choices=list(VARIANTS), metavar="NAME",
-                    help="variants of the layer sweep (default: the causal base and the best adapted variant on "
-                         "STSBenchmark, those of them scored now); --sweep alone skips the sweep")
+    ap.add_argument(
+        "--heldout",
+        action="store_true",
+        help=f"also score {', '.join(HELD_OUT)} for the variants marked heldout in VARIANTS",
+    )
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        choices=list(VARIANTS),
+        metavar="NAME",
+        help="score only these variants (and train only the adapters they need), keeping the other "
+        "rows of results.csv and layers.csv; default: all, and the tables hold only them",
+    )
+    ap.add_argument(
+        "--sweep",
+        nargs="*",
+        default=None,
+        choices=list(VARIANTS),
+        metavar="NAME",
+        help="variants of the layer sweep (default: the causal base and the best adapted variant on "
+        "STSBenchmark, those of them scored now); --sweep alone skips the sweep",
+    )
     args = ap.parse_args(argv)
 
     import pandas as pd
@@ -159,10 +176,13 @@ def main(argv=None) -> int:
     m = machine_info()
     machine = f"{m['cpu']}, {m['cores']} cores, torch {torch.__version__}"
     out = args.out.resolve()
-    command = ("python evals/llm2vec_study.py" + (" --heldout" if args.heldout else "")
-               + (f" --seed {args.seed}" if args.seed else "")
-               + ("" if out == DEFAULT_OUT else f" --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
-               + ("" if args.sweep is None else " --sweep" + "".join(f' "{n}"' for n in args.sweep)))
+    command = (
+        "python evals/llm2vec_study.py"
+        + (" --heldout" if args.heldout else "")
+        + (f" --seed {args.seed}" if args.seed else "")
+        + ("" if out == DEFAULT_OUT else f" --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+        + ("" if args.sweep is None else " --sweep" + "".join(f' "{n}"' for n in args.sweep))
+    )
     write_readme(results, layers, args.out, counts, seconds, command, machine, compared, args.seed, runs)
     print((args.out / "README.md").read_text())
     print(f"study done in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -55,11 +55,22 @@ class Scorer:
         from evals import causal_vs_bidirectional, data_io
 
         self.eng, self.limit = eng, limit
-        self.earlier = {} if earlier is None or "key" not in earlier else {
-            k: r for k, r in zip(earlier["key"], earlier.to_dict("records"))}
+        self.earlier = (
+            {}
+            if earlier is None or "key" not in earlier
+            else {k: r for k, r in zip(earlier["key"], earlier.to_dict("records"))}
+        )
         h = hashlib.sha1(repr((ENGINE, torch.__version__)).encode())
-        for fn in (Scorer.key, Scorer.score, load_sets, causal_vs_bidirectional.spearman,
-                   causal_vs_bidirectional.ranks, causal_vs_bidirectional.pearson, data_io.read_jsonl, data_io.spread):
+        for fn in (
+            Scorer.key,
+            Scorer.score,
+            load_sets,
+            causal_vs_bidirectional.spearman,
+            causal_vs_bidirectional.ranks,
+            causal_vs_bidirectional.pearson,
+            data_io.read_jsonl,
+            data_io.spread,
+        ):
             h.update(inspect.getsource(fn).encode())
         for f in sorted(p for p in base.iterdir() if p.suffix in (".safetensors", ".json", ".gguf", ".bin")):
             h.update(f"{f.name}:{_file_hash(f)}".encode())
@@ -70,8 +81,13 @@ class Scorer:
     def key(self, knobs: dict, task: str, layer: int | None) -> str:
         import hashlib
 
-        parts = [self._common, repr(sorted((k, v) for k, v in knobs.items() if k != "adapters")), repr(layer),
-                 repr(self.limit), *(_file_hash(DATA / f"{f}.jsonl.gz") for f in SETS[task])]
+        parts = [
+            self._common,
+            repr(sorted((k, v) for k, v in knobs.items() if k != "adapters")),
+            repr(layer),
+            repr(self.limit),
+            *(_file_hash(DATA / f"{f}.jsonl.gz") for f in SETS[task]),
+        ]
         for a in knobs.get("adapters", ()):
             parts += [_file_hash(Path(a) / f) for f in ("adapter_config.json", "adapter_model.safetensors")]
         return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
@@ -100,8 +116,13 @@ class Scorer:
                 a = np.array([where[r["sentence1"]] for r in rs])
                 b = np.array([where[r["sentence2"]] for r in rs])
                 gold = np.array([float(r["score"]) for r in rs])
-                rows[t] = {"spearman_x100": 100 * spearman((e[a] * e[b]).sum(1), gold), "seconds": seconds,
-                           "texts": len(sentences), "tokens": tokens, "reused": False}
+                rows[t] = {
+                    "spearman_x100": 100 * spearman((e[a] * e[b]).sum(1), gold),
+                    "seconds": seconds,
+                    "texts": len(sentences),
+                    "tokens": tokens,
+                    "reused": False,
+                }
         fields = ("spearman_x100", "seconds", "texts", "tokens", "reused")
         return [{**{k: rows[t].get(k) for k in fields}, "task": t, "key": keys[t]} for t in tasks]
 
@@ -116,12 +137,22 @@ def evaluate_variants(scorer: Scorer, out: Path, names: list[str], heldout: bool
         knobs = variants(out)[name]
         tasks = ["STSBenchmark", *(HELD_OUT if heldout and VARIANTS[name].get("heldout") else ())]
         for r in scorer.score(knobs, tasks):
-            rows.append({"variant": name, "task": r["task"], "spearman_x100": r["spearman_x100"],
-                         "bidirectional": knobs["bidirectional"],
-                         "adapters": "+".join(VARIANTS[name]["adapters"]) or "none",
-                         "template": VARIANTS[name].get("template") or "", "pooling": knobs["pooling"],
-                         "seconds": r["seconds"], "texts": r["texts"], "tokens": r["tokens"],
-                         "key": r["key"], "reused": r["reused"]})
+            rows.append(
+                {
+                    "variant": name,
+                    "task": r["task"],
+                    "spearman_x100": r["spearman_x100"],
+                    "bidirectional": knobs["bidirectional"],
+                    "adapters": "+".join(VARIANTS[name]["adapters"]) or "none",
+                    "template": VARIANTS[name].get("template") or "",
+                    "pooling": knobs["pooling"],
+                    "seconds": r["seconds"],
+                    "texts": r["texts"],
+                    "tokens": r["tokens"],
+                    "key": r["key"],
+                    "reused": r["reused"],
+                }
+            )
             print(f"  {name:32s} {r['task']:13s} {r['spearman_x100']:6.2f}{'  (reused)' * r['reused']}", flush=True)
     return pd.DataFrame(rows)
 
@@ -134,8 +165,16 @@ def layer_sweep(scorer: Scorer, out: Path, names: list[str], layers: list[int]):
     for name in names:
         for k in layers:
             r = scorer.score(variants(out)[name], ["STSBenchmark"], layer=k)[0]
-            rows.append({"variant": name, "layer": k, "spearman_x100": r["spearman_x100"], "seconds": r["seconds"],
-                         "key": r["key"], "reused": r["reused"]})
+            rows.append(
+                {
+                    "variant": name,
+                    "layer": k,
+                    "spearman_x100": r["spearman_x100"],
+                    "seconds": r["seconds"],
+                    "key": r["key"],
+                    "reused": r["reused"],
+                }
+            )
             print(f"  {name:32s} layer {k:2d}: {r['spearman_x100']:6.2f}{'  (reused)' * r['reused']}", flush=True)
     scorer.eng.configure(layer=None)
     return pd.DataFrame(rows, columns=["variant", "layer", "spearman_x100", "seconds", "key", "reused"])

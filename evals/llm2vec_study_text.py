@@ -49,8 +49,7 @@ def post_sentences(body: str) -> list[str]:
     for line in body.splitlines():
         if _RULE.match(line):
             break
-        bad = (_QUOTE.match(line) or _ATTRIBUTION.search(line) or _HEADER.match(line)
-               or re.search(r"\S\s{3,}\S", line))
+        bad = _QUOTE.match(line) or _ATTRIBUTION.search(line) or _HEADER.match(line) or re.search(r"\S\s{3,}\S", line)
         if bad or not line.strip():
             if cur:
                 paragraphs.append(" ".join(cur))
@@ -63,8 +62,10 @@ def post_sentences(body: str) -> list[str]:
     for p in paragraphs:
         for s in _SPLIT.split(" ".join(p.split())):
             words = s.split()
-            if not (SENTENCE_WORDS[0] <= len(words) <= SENTENCE_WORDS[1]
-                    and SENTENCE_CHARS[0] <= len(s) <= SENTENCE_CHARS[1]):
+            if not (
+                SENTENCE_WORDS[0] <= len(words) <= SENTENCE_WORDS[1]
+                and SENTENCE_CHARS[0] <= len(s) <= SENTENCE_CHARS[1]
+            ):
                 continue
             if not (s[0].isupper() and s[-1] in ".!?") or words[-1].lower() in _ABBREV or _NET.search(s):
                 continue
@@ -142,8 +143,14 @@ def training_texts() -> tuple[list[str], dict]:
         seen.update(_key(s) for s in pick)
         texts += pick
         label, unit = SOURCE_NAMES[name]
-        counts.update({f"{label} {unit}": len(pool), f"{label} distinct": len(distinct),
-                       f"{label} in evaluation files": len(distinct) - len(clean), f"{label} drawn": len(pick)})
+        counts.update(
+            {
+                f"{label} {unit}": len(pool),
+                f"{label} distinct": len(distinct),
+                f"{label} in evaluation files": len(distinct) - len(clean),
+                f"{label} drawn": len(pick),
+            }
+        )
     rng.shuffle(texts)
     counts["kept"] = len(texts)
     return texts, counts

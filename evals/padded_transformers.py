@@ -19,8 +19,17 @@ class PaddedTransformersEmbedder:
     compare by cosine).
     """
 
-    def __init__(self, path: str, *, batch_size: int = 16, dtype: str = "float32", device: str = "cpu",
-                 pooling: str = "mean", max_length: int = 512, append_eos: bool = False):
+    def __init__(
+        self,
+        path: str,
+        *,
+        batch_size: int = 16,
+        dtype: str = "float32",
+        device: str = "cpu",
+        pooling: str = "mean",
+        max_length: int = 512,
+        append_eos: bool = False,
+    ):
         import torch
         from transformers import AutoModel, AutoTokenizer
 
@@ -36,8 +45,14 @@ class PaddedTransformersEmbedder:
         self.dtype = None
         self.configure(dtype=dtype, pooling=pooling, append_eos=append_eos)
 
-    def configure(self, *, dtype: str | None = None, pooling: str | None = None, append_eos: bool | None = None,
-                  batch_size: int | None = None) -> PaddedTransformersEmbedder:
+    def configure(
+        self,
+        *,
+        dtype: str | None = None,
+        pooling: str | None = None,
+        append_eos: bool | None = None,
+        batch_size: int | None = None,
+    ) -> PaddedTransformersEmbedder:
         if dtype is not None and dtype != self.dtype:
             self.model = self.float32_model  # the previous cast copy (if any) is freed
             if dtype != "float32":

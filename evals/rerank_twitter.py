@@ -89,8 +89,9 @@ def markdown_table(df: pd.DataFrame, decimals: dict[str, int]) -> str:
         return str(v)
 
     lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(cell(c, v) for c, v in zip(df.columns, row)) + " |"
-              for row in df.itertuples(index=False)]
+    lines += [
+        "| " + " | ".join(cell(c, v) for c, v in zip(df.columns, row)) + " |" for row in df.itertuples(index=False)
+    ]
     return "\n".join(lines)
 
 
@@ -117,11 +118,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     print(f"TwitterURLCorpus reranking: {len(queries)} queries, {n_pairs} (query, tweet) pairs")
     rng = np.random.default_rng(args.seed)
     systems = [
-        ("random", "-", lambda: (lambda pairs: rng.random(len(pairs)))),
-        ("all-MiniLM-L6-v2", "bi-encoder",
-         lambda: engine_scorer(Engine(minilm_path()), mode="bi-encoder")),
-        ("SmolLM2-135M-Instruct", "llm",
-         lambda: engine_scorer(Engine(str(smollm2_path())), mode="llm", instruction=INSTRUCTION)),
+        ("random", "-", lambda: lambda pairs: rng.random(len(pairs))),
+        ("all-MiniLM-L6-v2", "bi-encoder", lambda: engine_scorer(Engine(minilm_path()), mode="bi-encoder")),
+        (
+            "SmolLM2-135M-Instruct",
+            "llm",
+            lambda: engine_scorer(Engine(str(smollm2_path())), mode="llm", instruction=INSTRUCTION),
+        ),
     ]
     rows = []
     for name, mode, build in systems:
@@ -130,19 +133,33 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             res["seconds"] = float("nan")  # not a model: no speed to report
         print(f"  {name:24s} {mode:10s} MAP {res['map']:.4f}  MRR@10 {res['mrr_at_10']:.4f}  {res['seconds']:.1f} s")
         for metric in ("map", "mrr_at_10"):
-            rows.append({"model": name, "mode": mode, "metric": metric, "value": res[metric],
-                         "queries": len(queries), "pairs": n_pairs, "limit": args.limit, "seconds": res["seconds"],
-                         "threads": torch.get_num_threads(), "machine": platform.machine()})
+            rows.append(
+                {
+                    "model": name,
+                    "mode": mode,
+                    "metric": metric,
+                    "value": res[metric],
+                    "queries": len(queries),
+                    "pairs": n_pairs,
+                    "limit": args.limit,
+                    "seconds": res["seconds"],
+                    "threads": torch.get_num_threads(),
+                    "machine": platform.machine(),
+                }
+            )
     df = stamp(pd.DataFrame(rows))
     table = df.pivot_table(index=["model", "mode"], columns="metric", values="value", sort=False).reset_index()
     table["seconds"] = df.groupby(["model", "mode"], sort=False)["seconds"].first().to_numpy()
     table["pairs/s"] = n_pairs / table["seconds"]
-    md = (f"# TwitterURLCorpus reranking (local view, not an official MTEB task)\n\n"
-          f"{len(queries)} queries ({'--limit ' + str(args.limit) if args.limit else 'all'}; evenly spaced), "
-          f"{n_pairs} pairs, candidates shuffled with seed {args.seed}; CPU, {torch.get_num_threads()} threads, "
-          "float32. MAP over each query's full candidate list; MRR@10. LLM prompt: Qwen3-Reranker's system text "
-          f"through SmolLM2's chat template, instruction {INSTRUCTION!r}, score = P(yes) over {{yes, no}}.\n\n"
-          + markdown_table(table, {"seconds": 1, "pairs/s": 1}) + "\n")
+    md = (
+        f"# TwitterURLCorpus reranking (local view, not an official MTEB task)\n\n"
+        f"{len(queries)} queries ({'--limit ' + str(args.limit) if args.limit else 'all'}; evenly spaced), "
+        f"{n_pairs} pairs, candidates shuffled with seed {args.seed}; CPU, {torch.get_num_threads()} threads, "
+        "float32. MAP over each query's full candidate list; MRR@10. LLM prompt: Qwen3-Reranker's system text "
+        f"through SmolLM2's chat template, instruction {INSTRUCTION!r}, score = P(yes) over {{yes, no}}.\n\n"
+        + markdown_table(table, {"seconds": 1, "pairs/s": 1})
+        + "\n"
+    )
     save_run(df, args.out, "rerank_twitter", extra={".md": md})
     print()
     print(md)

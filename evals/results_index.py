@@ -73,12 +73,13 @@ def device_slug(device: str | None = None) -> str:
     return machine_slug()
 
 
-def result_path(benchmark: str, name: str | None = None, *, slug: str | None = None, ext: str = "csv",
-                root: Path = RESULTS) -> Path:
+def result_path(
+    benchmark: str, name: str | None = None, *, slug: str | None = None, ext: str = "csv", root: Path = RESULTS
+) -> Path:
     """``<root>/<benchmark>/<name>_<slug>.<ext>``; ``name`` defaults to the benchmark's, ``slug`` to this CPU's.
 
-        >>> result_path("bench_embed", slug="h200", root=Path("r")).as_posix()
-        'r/bench_embed/bench_embed_h200.csv'
+    >>> result_path("bench_embed", slug="h200", root=Path("r")).as_posix()
+    'r/bench_embed/bench_embed_h200.csv'
     """
     return Path(root) / benchmark / f"{name or benchmark}_{slug or device_slug()}.{ext}"
 
@@ -218,7 +219,7 @@ def read_meta(path: Path) -> dict:
     try:
         return json.loads(meta.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{meta}: not JSON ({e}); it should hold {{\"date\": ..., \"command\": ...}}") from e
+        raise ValueError(f'{meta}: not JSON ({e}); it should hold {{"date": ..., "command": ...}}') from e
 
 
 def _num(text) -> float | None:
@@ -234,8 +235,10 @@ def _headline_bench_embed(rows):
     parts = []
     for r in rows:
         if r["system"] == "engine" and r["corpus"] == corpus:
-            parts.append(f"{r['dtype']} {_num(r['tokens_per_s']):,.0f} tok/s "
-                         f"({_num(r['ratio_vs_sentence_transformers']):.2f}x sentence-transformers)")
+            parts.append(
+                f"{r['dtype']} {_num(r['tokens_per_s']):,.0f} tok/s "
+                f"({_num(r['ratio_vs_sentence_transformers']):.2f}x sentence-transformers)"
+            )
     return f"{corpus}: " + "; ".join(parts)
 
 
@@ -258,8 +261,7 @@ def _headline_bench_attention(rows):
     for r in lab:
         key = (r["model"], r["dtype"])
         best.setdefault(key, []).append(_num(r["time_vs_sdpa"]))
-    return "lab kernel time vs sdpa: " + ", ".join(
-        f"{m} {d} {min(v):.2f}-{max(v):.2f}" for (m, d), v in best.items())
+    return "lab kernel time vs sdpa: " + ", ".join(f"{m} {d} {min(v):.2f}-{max(v):.2f}" for (m, d), v in best.items())
 
 
 def _headline_bench_outputs(rows):
@@ -273,35 +275,46 @@ def _headline_bench_ray(rows):
     if rows and "ratio_vs_engine" in rows[0]:
         return ", ".join(f"{r['system']} {_num(r['ratio_vs_engine']):.2f}x one Engine" for r in rows)
     if rows and "seconds_per_shard" in rows[0] and "measure" in rows[0]:
-        return ", ".join(f"{r['measure']} {_num(r['seconds_per_shard']):.3f} s per shard"
-                         for r in rows if _num(r["seconds_per_shard"]) is not None)
+        return ", ".join(
+            f"{r['measure']} {_num(r['seconds_per_shard']):.3f} s per shard"
+            for r in rows
+            if _num(r["seconds_per_shard"]) is not None
+        )
     if rows and "hours_per_100M_tokens" in rows[0]:
-        return ", ".join(f"{r['actors']} actors {_num(r['hours_per_100M_tokens']):.1f} h / 100M tokens"
-                         for r in rows[:4])
+        return ", ".join(
+            f"{r['actors']} actors {_num(r['hours_per_100M_tokens']):.1f} h / 100M tokens" for r in rows[:4]
+        )
     return None
 
 
 def _headline_causal(rows):
     return "Spearman x100: " + ", ".join(
-        f"{r['pooling']} {r['attention']} {_num(r['spearman_x100']):.1f}" for r in rows)
+        f"{r['pooling']} {r['attention']} {_num(r['spearman_x100']):.1f}" for r in rows
+    )
 
 
 def _headline_rerank(rows):
-    return "MAP: " + ", ".join(f"{r['model']} ({r['mode']}) {_num(r['value']):.3f}" for r in rows
-                               if r["metric"] == "map")
+    return "MAP: " + ", ".join(
+        f"{r['model']} ({r['mode']}) {_num(r['value']):.3f}" for r in rows if r["metric"] == "map"
+    )
 
 
 def _headline_gpu_check(rows):
     checks = [r["ok"] for r in rows if r.get("ok") in ("True", "False")]
-    speed = [f"{r['provider']} {_num(r['speedup']):.2f}x" for r in rows
-             if r.get("section") == "engine" and r.get("metric") == "s" and r.get("provider", "").startswith("engine")]
-    return f"{checks.count('True')}/{len(checks)} checks pass" + ("; vs sentence-transformers " + ", ".join(speed)
-                                                                   if speed else "")
+    speed = [
+        f"{r['provider']} {_num(r['speedup']):.2f}x"
+        for r in rows
+        if r.get("section") == "engine" and r.get("metric") == "s" and r.get("provider", "").startswith("engine")
+    ]
+    return f"{checks.count('True')}/{len(checks)} checks pass" + (
+        "; vs sentence-transformers " + ", ".join(speed) if speed else ""
+    )
 
 
 def _headline_mteb(rows):
-    return "main score x100: " + ", ".join(f"{r['variant']} {r['task']} {100 * _num(r['score']):.2f}" for r in rows
-                                           if r.get("main") == "True")
+    return "main score x100: " + ", ".join(
+        f"{r['variant']} {r['task']} {100 * _num(r['score']):.2f}" for r in rows if r.get("main") == "True"
+    )
 
 
 def _headline_throughput(rows):
@@ -316,8 +329,10 @@ def _headline_bench_peers(rows):
         best = _peer_best(rows, corpus, dtype)
         if best:
             name, tps, own = best
-            parts.append(f"{corpus} {dtype}: fastest peer {name} {tps:,.0f} tok/s"
-                         + (f", Engine {own / tps:.2f}x" if own else ""))
+            parts.append(
+                f"{corpus} {dtype}: fastest peer {name} {tps:,.0f} tok/s"
+                + (f", Engine {own / tps:.2f}x" if own else "")
+            )
     return "; ".join(parts) or None
 
 
@@ -359,16 +374,29 @@ def folder_entries(folder: Path) -> list[Entry]:
     a plot / table ``<name>_<kind>_<slug>`` belongs to the CSV of the same slug with the longest matching name."""
     files = result_files(folder)
     if (folder / "README.md").exists():  # a study that documents itself: its README lists its files
-        return [Entry(folder.name, folder.name, "-", folder / "README.md", headline=f"see {folder.name}/README.md",
-                      files=[folder / "README.md"])]
+        return [
+            Entry(
+                folder.name,
+                folder.name,
+                "-",
+                folder / "README.md",
+                headline=f"see {folder.name}/README.md",
+                files=[folder / "README.md"],
+            )
+        ]
     primaries = [p for p in files if p.suffix == ".csv"]
     owner: dict[Path, Path] = {}
     for p in files:
         if p in primaries:
             continue
         name, slug = split_stem(p.stem)
-        match = [c for c in primaries if p.parent == c.parent and split_stem(c.stem)[1] == slug
-                 and (name == split_stem(c.stem)[0] or name.startswith(split_stem(c.stem)[0] + "_"))]
+        match = [
+            c
+            for c in primaries
+            if p.parent == c.parent
+            and split_stem(c.stem)[1] == slug
+            and (name == split_stem(c.stem)[0] or name.startswith(split_stem(c.stem)[0] + "_"))
+        ]
         if match:
             owner[p] = max(match, key=lambda c: len(c.stem))
         else:
@@ -421,8 +449,7 @@ def render_index(root: Path = RESULTS) -> str:
         "|---|---|---|---|---|---|",
     ]
     for e in entries(root):
-        files = "<br>".join(f"[{f.relative_to(root).as_posix()}]({f.relative_to(root).as_posix()})"
-                            for f in e.files)
+        files = "<br>".join(f"[{f.relative_to(root).as_posix()}]({f.relative_to(root).as_posix()})" for f in e.files)
         command = f"`{_cell(e.command)}`" if e.command != "-" else "-"
         lines.append(f"| {e.benchmark} | {e.machine} | {e.date} | {command} | {_cell(e.headline)} | {files} |")
     return "\n".join(lines) + "\n"
@@ -437,10 +464,15 @@ def _peer_best(rows, corpus: str, dtype: str):
     """(fastest peer's name, its tokens/s, the Engine's tokens/s in the same file or None) for one corpus and
     precision of a bench_peers CSV (its ``precision_class`` column, else ``dtype``; columns it lacks match
     everything). Rows flagged ``matches=False`` (vectors unlike sentence-transformers') and GPU rows are left out."""
+
     def same(r):
         cls = r.get("precision_class", r.get("dtype", dtype))
-        return (r.get("corpus", corpus) == corpus and cls == dtype and r.get("device", "cpu") == "cpu"
-                and str(r.get("matches", "True")) != "False")
+        return (
+            r.get("corpus", corpus) == corpus
+            and cls == dtype
+            and r.get("device", "cpu") == "cpu"
+            and str(r.get("matches", "True")) != "False"
+        )
 
     peers = [(r["system"], _num(r.get("tokens_per_s"))) for r in rows if same(r) and not _is_engine(r["system"])]
     peers = [(s, t) for s, t in peers if t]
@@ -471,8 +503,10 @@ def render_speed(root: Path = RESULTS, base: Path | None = None) -> str:
         peers = read_rows(peers_path) if peers_path.exists() else None
         rel = Path(os.path.relpath(csv_path, base)).as_posix()
         first = engine[0]
-        heading = (f"**{slug}**: {_cell(first.get('cpu_model', '-'))} ({_cell(first.get('cpu_flags', '-'))}); "
-                   f"[{csv_path.name}]({rel}), {when}")
+        heading = (
+            f"**{slug}**: {_cell(first.get('cpu_model', '-'))} ({_cell(first.get('cpu_flags', '-'))}); "
+            f"[{csv_path.name}]({rel}), {when}"
+        )
         out += [heading, ""]
         dtypes = list(dict.fromkeys(r["dtype"] for r in engine))
         head, rule = "| corpus |", "|---|"
@@ -553,8 +587,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     loose = loose_files(args.results)
     if loose:
-        print("files outside a benchmark folder (move each into evals/results/<benchmark>/): "
-              + ", ".join(p.name for p in loose), file=sys.stderr)
+        print(
+            "files outside a benchmark folder (move each into evals/results/<benchmark>/): "
+            + ", ".join(p.name for p in loose),
+            file=sys.stderr,
+        )
         return 1
     if args.check:
         found = stale(args.results, args.readme)

@@ -164,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the CSV / markdown / plot")
     p.add_argument("--cache", default=None, help="mteb result cache folder (default evals/results/cache)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write mteb's result cache")
-    p.add_argument("--limit", type=int, default=None,
-                   help="evaluate only N items per local task (smoke runs; --tasks)")
+    p.add_argument(
+        "--limit", type=int, default=None, help="evaluate only N items per local task (smoke runs; --tasks)"
+    )
     p.add_argument("--overwrite", action="store_true", help="re-run even when cached results exist")
     p.add_argument(
         "--task-instructions",
@@ -181,8 +182,10 @@ def main(argv: list[str] | None = None, *, engine=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.benchmark is not None and args.limit is not None:
-        parser.error("--limit cuts local tasks (--tasks); a --benchmark runs its tasks as the benchmark defines them. "
-                     "Drop --limit, or name the tasks with --tasks")
+        parser.error(
+            "--limit cuts local tasks (--tasks); a --benchmark runs its tasks as the benchmark defines them. "
+            "Drop --limit, or name the tasks with --tasks"
+        )
     benchmark = None
     if args.benchmark is not None:
         import mteb
@@ -190,8 +193,10 @@ def main(argv: list[str] | None = None, *, engine=None):
         try:
             benchmark = mteb.get_benchmark(args.benchmark)
         except KeyError as e:
-            parser.error(f"--benchmark {args.benchmark!r}: {e.args[0] if e.args else e}; the names are "
-                         "[b.name for b in mteb.get_benchmarks()]")
+            parser.error(
+                f"--benchmark {args.benchmark!r}: {e.args[0] if e.args else e}; the names are "
+                "[b.name for b in mteb.get_benchmarks()]"
+            )
     from evals.tasks import get_tasks
     from lab._files import make_folder
     from lab.eval.mteb_adapter import model_name
@@ -228,16 +233,18 @@ def main(argv: list[str] | None = None, *, engine=None):
         header += f" (first {args.limit} items each, smoke run)"
     body = to_markdown(table) if table is not None else "no task was evaluated (see the tasks below)\n"
     png = plot_png(df) if table is not None else None
-    save_table(csv_path, stamp(df), {md_path: header + "\n\n" + body + "\n## Tasks\n\n" + tasks_markdown(view),
-                                     png_path: png})
+    save_table(
+        csv_path, stamp(df), {md_path: header + "\n\n" + body + "\n## Tasks\n\n" + tasks_markdown(view), png_path: png}
+    )
     written = [csv_path, md_path, *([png_path] if png else [])]
     if table is not None:
         print(table.to_string())
     print(view.to_string(index=False))
     skipped = int((view["status"] == "skipped").sum())
     if skipped:
-        print(f"{skipped} of {len(view)} task runs skipped (their data could not be loaded; see reason)",
-              file=sys.stderr)
+        print(
+            f"{skipped} of {len(view)} task runs skipped (their data could not be loaded; see reason)", file=sys.stderr
+        )
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return df
 

@@ -35,7 +35,6 @@ def data_root() -> Path:
     return env.path("LAB_EVAL_DATA", DEFAULT_DATA_DIR)
 
 
-
 def _official(name: str) -> type:
     return type(mteb.get_task(name))
 

@@ -25,8 +25,25 @@ MAX_HEAD_DIM = 256
 
 @triton.jit
 def _attend(
-    acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, n_keys, rows, offs_n, offs_d, head_dim,
-    qk_scale, CAUSAL_MASK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    lo,
+    hi,
+    n_keys,
+    rows,
+    offs_n,
+    offs_d,
+    head_dim,
+    qk_scale,
+    CAUSAL_MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Fold keys ``lo..hi`` (block-aligned, ``< n_keys`` enforced by mask) into the running softmax state."""
     d_mask = offs_d < head_dim
@@ -52,12 +69,35 @@ def _attend(
 
 @triton.jit
 def _varlen_attention_kernel(
-    Q, K, V, O, KP, VP, CU, CU_P,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_kpt, stride_kph, stride_vpt, stride_vph,
-    head_dim, group, qk_scale,
-    CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    KP,
+    VP,
+    CU,
+    CU_P,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_kpt,
+    stride_kph,
+    stride_vpt,
+    stride_vph,
+    head_dim,
+    group,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -88,8 +128,25 @@ def _varlen_attention_kernel(
         kp_base = KP + p_start * stride_kpt + kv_head * stride_kph
         vp_base = VP + p_start * stride_vpt + kv_head * stride_vph
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, kp_base, vp_base, stride_kpt, stride_vpt, 0, p_len, p_len, rows, offs_n, offs_d,
-            head_dim, qk_scale, False, BLOCK_N, DOT_PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            kp_base,
+            vp_base,
+            stride_kpt,
+            stride_vpt,
+            0,
+            p_len,
+            p_len,
+            rows,
+            offs_n,
+            offs_d,
+            head_dim,
+            qk_scale,
+            False,
+            BLOCK_N,
+            DOT_PRECISION,
         )
 
     k_base = K + start * stride_kt + kv_head * stride_kh
@@ -97,19 +154,70 @@ def _varlen_attention_kernel(
     if CAUSAL:
         # keys before this query block are visible to all its rows (BLOCK_M is a multiple of BLOCK_N) ...
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, 0, m_start, seq_len, rows, offs_n, offs_d,
-            head_dim, qk_scale, False, BLOCK_N, DOT_PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            0,
+            m_start,
+            seq_len,
+            rows,
+            offs_n,
+            offs_d,
+            head_dim,
+            qk_scale,
+            False,
+            BLOCK_N,
+            DOT_PRECISION,
         )
         # ... and the diagonal blocks need the triangle mask
         hi = tl.minimum(m_start + BLOCK_M, seq_len)
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, m_start, hi, seq_len, rows, offs_n, offs_d,
-            head_dim, qk_scale, True, BLOCK_N, DOT_PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            m_start,
+            hi,
+            seq_len,
+            rows,
+            offs_n,
+            offs_d,
+            head_dim,
+            qk_scale,
+            True,
+            BLOCK_N,
+            DOT_PRECISION,
         )
     else:
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, 0, seq_len, seq_len, rows, offs_n, offs_d,
-            head_dim, qk_scale, False, BLOCK_N, DOT_PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            stride_kt,
+            stride_vt,
+            0,
+            seq_len,
+            seq_len,
+            rows,
+            offs_n,
+            offs_d,
+            head_dim,
+            qk_scale,
+            False,
+            BLOCK_N,
+            DOT_PRECISION,
         )
 
     out = acc / l_i[:, None]
@@ -171,8 +279,9 @@ def varlen_attention(
         raise ValueError(f"head dim {d} not supported (1..{MAX_HEAD_DIM})")
     cu_seqlens = _check("cu_seqlens", cu_seqlens, 1)
     if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be a (B + 1,) int32 tensor, got {cu_seqlens.dtype} "
-                         f"{tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be a (B + 1,) int32 tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
     has_prefix = k_prefix is not None
     if has_prefix:
         if v_prefix is None or cu_prefix is None:
@@ -200,13 +309,36 @@ def varlen_attention(
     block_m, block_n, warps, stages = _pick_blocks(int(max_seqlen), block_d, q.dtype)
     grid = (triton.cdiv(int(max_seqlen), block_m), hq, batch)
     _varlen_attention_kernel[grid](
-        q, k, v, out, k_prefix, v_prefix, cu_seqlens, cu_prefix,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),
-        d, hq // hkv, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
-        CAUSAL=bool(causal), HAS_PREFIX=has_prefix,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        q,
+        k,
+        v,
+        out,
+        k_prefix,
+        v_prefix,
+        cu_seqlens,
+        cu_prefix,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_prefix.stride(0),
+        k_prefix.stride(1),
+        v_prefix.stride(0),
+        v_prefix.stride(1),
+        d,
+        hq // hkv,
+        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        CAUSAL=bool(causal),
+        HAS_PREFIX=has_prefix,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out

@@ -92,9 +92,22 @@ def build(cc: str | None = None, arch: list[str] | None = None, directory: Path 
     for flags in tries:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cc, "-O3", *flags, "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi",
-                   "-Werror=implicit-function-declaration", "-I", str(SOURCES[0].parent), "-o", str(out),
-                   *map(str, SOURCES), "-lm"]
+            cmd = [
+                cc,
+                "-O3",
+                *flags,
+                "-fPIC",
+                "-shared",
+                "-std=gnu11",
+                "-Wno-psabi",
+                "-Werror=implicit-function-declaration",
+                "-I",
+                str(SOURCES[0].parent),
+                "-o",
+                str(out),
+                *map(str, SOURCES),
+                "-lm",
+            ]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
             if r.returncode == 0:
                 os.replace(out, target)  # atomic: a concurrent build of the same key just overwrites it
@@ -129,8 +142,28 @@ def bind(path: str | os.PathLike) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.lab_varlen_attention.restype = i32
-    lib.lab_varlen_attention.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64,
-                                         i32, i32, i32, ctypes.c_float, i32]
+    lib.lab_varlen_attention.argtypes = [
+        i32,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i32,
+        i32,
+        i32,
+        ctypes.c_float,
+        i32,
+    ]
     lib.lab_attention_native_bf16.restype = i32
     lib.lab_attention_native_bf16.argtypes = []
     lib.lab_add_layer_norm.restype = i32  # lab.kernels.cpu_norms
@@ -195,38 +228,71 @@ def chosen(choice: str | None, backend: str) -> bool:
     """Whether a layer runs one of this library's kernels for a step its probe decided: the probe's ``choice`` is
     ``lab``, the ``backend`` is not Triton (which keeps its own kernels), and nothing records gradients (these
     kernels have no backward: training, e.g. ``lab.adapt``, runs torch's ops)."""
-    return (choice == "lab" and backend != "triton" and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling())
+    return (
+        choice == "lab" and backend != "triton" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    )
 
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether this kernel takes these inputs: CPU float32 / bfloat16, head size a multiple of ``WIDTH``, query
     heads a multiple of key/value heads."""
-    return (q.device.type == "cpu" and q.dtype in DTYPES and k.dtype == q.dtype and q.shape[-1] % WIDTH == 0
-            and q.shape[1] % k.shape[1] == 0)
+    return (
+        q.device.type == "cpu"
+        and q.dtype in DTYPES
+        and k.dtype == q.dtype
+        and q.shape[-1] % WIDTH == 0
+        and q.shape[1] % k.shape[1] == 0
+    )
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
-                     softmax_scale: float | None = None, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool,
+    softmax_scale: float | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
     """Attention within each packed sequence: q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` (any token / head strides, D
     contiguous), ``cu_seqlens`` ``(B + 1,)`` -> ``(T, Hq, D)`` in q's dtype. Runs on the calling thread. ``lib``: a
     build other than this machine's (``bind``; the tests run the portable builds through it)."""
     lib = library(lib)
     if not supports(q, k) or v.dtype != q.dtype or v.shape != k.shape:
-        raise ValueError(f"cpu_attention takes CPU float32/bfloat16 q (T, Hq, D), k/v (T, Hkv, D) with D a multiple "
-                         f"of {WIDTH} and Hq a multiple of Hkv; got q {tuple(q.shape)} {q.dtype}, k "
-                         f"{tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype} on {q.device}")
+        raise ValueError(
+            f"cpu_attention takes CPU float32/bfloat16 q (T, Hq, D), k/v (T, Hkv, D) with D a multiple "
+            f"of {WIDTH} and Hq a multiple of Hkv; got q {tuple(q.shape)} {q.dtype}, k "
+            f"{tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype} on {q.device}"
+        )
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     cu = cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
     if cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != q.shape[0] or bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"cu_seqlens must rise from 0 to the {q.shape[0]} packed tokens; got {cu.tolist()[:8]}...")
     out = torch.empty(q.shape, dtype=q.dtype)
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
     rc = lib.lab_varlen_attention(
-        int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
-        k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
-        cu.data_ptr(), cu.numel() - 1, hq, hkv, d, scale, int(causal),
+        int(q.dtype == torch.bfloat16),
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k.data_ptr(),
+        k.stride(0),
+        k.stride(1),
+        v.data_ptr(),
+        v.stride(0),
+        v.stride(1),
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        cu.data_ptr(),
+        cu.numel() - 1,
+        hq,
+        hkv,
+        d,
+        scale,
+        int(causal),
     )
     if rc == 2:
         raise MemoryError("cpu_attention could not allocate its scratch for the longest sequence")

@@ -30,13 +30,20 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     multiple of ``WIDTH`` elements, ``weight`` (and ``bias``) of ``x``'s dtype, one value per column."""
     n = x.shape[-1] if x.dim() else 0
     params = [weight] if bias is None else [weight, bias]
-    return (x.device.type == "cpu" and x.dtype in DTYPES and x.dim() == 2 and n > 0 and n % WIDTH == 0
-            and x.stride(-1) == 1 and all(p.dtype == x.dtype and p.device.type == "cpu" and p.shape == (n,)
-                                          for p in params))
+    return (
+        x.device.type == "cpu"
+        and x.dtype in DTYPES
+        and x.dim() == 2
+        and n > 0
+        and n % WIDTH == 0
+        and x.stride(-1) == 1
+        and all(p.dtype == x.dtype and p.device.type == "cpu" and p.shape == (n,) for p in params)
+    )
 
 
-def chosen(choice: str | None, backend: str, x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> bool:
+def chosen(
+    choice: str | None, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> bool:
     """Whether a layer runs its norm here: its probe's ``choice`` is ``lab``, the ``backend`` is not Triton (which
     keeps its own norms), nothing records gradients (these kernels have no backward), and they take ``x``."""
     return cpu_attention.chosen(choice, backend) and supports(x, weight, bias)
@@ -44,20 +51,23 @@ def chosen(choice: str | None, backend: str, x: torch.Tensor, weight: torch.Tens
 
 def _rows(name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device or t.stride(-1) != 1:
-        raise ValueError(f"{name} must be a {tuple(like.shape)} {like.dtype} CPU tensor with contiguous rows like x; "
-                         f"got {tuple(t.shape)} {t.dtype} on {t.device} with strides {t.stride()}")
+        raise ValueError(
+            f"{name} must be a {tuple(like.shape)} {like.dtype} CPU tensor with contiguous rows like x; "
+            f"got {tuple(t.shape)} {t.dtype} on {t.device} with strides {t.stride()}"
+        )
     return t
 
 
-def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             lib: ctypes.CDLL | None) -> ctypes.CDLL:
+def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL | None) -> ctypes.CDLL:
     """The library to call (``lib`` or this machine's build), once ``x`` and the parameters are ones it takes."""
     lib = cpu_attention.library(lib, "lab.kernels.cpu_norms")
     if not supports(x, weight, bias):
-        raise ValueError(f"cpu_norms takes a CPU float32/bfloat16 x (T, n) with contiguous rows, n a multiple of "
-                         f"{WIDTH}, and weight/bias (n,) of x's dtype; got x {tuple(x.shape)} {x.dtype} on {x.device} "
-                         f"(strides {x.stride()}), weight {tuple(weight.shape)} {weight.dtype}"
-                         + ("" if bias is None else f", bias {tuple(bias.shape)} {bias.dtype}"))
+        raise ValueError(
+            f"cpu_norms takes a CPU float32/bfloat16 x (T, n) with contiguous rows, n a multiple of "
+            f"{WIDTH}, and weight/bias (n,) of x's dtype; got x {tuple(x.shape)} {x.dtype} on {x.device} "
+            f"(strides {x.stride()}), weight {tuple(weight.shape)} {weight.dtype}"
+            + ("" if bias is None else f", bias {tuple(bias.shape)} {bias.dtype}")
+        )
     return lib
 
 
@@ -68,8 +78,16 @@ def _returned(rc: int) -> None:
         raise ValueError(f"cpu_norms rejected the shapes (code {rc})")
 
 
-def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                   eps: float, *, out: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
     """``LayerNorm(x + residual) * weight + bias`` over the last dim of ``x`` ``(T, n)`` (``residual=None``: plain
     LayerNorm), into ``out`` (a ``(T, n)`` tensor like ``x``, which may be ``x`` or ``residual`` themselves: each row
     is read before it is written; default a new tensor), which it returns. Runs on the calling thread. ``lib``: a
@@ -80,18 +98,32 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else _rows("out", out, x)
     w, b = weight.contiguous(), None if bias is None else bias.contiguous()
     rc = lib.lab_add_layer_norm(
-        int(x.dtype == torch.bfloat16), x.data_ptr(), x.stride(0),
-        None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-        w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
+        int(x.dtype == torch.bfloat16),
+        x.data_ptr(),
+        x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        w.data_ptr(),
+        None if b is None else b.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        x.shape[0],
+        x.shape[1],
         float(eps),
     )
     _returned(rc)
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
-                 out: torch.Tensor | None = None, lib: ctypes.CDLL | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    lib: ctypes.CDLL | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(RMSNorm(s) * weight, s)`` with ``s = x + residual`` (``residual=None``: ``s`` is ``x`` itself) over the
     last dim of ``x`` ``(T, n)``, as ``lab.kernels.reference.add_rms_norm`` returns them; ``s`` is a new tensor,
     the norm goes into ``out`` (a ``(T, n)`` tensor like ``x``, which may be ``x`` itself when ``residual`` is given;
@@ -105,10 +137,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     s = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     w = weight.contiguous()  # held until the call returns
     rc = lib.lab_add_rms_norm(
-        int(x.dtype == torch.bfloat16), x.data_ptr(), x.stride(0),
-        None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-        w.data_ptr(), None if residual is None else s.data_ptr(), s.stride(0), out.data_ptr(),
-        out.stride(0), x.shape[0], x.shape[1], float(eps),
+        int(x.dtype == torch.bfloat16),
+        x.data_ptr(),
+        x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        w.data_ptr(),
+        None if residual is None else s.data_ptr(),
+        s.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        x.shape[0],
+        x.shape[1],
+        float(eps),
     )
     _returned(rc)
     return out, s

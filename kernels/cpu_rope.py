@@ -25,9 +25,17 @@ __all__ = ["available", "chosen", "rotate_pairs_", "supports", "unavailable_reas
 def supports(x: torch.Tensor, cis: torch.Tensor) -> bool:
     """Whether the kernel takes ``x`` ``(T, H, D)`` (CPU float32 / bfloat16, D even and contiguous) with ``cis``
     ``(T, D/2)`` complex64 on the CPU."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and x.dim() == 3 and x.shape[2] > 0 and x.shape[2] % 2 == 0
-            and x.stride(2) == 1 and cis.dtype == torch.complex64 and cis.device.type == "cpu"
-            and cis.shape == (x.shape[0], x.shape[2] // 2))
+    return (
+        x.device.type == "cpu"
+        and x.dtype in DTYPES
+        and x.dim() == 3
+        and x.shape[2] > 0
+        and x.shape[2] % 2 == 0
+        and x.stride(2) == 1
+        and cis.dtype == torch.complex64
+        and cis.device.type == "cpu"
+        and cis.shape == (x.shape[0], x.shape[2] // 2)
+    )
 
 
 def chosen(choice: str | None, backend: str, x: torch.Tensor) -> bool:
@@ -42,14 +50,25 @@ def rotate_pairs_(x: torch.Tensor, cis: torch.Tensor, *, lib: ctypes.CDLL | None
     returns ``x``. ``lib``: a build other than this machine's (``cpu_attention.bind``)."""
     lib = cpu_attention.library(lib, "lab.kernels.cpu_rope")
     if not supports(x, cis):
-        raise ValueError(f"cpu_rope takes a CPU float32/bfloat16 x (T, H, D) with D even and contiguous and a "
-                         f"complex64 cis (T, D/2); got x {tuple(x.shape)} {x.dtype} strides {x.stride()} on "
-                         f"{x.device}, cis {tuple(cis.shape)} {cis.dtype}")
+        raise ValueError(
+            f"cpu_rope takes a CPU float32/bfloat16 x (T, H, D) with D even and contiguous and a "
+            f"complex64 cis (T, D/2); got x {tuple(x.shape)} {x.dtype} strides {x.stride()} on "
+            f"{x.device}, cis {tuple(cis.shape)} {cis.dtype}"
+        )
     pairs = torch.view_as_real(cis.resolve_conj())  # (T, D/2, 2) float32: (cos, sin)
     if pairs.stride(2) != 1 or pairs.stride(1) != 2:
         pairs = pairs.contiguous()
-    rc = lib.lab_rope_pairs(int(x.dtype == torch.bfloat16), x.data_ptr(), x.stride(0), x.stride(1),
-                            pairs.data_ptr(), pairs.stride(0), x.shape[0], x.shape[1], x.shape[2])
+    rc = lib.lab_rope_pairs(
+        int(x.dtype == torch.bfloat16),
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        pairs.data_ptr(),
+        pairs.stride(0),
+        x.shape[0],
+        x.shape[1],
+        x.shape[2],
+    )
     if rc:
         raise ValueError(f"cpu_rope rejected the shapes (code {rc})")
     return x

@@ -30,9 +30,11 @@ def flag(name: str, default: bool) -> bool:
         return True
     if value.lower() in OFF:
         return False
-    raise ValueError(f"{name}={value!r} is not a valid value: use {name}=1 (or {', '.join(ON[1:])}) to turn it on, "
-                     f"{name}=0 (or {', '.join(OFF[1:])}) to turn it off, or leave it unset for the default "
-                     f"({'on' if default else 'off'})")
+    raise ValueError(
+        f"{name}={value!r} is not a valid value: use {name}=1 (or {', '.join(ON[1:])}) to turn it on, "
+        f"{name}=0 (or {', '.join(OFF[1:])}) to turn it off, or leave it unset for the default "
+        f"({'on' if default else 'off'})"
+    )
 
 
 def setting(name: str) -> str:
@@ -52,8 +54,10 @@ def path(name: str, default: str | os.PathLike, *, folder: bool = False) -> Path
         if first is not None and not first.is_dir():
             what = "is a file" if first == out else f"is under {first}, which is a file"
             setting = f"{name}={value!r}" if value else f"{name} is unset and its default {str(out)!r}"
-            raise ValueError(f"{setting} {what}, not a folder: point {name} at a folder (created if absent)"
-                             f"{f' or unset it for the default {default}' if value else ' or set it to one'}")
+            raise ValueError(
+                f"{setting} {what}, not a folder: point {name} at a folder (created if absent)"
+                f"{f' or unset it for the default {default}' if value else ' or set it to one'}"
+            )
     return out
 
 

@@ -23,8 +23,19 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _add_layer_norm_kernel(
-    X, R, W, B, Y, stride_x, stride_r, stride_y, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    R,
+    W,
+    B,
+    Y,
+    stride_x,
+    stride_r,
+    stride_y,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -44,8 +55,19 @@ def _add_layer_norm_kernel(
 
 @triton.jit
 def _add_rms_norm_kernel(
-    X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    R,
+    W,
+    Y,
+    S,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_s,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -100,8 +122,19 @@ def add_layer_norm(
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if y.numel():
         _add_layer_norm_kernel[(x2.shape[0],)](
-            x2, r2, w, b, y, x2.stride(0), r2.stride(0), y.stride(0), n, float(eps),
-            HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, **_launch_opts(n),
+            x2,
+            r2,
+            w,
+            b,
+            y,
+            x2.stride(0),
+            r2.stride(0),
+            y.stride(0),
+            n,
+            float(eps),
+            HAS_RESIDUAL=residual is not None,
+            HAS_BIAS=bias is not None,
+            **_launch_opts(n),
         )
     return y.view(x.shape)
 
@@ -121,7 +154,18 @@ def add_rms_norm(
     s = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device) if residual is not None else x2
     if y.numel():
         _add_rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, w, y, s, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), n, float(eps),
-            HAS_RESIDUAL=residual is not None, **_launch_opts(n),
+            x2,
+            r2,
+            w,
+            y,
+            s,
+            x2.stride(0),
+            r2.stride(0),
+            y.stride(0),
+            s.stride(0),
+            n,
+            float(eps),
+            HAS_RESIDUAL=residual is not None,
+            **_launch_opts(n),
         )
     return y.view(x.shape), (s.view(x.shape) if residual is not None else x)

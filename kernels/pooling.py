@@ -25,8 +25,17 @@ MAX_HIDDEN = 32768
 
 @triton.jit(do_not_specialize=["total"])  # the token count changes every step: no recompiles for it
 def _segment_pool_kernel(
-    H, CU, POOL_START, OUT, stride_t, hidden, total,
-    METHOD: tl.constexpr, HAS_START: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    H,
+    CU,
+    POOL_START,
+    OUT,
+    stride_t,
+    hidden,
+    total,
+    METHOD: tl.constexpr,
+    HAS_START: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     seq = tl.program_id(0)
     start = tl.load(CU + seq).to(tl.int32)
@@ -60,7 +69,8 @@ def _segment_pool_kernel(
             row_mask = rows < end
             x = tl.load(
                 H + rows[:, None].to(tl.int64) * stride_t + offs_h[None, :],
-                mask=row_mask[:, None] & h_mask[None, :], other=0.0,
+                mask=row_mask[:, None] & h_mask[None, :],
+                other=0.0,
             ).to(tl.float32)
             if METHOD == 3:  # 1-based position within the pooled span
                 w = (rows - start + 1).to(tl.float32)
@@ -106,10 +116,17 @@ def segment_pool(
     block_h = triton.next_power_of_2(h)
     block_t = max(2, min(32, 8192 // block_h))
     _segment_pool_kernel[(b,)](
-        hidden, cu_seqlens,
+        hidden,
+        cu_seqlens,
         pool_start if pool_start is not None else cu_seqlens,  # a placeholder, never read without HAS_START
-        out, hidden.stride(0), h, total,
-        METHOD=_METHOD_CODE[method], HAS_START=pool_start is not None, BLOCK_T=block_t, BLOCK_H=block_h,
+        out,
+        hidden.stride(0),
+        h,
+        total,
+        METHOD=_METHOD_CODE[method],
+        HAS_START=pool_start is not None,
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
         num_warps=4 if block_h <= 1024 else 8,
     )
     return out

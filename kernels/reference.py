@@ -140,8 +140,9 @@ def varlen_attention(
         if o is None:
             if length == 1 and not plen:
                 is_causal = False  # one query, one key: identical either way, and the cheaper path
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                               enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+            )
         parts.append(o.transpose(1, 2).reshape(n * length, hq, d))
     if len(parts) == 1 and parts[0].shape[0] == q.shape[0]:  # one run: the kernel's memory is the packed layout
         return parts[0]
@@ -163,8 +164,9 @@ def _causal_blocks(q, k, v, scale, block):
     """
     n, hq, length, d = q.shape
     out = q.new_empty(n, length, hq, d).transpose(1, 2)
-    out[:, :, :block] = F.scaled_dot_product_attention(q[:, :, :block], k[:, :, :block], v[:, :, :block],
-                                                       is_causal=True, scale=scale, enable_gqa=hq != k.shape[1])
+    out[:, :, :block] = F.scaled_dot_product_attention(
+        q[:, :, :block], k[:, :, :block], v[:, :, :block], is_causal=True, scale=scale, enable_gqa=hq != k.shape[1]
+    )
     for s in range(block, length, block):
         e = min(length, s + block)
         out[:, :, s:e] = _prefix_then_causal(q[:, :, s:e], k[:, :, :s], v[:, :, :s], k[:, :, s:e], v[:, :, s:e], scale)

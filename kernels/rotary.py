@@ -22,8 +22,17 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _rotary_kernel(
-    X, COS, SIN, stride_xt, stride_xh, stride_ct, stride_st, n_heads, half,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    X,
+    COS,
+    SIN,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_st,
+    n_heads,
+    half,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -68,7 +77,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     block_h = min(triton.next_power_of_2(h), max(1, 2048 // block_half))
     grid = (t, triton.cdiv(h, block_h))
     _rotary_kernel[grid](
-        x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), h, d // 2,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4,
+        x,
+        cos,
+        sin,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        h,
+        d // 2,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        num_warps=4,
     )
     return x

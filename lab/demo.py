@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     eng.embed(texts[:256])  # warm-up
     eng.embed(texts)
     s = eng.stats
-    print(f"Throughput on {len(texts)} {what}: {s.tokens_per_s:,.0f} tokens/s "
-          f"({s.tokens} tokens, {s.batches} packed batches, {s.padded_tokens} padded tokens, {s.seconds:.2f} s)")
+    print(
+        f"Throughput on {len(texts)} {what}: {s.tokens_per_s:,.0f} tokens/s "
+        f"({s.tokens} tokens, {s.batches} packed batches, {s.padded_tokens} padded tokens, {s.seconds:.2f} s)"
+    )
 
 
 if __name__ == "__main__":

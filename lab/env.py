@@ -29,36 +29,55 @@ _SWITCH = f"a switch: {' / '.join(ON)} or {' / '.join(OFF)} (any case)"
 # name -> what it takes, its default and what it does; tests/test_env.py holds this to the names the source reads
 VARIABLES: dict[str, Variable] = {
     "LAB_CPU_<NAME>": Variable(
-        "one of that fast path's choices (the CPU fast paths above), or `auto` (any case)", "unset: measured at load",
+        "one of that fast path's choices (the CPU fast paths above), or `auto` (any case)",
+        "unset: measured at load",
         "forces a CPU fast path for the process (`lab.ops.probes.decide`); an engine's `cpu_paths` wins over it; a "
-        "`LAB_CPU_` name that is no fast path is refused when an engine loads"),
+        "`LAB_CPU_` name that is no fast path is refused when an engine loads",
+    ),
     "LAB_CPU_NATIVE_KERNELS": Variable(
-        _SWITCH, "on",
-        "off: never build or offer the C kernels (attention, norms, rotary; `lab.kernels.cpu_attention`)"),
+        _SWITCH,
+        "on",
+        "off: never build or offer the C kernels (attention, norms, rotary; `lab.kernels.cpu_attention`)",
+    ),
     "LAB_KERNEL_CACHE": Variable(
-        "a folder (created if absent)", "`~/.cache/prefill-lab/kernels`",
-        "where the C kernels are compiled to (keyed by source, compiler and CPU flags)"),
+        "a folder (created if absent)",
+        "`~/.cache/prefill-lab/kernels`",
+        "where the C kernels are compiled to (keyed by source, compiler and CPU flags)",
+    ),
     "LAB_MALLOC_TUNING": Variable(
-        _SWITCH, "off", "on: tune glibc's allocator for the process (as `Engine(tune_allocator=True)`, which wins "
-                        "over it); keeps the peak heap"),
+        _SWITCH,
+        "off",
+        "on: tune glibc's allocator for the process (as `Engine(tune_allocator=True)`, which wins "
+        "over it); keeps the peak heap",
+    ),
     "LAB_MEMORY_CHECK": Variable(
-        _SWITCH, "on", "off: calls skip the memory check (`lab.runtime.memory`: steps cut to fit, or refused, under "
-                       "`RLIMIT_AS`, a cgroup's limit or the machine's available memory)"),
+        _SWITCH,
+        "on",
+        "off: calls skip the memory check (`lab.runtime.memory`: steps cut to fit, or refused, under "
+        "`RLIMIT_AS`, a cgroup's limit or the machine's available memory)",
+    ),
     "LAB_CACHE": Variable(
-        "a folder (created if absent)", "`~/.cache/prefill-lab`",
-        "where a `.gguf` file is converted to a safetensors folder, once (`lab.models.gguf`)"),
+        "a folder (created if absent)",
+        "`~/.cache/prefill-lab`",
+        "where a `.gguf` file is converted to a safetensors folder, once (`lab.models.gguf`)",
+    ),
     "LAB_MTEB_CACHE": Variable(
-        "a folder", "`evals/results/cache`", "mteb's result cache for `lab.evaluate` / `evals.run`"),
+        "a folder", "`evals/results/cache`", "mteb's result cache for `lab.evaluate` / `evals.run`"
+    ),
     "LAB_EVAL_DATA": Variable(
-        "a folder", "`evals/data`", "the evaluation data (`evals/tasks.py`, `evals/rerank_twitter.py`)"),
+        "a folder", "`evals/data`", "the evaluation data (`evals/tasks.py`, `evals/rerank_twitter.py`)"
+    ),
     "LAB_SMOKE": Variable(
-        _SWITCH, "off", "on: notebooks, `evals/bench_peers.py` and `evals/llm2vec_study.py` shrink every workload to "
-                        "seconds"),
+        _SWITCH,
+        "off",
+        "on: notebooks, `evals/bench_peers.py` and `evals/llm2vec_study.py` shrink every workload to seconds",
+    ),
     "LAB_PEERS_CACHE": Variable(
-        "a folder", "`~/.cache/prefill-lab`", "where `evals/bench_peers.py` builds the peers' virtual environment"),
+        "a folder", "`~/.cache/prefill-lab`", "where `evals/bench_peers.py` builds the peers' virtual environment"
+    ),
     "LAB_LLM2VEC_VENV": Variable(
-        "a folder", "`~/.cache/prefill-lab/venvs/llm2vec`",
-        "llm2vec's virtual environment (`evals/llm2vec_parity.py`)"),
+        "a folder", "`~/.cache/prefill-lab/venvs/llm2vec`", "llm2vec's virtual environment (`evals/llm2vec_parity.py`)"
+    ),
 }
 
 

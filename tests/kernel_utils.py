@@ -74,7 +74,8 @@ def run_module_in_subprocess(test_file: str, timeout: float = 300) -> None:
     mine = [line for line in out.splitlines() if line.startswith((f"FAILED {rel}", f"ERROR {rel}"))]
     if _CHILD.returncode not in (0, 1) or mine:
         pytest.fail(
-            f"{' '.join(_CHILD.args)} (rc={_CHILD.returncode}), failures in {rel}:\n" + "\n".join(mine)
+            f"{' '.join(_CHILD.args)} (rc={_CHILD.returncode}), failures in {rel}:\n"
+            + "\n".join(mine)
             + f"\n--- child output (tail) ---\n{out[-8000:]}"
         )
 

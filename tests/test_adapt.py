@@ -96,8 +96,16 @@ def test_same_seed_same_adapter_and_resume_is_exact(base, tmp_path, monkeypatch)
 def test_simcse_on_top_of_an_adapter_and_causal_control(base, tmp_path):
     m = mntp(base, TEXTS, tmp_path / "m", steps=2, batch_size=4, lora=SMALL, show_progress=False).path
     s = simcse(base, TEXTS, tmp_path / "s", adapters=[m], steps=3, batch_size=4, lora=SMALL, show_progress=False)
-    c = simcse(base, TEXTS, tmp_path / "c", bidirectional=False, steps=3, batch_size=4,
-               lora=LoraSpec(r=2, alpha=4.0, save_dtype="bfloat16"), show_progress=False)
+    c = simcse(
+        base,
+        TEXTS,
+        tmp_path / "c",
+        bidirectional=False,
+        steps=3,
+        batch_size=4,
+        lora=LoraSpec(r=2, alpha=4.0, save_dtype="bfloat16"),
+        show_progress=False,
+    )
     assert json.loads((s.path / "train_config.json").read_text())["adapters"] == [str(m.resolve())]
     assert np.isfinite(s.log["loss"]).all() and np.isfinite(c.log["loss"]).all()
     assert all(v.dtype == torch.bfloat16 for v in _weights(c.path).values())

@@ -47,8 +47,16 @@ MEASURED: dict[str, float] = {}  # min per-token cosine of each parity check (pr
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-def make_adapter(base, out, *, auto: str = "AutoModelForCausalLM", targets=DECODER_TARGETS, seed: int = 0,
-                 config_cls: str = "LoraConfig", **kw):
+def make_adapter(
+    base,
+    out,
+    *,
+    auto: str = "AutoModelForCausalLM",
+    targets=DECODER_TARGETS,
+    seed: int = 0,
+    config_cls: str = "LoraConfig",
+    **kw,
+):
     """Save a peft adapter made on ``transformers.<auto>.from_pretrained(base)`` (random, non-zero B)."""
     import peft
     import transformers
@@ -142,13 +150,20 @@ def lora_a(root, llama):
 @pytest.fixture(scope="module")
 def lora_b(root, llama):
     """Made on the base ``LlamaModel`` (keys ``base_model.model.layers...``, as llm2vec saves them)."""
-    return make_adapter(llama, root / "runs" / "simcse", auto="AutoModel", seed=2,
-                        targets=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+    return make_adapter(
+        llama,
+        root / "runs" / "simcse",
+        auto="AutoModel",
+        seed=2,
+        targets=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- parity
-@pytest.mark.parametrize("kind,causal", [("llama", True), ("qwen2", True), ("mistral", True), ("qwen3", True),
-                                         ("llama", False), ("qwen2", False)])
+@pytest.mark.parametrize(
+    "kind,causal",
+    [("llama", True), ("qwen2", True), ("mistral", True), ("qwen3", True), ("llama", False), ("qwen2", False)],
+)
 def test_decoder_lora_matches_peft_merge(root, kind, causal):
     base = str(tiny_llama(root / "par", kind))
     ad = make_adapter(base, root / "par" / f"{kind}-lora", seed=3)
@@ -179,7 +194,9 @@ def test_rslora(root):
 def test_rank_and_alpha_patterns(root):
     base = str(tiny_llama(root / "pat", "mistral"))
     ad = make_adapter(
-        base, root / "pat" / "patterns", seed=5,
+        base,
+        root / "pat" / "patterns",
+        seed=5,
         # a full name, a dotted suffix and a bare module name, as peft matches them
         rank_pattern={"model.layers.0.self_attn.q_proj": 2, "layers.1.mlp.down_proj": 6, "k_proj": 3},
         alpha_pattern={"v_proj": 32, "layers.0.mlp.gate_proj": 1},
@@ -208,8 +225,13 @@ def test_bert_lora_matches_peft_merge(tmp_path, minilm_path):
     assert_parity(eng, peft_merged(base, [(ad, False)], auto="AutoModel"), "bert")
     assert_base_differs(Engine(base, pooling="mean"), eng)
     # an adapter on BertForMaskedLM: keys carry ``bert.`` (base_model.model.bert.encoder.layer...)
-    mlm = make_adapter(base, tmp_path / "bert-mlm-lora", auto="BertForMaskedLM", seed=7,
-                       targets=["query", "value", "intermediate.dense", "attention.output.dense"])
+    mlm = make_adapter(
+        base,
+        tmp_path / "bert-mlm-lora",
+        auto="BertForMaskedLM",
+        seed=7,
+        targets=["query", "value", "intermediate.dense", "attention.output.dense"],
+    )
     eng.configure(adapters=[mlm])
     assert_parity(eng, peft_merged(base, [(mlm, False)], auto="BertForMaskedLM", inner="bert"), "bert (MLM keys)")
 
@@ -219,8 +241,9 @@ def test_smollm2_lora_matches_peft_merge(tmp_path):
     from lab.models.gguf import smollm2_path
 
     base = str(smollm2_path())
-    ad = make_adapter(base, tmp_path / "smol-lora", seed=8,
-                      targets=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+    ad = make_adapter(
+        base, tmp_path / "smol-lora", seed=8, targets=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    )
     eng = Engine(base, adapters=[ad], pooling="mean")
     texts = ["A man is playing a guitar.", "a", "Embeddings map text to vectors."]
     assert_parity(eng, peft_merged(base, [(ad, False)], inner="model"), "SmolLM2-135M", texts)
@@ -229,8 +252,10 @@ def test_smollm2_lora_matches_peft_merge(tmp_path):
 # ------------------------------------------------------------------------------------------------- live switching
 def test_live_switching_equals_fresh_engines(llama, lora_a, lora_b):
     texts = shuffled()
-    fresh = {key: Engine(llama, adapters=list(key), pooling="mean").embed(texts)
-             for key in [(), (lora_a,), (lora_a, lora_b)]}
+    fresh = {
+        key: Engine(llama, adapters=list(key), pooling="mean").embed(texts)
+        for key in [(), (lora_a,), (lora_a, lora_b)]
+    }
     eng = Engine(llama, pooling="mean")
     weight = eng.model.layers[0].qkv.weight
     np.testing.assert_array_equal(eng.embed(texts), fresh[()])
@@ -255,8 +280,9 @@ def test_dtype_switch_keeps_adapters(llama, lora_a, lora_b):
     np.testing.assert_array_equal(eng.embed(texts), want_f32)
     assert eng.resolved["adapters"] == ["mntp", "simcse"]
     eng.configure(adapters=[lora_a], dtype="bfloat16")  # both at once
-    np.testing.assert_array_equal(eng.embed(texts),
-                                  Engine(llama, adapters=[lora_a], pooling="mean", dtype="bfloat16").embed(texts))
+    np.testing.assert_array_equal(
+        eng.embed(texts), Engine(llama, adapters=[lora_a], pooling="mean", dtype="bfloat16").embed(texts)
+    )
     eng.configure(adapters=[], dtype="float32")
     np.testing.assert_array_equal(eng.embed(texts), Engine(llama, pooling="mean").embed(texts))
 
@@ -265,8 +291,9 @@ def test_adapter_only_folder_as_model(llama, lora_a, lora_b, tmp_path):
     eng = Engine(lora_a, adapters=[lora_b], pooling="mean")  # base from adapter_config.json
     assert eng.model_path == llama and eng.knobs["adapters"] == (lora_a, lora_b)
     texts = shuffled()
-    np.testing.assert_array_equal(eng.embed(texts),
-                                  Engine(llama, adapters=[lora_a, lora_b], pooling="mean").embed(texts))
+    np.testing.assert_array_equal(
+        eng.embed(texts), Engine(llama, adapters=[lora_a, lora_b], pooling="mean").embed(texts)
+    )
     hub = tmp_path / "hub-adapter"
     shutil.copytree(lora_a, hub)
     cfg = json.loads((hub / "adapter_config.json").read_text())
@@ -302,25 +329,54 @@ def bad(root, llama):
     (d / "empty").mkdir(parents=True)
     out["empty"] = (d / "empty", r"no adapter_config\.json in .*empty")
     out["model folder"] = (llama, r"is a model folder, not an adapter")
-    out["ia3"] = (make_adapter(llama, d / "ia3", config_cls="IA3Config", targets=["k_proj", "v_proj", "down_proj"],
-                               feedforward_modules=["down_proj"]), r"IA3 adapter.*only LORA")
-    out["prompt"] = (make_adapter(llama, d / "prompt", config_cls="PromptTuningConfig", targets=None,
-                                  task_type="CAUSAL_LM", num_virtual_tokens=4), r"PROMPT_TUNING adapter.*only LORA")
+    out["ia3"] = (
+        make_adapter(
+            llama,
+            d / "ia3",
+            config_cls="IA3Config",
+            targets=["k_proj", "v_proj", "down_proj"],
+            feedforward_modules=["down_proj"],
+        ),
+        r"IA3 adapter.*only LORA",
+    )
+    out["prompt"] = (
+        make_adapter(
+            llama,
+            d / "prompt",
+            config_cls="PromptTuningConfig",
+            targets=None,
+            task_type="CAUSAL_LM",
+            num_virtual_tokens=4,
+        ),
+        r"PROMPT_TUNING adapter.*only LORA",
+    )
     out["dora"] = (make_adapter(llama, d / "dora", use_dora=True), r"DoRA \(use_dora=true\).*not supported")
     out["bias"] = (make_adapter(llama, d / "bias", bias="all"), r"trains biases \(bias='all'\).*not supported")
-    out["embedding"] = (make_adapter(llama, d / "emb", targets=["embed_tokens", "q_proj"]),
-                        r"LoRA on an embedding layer .*embed_tokens.*not supported")
-    out["lm_head"] = (make_adapter(llama, d / "lm_head", targets=["lm_head", "q_proj"]),
-                      r"embeddings / lm_head \(base_model\.model\.lm_head\..*not supported")
-    out["modules_to_save"] = (make_adapter(llama, d / "mts", targets=["q_proj"], modules_to_save=["norm"]),
-                              r"full weights of a module \(base_model\.model\.model\..*norm\.weight.*modules_to_save")
+    out["embedding"] = (
+        make_adapter(llama, d / "emb", targets=["embed_tokens", "q_proj"]),
+        r"LoRA on an embedding layer .*embed_tokens.*not supported",
+    )
+    out["lm_head"] = (
+        make_adapter(llama, d / "lm_head", targets=["lm_head", "q_proj"]),
+        r"embeddings / lm_head \(base_model\.model\.lm_head\..*not supported",
+    )
+    out["modules_to_save"] = (
+        make_adapter(llama, d / "mts", targets=["q_proj"], modules_to_save=["norm"]),
+        r"full weights of a module \(base_model\.model\.model\..*norm\.weight.*modules_to_save",
+    )
     deeper = tiny_llama(d, "llama", num_hidden_layers=3)
-    out["module"] = (make_adapter(deeper, d / "deeper", targets=["q_proj"]),
-                     r"module 'model\.layers\.2\.self_attn\.q_proj' does not fit this LlamaForCausalLM base")
+    out["module"] = (
+        make_adapter(deeper, d / "deeper", targets=["q_proj"]),
+        r"module 'model\.layers\.2\.self_attn\.q_proj' does not fit this LlamaForCausalLM base",
+    )
     wider = tiny_llama(d, "llama", hidden_size=32, intermediate_size=48)
-    out["shape"] = (make_adapter(wider, d / "wider", targets=["gate_proj"]),
-                    (r"module 'model\.layers\.0\.mlp\.gate_proj' does not fit this base's shapes: the adapter has "
-                     r"lora_A \(4, 32\) and lora_B \(48, 4\), this base's weight is \(96, 64\)"))
+    out["shape"] = (
+        make_adapter(wider, d / "wider", targets=["gate_proj"]),
+        (
+            r"module 'model\.layers\.0\.mlp\.gate_proj' does not fit this base's shapes: the adapter has "
+            r"lora_A \(4, 32\) and lora_B \(48, 4\), this base's weight is \(96, 64\)"
+        ),
+    )
     rank = d / "rank"
     shutil.copytree(make_adapter(llama, d / "rank0", targets=["v_proj"]), rank)
     cfg = json.loads((rank / "adapter_config.json").read_text())
@@ -329,8 +385,20 @@ def bad(root, llama):
     return out
 
 
-CASES = ["empty", "model folder", "ia3", "prompt", "dora", "bias", "embedding", "lm_head", "modules_to_save",
-         "module", "shape", "rank"]
+CASES = [
+    "empty",
+    "model folder",
+    "ia3",
+    "prompt",
+    "dora",
+    "bias",
+    "embedding",
+    "lm_head",
+    "modules_to_save",
+    "module",
+    "shape",
+    "rank",
+]
 
 
 @pytest.fixture(scope="module")
@@ -383,8 +451,10 @@ def test_adapter_model_bin_is_read_like_safetensors(llama, lora_a, tmp_path):
     torch.save(load_file(str(st)), tmp_path / "bin" / "adapter_model.bin")
     st.unlink()
     texts = shuffled()
-    np.testing.assert_array_equal(Engine(llama, adapters=[str(tmp_path / "bin")], pooling="mean").embed(texts),
-                                  Engine(llama, adapters=[lora_a], pooling="mean").embed(texts))
+    np.testing.assert_array_equal(
+        Engine(llama, adapters=[str(tmp_path / "bin")], pooling="mean").embed(texts),
+        Engine(llama, adapters=[lora_a], pooling="mean").embed(texts),
+    )
 
 
 def test_transformers_fallback_refuses_adapters(tmp_path, minilm_path):
@@ -393,8 +463,10 @@ def test_transformers_fallback_refuses_adapters(tmp_path, minilm_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["SomethingElseModel"]  # not in our registry: transformers AutoModel, padded
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.warns(UserWarning, match="no packed implementation"), \
-            pytest.raises(ValueError, match="adapters need a packed model.*transformers fallback"):
+    with (
+        pytest.warns(UserWarning, match="no packed implementation"),
+        pytest.raises(ValueError, match="adapters need a packed model.*transformers fallback"),
+    ):
         Engine(str(path), adapters=[ad])
     with pytest.warns(UserWarning, match="no packed implementation"):
         eng = Engine(str(path), pooling="mean")
@@ -425,8 +497,13 @@ def test_rescope_writes_the_bare_model_scope_peft_over_automodel_loads(llama, tm
     from lab.adapt import rescope
     from lab.adapt.adapters import is_bare_scope
 
-    causal = make_adapter(llama, tmp_path / "causal", seed=12, rank_pattern={"model.layers.0.self_attn.q_proj": 2},
-                          alpha_pattern={"model.layers.1.mlp.down_proj": 3})
+    causal = make_adapter(
+        llama,
+        tmp_path / "causal",
+        seed=12,
+        rank_pattern={"model.layers.0.self_attn.q_proj": 2},
+        alpha_pattern={"model.layers.1.mlp.down_proj": 3},
+    )
     assert not is_bare_scope(causal)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -436,8 +513,9 @@ def test_rescope_writes_the_bare_model_scope_peft_over_automodel_loads(llama, tm
     out = rescope(causal, tmp_path / "bare")
     assert out == tmp_path / "bare" and is_bare_scope(out)
     src, dst = _keys(causal), _keys(out)
-    assert ({k.replace("base_model.model.model.", "base_model.model.", 1): v for k, v in src.items()}.keys()
-            == dst.keys())
+    assert {
+        k.replace("base_model.model.model.", "base_model.model.", 1): v for k, v in src.items()
+    }.keys() == dst.keys()
     for k, v in src.items():
         w = dst[k.replace("base_model.model.model.", "base_model.model.", 1)]
         assert torch.equal(v, w) and v.dtype == w.dtype

@@ -29,8 +29,20 @@ TEXTS = [
     "A woman is slicing an onion.",
     "Two dogs run through a field.",
 ]
-BASE_COLUMNS = {"system", "texts", "tokens", "padded_tokens", "tokens_computed", "seconds_median", "seconds_min",
-                "seconds_max", "tokens_per_s", "threads", "torch", "machine"}
+BASE_COLUMNS = {
+    "system",
+    "texts",
+    "tokens",
+    "padded_tokens",
+    "tokens_computed",
+    "seconds_median",
+    "seconds_min",
+    "seconds_max",
+    "tokens_per_s",
+    "threads",
+    "torch",
+    "machine",
+}
 
 
 @pytest.fixture()
@@ -41,14 +53,23 @@ def minilm(minilm_path):
 def test_throughput_engine_sweep_and_st_baseline(minilm, minilm_st):
     base = SentenceTransformerBaseline(minilm_st, batch_size=4)
     before = dict(minilm.knobs)
-    df = throughput({"engine": minilm, "sentence-transformers": base}, TEXTS,
-                    sweep={"max_batch_tokens": [16, 4096], "pooling": ["mean", "cls"]}, repeats=2, warmup=0)
+    df = throughput(
+        {"engine": minilm, "sentence-transformers": base},
+        TEXTS,
+        sweep={"max_batch_tokens": [16, 4096], "pooling": ["mean", "cls"]},
+        repeats=2,
+        warmup=0,
+    )
     assert minilm.knobs == before  # the sweep is undone
     assert len(df) == 4 + 1  # 2 x 2 engine settings + one baseline row
     assert BASE_COLUMNS | {"max_batch_tokens", "pooling"} <= set(df.columns)
     eng, st = df[df.system == "engine"], df[df.system == "sentence-transformers"]
     assert sorted(map(tuple, eng[["max_batch_tokens", "pooling"]].values.tolist())) == [
-        (16, "cls"), (16, "mean"), (4096, "cls"), (4096, "mean")]
+        (16, "cls"),
+        (16, "mean"),
+        (4096, "cls"),
+        (4096, "mean"),
+    ]
     assert st["max_batch_tokens"].isna().all() and st["pooling"].isna().all()
     # the same real tokens for both systems; the engine pads nothing, sentence-transformers pads its batches
     assert (eng["tokens"] == st["tokens"].iloc[0]).all()
@@ -61,8 +82,9 @@ def test_throughput_engine_sweep_and_st_baseline(minilm, minilm_st):
 def test_st_baseline_token_counts(minilm_st):
     base = SentenceTransformerBaseline(minilm_st, batch_size=2)
     real, pad = base.token_counts(["a b c d e f", "a", "a b", "a b c"])
-    lengths = sorted((len(x) for x in minilm_st.tokenizer(["a b c d e f", "a", "a b", "a b c"])["input_ids"]),
-                     reverse=True)  # [8, 5, 4, 3]: batches (8, 5) and (4, 3)
+    lengths = sorted(
+        (len(x) for x in minilm_st.tokenizer(["a b c d e f", "a", "a b", "a b c"])["input_ids"]), reverse=True
+    )  # [8, 5, 4, 3]: batches (8, 5) and (4, 3)
     assert real == sum(lengths) and pad == (8 - 5) + (4 - 3)
     assert base(["a", "b"]).shape == (2, 384)
 
@@ -125,8 +147,17 @@ def test_chunked_prefill_rows_and_equality(tmp_path):
     df = chunked_prefill(eng, texts, [8, 32], repeats=1)
     assert eng.knobs["chunked_prefill"] is None
     assert len(df) == 2 * 3
-    assert {"text", "input_tokens", "chunked_prefill", "chunks", "seconds", "peak_mb", "state_mb", "max_abs_diff",
-            "cosine"} <= set(df.columns)
+    assert {
+        "text",
+        "input_tokens",
+        "chunked_prefill",
+        "chunks",
+        "seconds",
+        "peak_mb",
+        "state_mb",
+        "max_abs_diff",
+        "cosine",
+    } <= set(df.columns)
     assert df["chunked_prefill"].isna().sum() == 2  # the unchunked reference, once per text
     assert (df["max_abs_diff"] < 1e-4).all() and (df["cosine"] > 0.9999).all()
     assert (df["peak_mb"] > 0).all()
@@ -188,8 +219,27 @@ def test_decoder_benchmark_self_check_rows(tmp_path):
     flag there is no such row."""
     bench_decoder, sections = _bench_decoder(), _bench_decoder("decoder_sections")
     path = str(tiny_llama(tmp_path, "llama"))
-    argv = ["--model", path, "--sections", "throughput", "--docs", "7", "--repeats", "1", "--warmup", "0",
-            "--dtypes", "float32", "bfloat16", "--poolings", "lasttoken", "--batch-sizes", "3", "--max-length", "64"]
+    argv = [
+        "--model",
+        path,
+        "--sections",
+        "throughput",
+        "--docs",
+        "7",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--dtypes",
+        "float32",
+        "bfloat16",
+        "--poolings",
+        "lasttoken",
+        "--batch-sizes",
+        "3",
+        "--max-length",
+        "64",
+    ]
     for flag in (True, False):
         table = sections.Table("test", "cpu")
         args = bench_decoder.parse_args(argv + ["--out", str(tmp_path / "b.csv")] + (["--self-check"] if flag else []))
@@ -205,9 +255,14 @@ def test_decoder_benchmark_self_check_rows(tmp_path):
         assert 0.9 < rows.loc["bfloat16", "value"] <= 1.0 + 1e-6
         # the same figure computed here, from the bench's texts and the baseline's two batchings
         texts = sections.throughput_texts("mixed", 7)
-        base = sections.PaddedTransformersEmbedder(path, batch_size=3, max_length=64, dtype="bfloat16",
-                                                   pooling="lasttoken",
-                                                   append_eos=Engine(path, max_length=64).resolved.append_eos)
+        base = sections.PaddedTransformersEmbedder(
+            path,
+            batch_size=3,
+            max_length=64,
+            dtype="bfloat16",
+            pooling="lasttoken",
+            append_eos=Engine(path, max_length=64).resolved.append_eos,
+        )
         want = sections.min_cosine(base(texts), base.configure(batch_size=sections.SELF_CHECK_BATCH)(texts))
         assert rows.loc["bfloat16", "value"] == pytest.approx(want, abs=1e-7)
         assert (rows.target == 0.9999).all() and (rows.system == "padded-transformers").all()
@@ -219,14 +274,16 @@ def test_embed_benchmark_targets_need_ratio_and_cosine():
     from lab._repo import import_evals
 
     targets = import_evals("bench_embed").targets
-    df = pd.DataFrame({
-        "corpus": ["mixed", "mixed", "mixed", "scifact", "scifact"],
-        "dtype": ["float32", "bfloat16", "bfloat16", "float32", "float32"],
-        "system": ["engine", "engine", "sentence-transformers", "engine", "sentence-transformers"],
-        "ratio_vs_sentence_transformers": [1.5, 3.9, 1.0, 1.1, 1.0],
-        "min_cosine": [0.99999, 0.99980, 0.99980, 1.0, 1.0],
-        "roofline_fraction": [0.9, 0.7, 0.2, 0.84, 0.7],
-    })
+    df = pd.DataFrame(
+        {
+            "corpus": ["mixed", "mixed", "mixed", "scifact", "scifact"],
+            "dtype": ["float32", "bfloat16", "bfloat16", "float32", "float32"],
+            "system": ["engine", "engine", "sentence-transformers", "engine", "sentence-transformers"],
+            "ratio_vs_sentence_transformers": [1.5, 3.9, 1.0, 1.1, 1.0],
+            "min_cosine": [0.99999, 0.99980, 0.99980, 1.0, 1.0],
+            "roofline_fraction": [0.9, 0.7, 0.2, 0.84, 0.7],
+        }
+    )
     out = targets(df)
     assert list(out.meets_ratio_target) == [True, False, None, None, None]  # bfloat16: fast enough, cosine too low
     assert list(out.meets_roofline_target) == [None, None, None, False, None]
@@ -318,8 +375,9 @@ def test_attention_benchmark_times_every_kernel_at_both_models_shapes(tmp_path):
         assert len(g) == 4 * len(kernels) and set(g.kernel) == set(kernels)
     assert (df[df.kernel == "sdpa"].time_vs_sdpa == 1).all() and (df.gflops > 0).all()
     assert df.sequences.tolist()[0] == 8 and df.cpu_model.notna().all()
-    bench_attention.main(["--lengths", "7", "--dtypes", "float32", "--tokens", "14", "--rounds", "1",
-                          "--out", str(tmp_path)])
+    bench_attention.main(
+        ["--lengths", "7", "--dtypes", "float32", "--tokens", "14", "--rounds", "1", "--out", str(tmp_path)]
+    )
     from lab.ops.probes import machine_slug
 
     stem = tmp_path / f"bench_attention_{machine_slug()}"

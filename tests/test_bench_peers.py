@@ -42,15 +42,19 @@ FAKE = textwrap.dedent("""
         def tokens(self, texts):
             return sum(len(t.split()) for t in texts)
 """)
-TEXTS = {"short": ["a cat", "two dogs run", "hello", "the quick brown fox"],
-         "long": ["word " * 40, "another long text " * 10, "x y z"]}
+TEXTS = {
+    "short": ["a cat", "two dogs run", "hello", "the quick brown fox"],
+    "long": ["word " * 40, "another long text " * 10, "x y z"],
+}
 
 
 def fake_peer(tmp_path, name: str):
     (tmp_path / "fake_peer.py").write_text(FAKE, encoding="utf-8")
-    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(tmp_path)!r}]\n"
-            "from evals.peers import worker\nfrom fake_peer import Fake\n"
-            "worker.KINDS['fake'] = Fake\nworker.serve()\n")
+    code = (
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(tmp_path)!r}]\n"
+        "from evals.peers import worker\nfrom fake_peer import Fake\n"
+        "worker.KINDS['fake'] = Fake\nworker.serve()\n"
+    )
     return bench.Peer(name, [sys.executable, "-c", code], log_path=tmp_path / f"{name}.log")
 
 
@@ -66,8 +70,12 @@ def test_fake_peers_end_to_end_rows_and_csv(tmp_path):
     """Four fake workers under real system names, timed over the pipe: every system's row per corpus, tokens from
     the reference, the diverging one flagged (no tokens/s, no ratio, never the fastest peer), the fastest matching
     peer of the class named, the Engine's roofline on its class's rows, and the CSV keeps every column."""
-    options = {"st-torch-float32": {}, "fastembed-float32": {"noise": 0.001, "delay": 0.05},
-               "st-onnx-float32": {"noise": 1.0}, "engine-float32": {"noise": 0.001, "roofline": 1e6}}
+    options = {
+        "st-torch-float32": {},
+        "fastembed-float32": {"noise": 0.001, "delay": 0.05},
+        "st-onnx-float32": {"noise": 1.0},
+        "engine-float32": {"noise": 0.001, "roofline": 1e6},
+    }
     peers, loads = start_fakes(tmp_path, options)
     try:
         records = bench.measure(peers, TEXTS, 3, settle=0.0, log=sys.stderr)
@@ -88,18 +96,44 @@ def test_fake_peers_end_to_end_rows_and_csv(tmp_path):
     # the fastest matching peer of the float32 class: the reference (fastembed sleeps 50 ms), not the flagged one
     assert set(short.fastest_peer) == {"st-torch-float32"}
     assert short.loc["engine-float32", "ratio_vs_fastest_peer"] == pytest.approx(
-        short.loc["engine-float32", "tokens_per_s"] / short.loc["st-torch-float32", "tokens_per_s"])
+        short.loc["engine-float32", "tokens_per_s"] / short.loc["st-torch-float32", "tokens_per_s"]
+    )
     assert short.loc["fastembed-float32", "roofline_fraction"] == pytest.approx(
-        short.loc["fastembed-float32", "tokens_per_s"] / 1e6)
+        short.loc["fastembed-float32", "tokens_per_s"] / 1e6
+    )
     assert (short.run_date == "2030-01-02").all() and (short.cpu_model == "Fake CPU").all()
     csv = tmp_path / "out.csv"
     df.to_csv(csv, index=False)
     cols = set(pd.read_csv(csv).columns)
-    assert {"run_date", "corpus", "system", "precision", "precision_class", "texts", "tokens", "seconds_median",
-            "seconds_min", "seconds_max", "tokens_per_s", "ratio_vs_st_float32", "ratio_vs_fastest_peer",
-            "fastest_peer", "min_cosine_vs_st_float32", "matches", "rss_load_delta_mb", "peak_rss_mb", "packages",
-            "cpu_model", "cpu_flags", "torch_threads", "loadavg_before", "loadavg_after",
-            "roofline_fraction", "machine", "commit"} <= cols
+    assert {
+        "run_date",
+        "corpus",
+        "system",
+        "precision",
+        "precision_class",
+        "texts",
+        "tokens",
+        "seconds_median",
+        "seconds_min",
+        "seconds_max",
+        "tokens_per_s",
+        "ratio_vs_st_float32",
+        "ratio_vs_fastest_peer",
+        "fastest_peer",
+        "min_cosine_vs_st_float32",
+        "matches",
+        "rss_load_delta_mb",
+        "peak_rss_mb",
+        "packages",
+        "cpu_model",
+        "cpu_flags",
+        "torch_threads",
+        "loadavg_before",
+        "loadavg_after",
+        "roofline_fraction",
+        "machine",
+        "commit",
+    } <= cols
     bench.plot(df).savefig(tmp_path / "plot.png")  # the flagged row is drawn as "n/m", not as a bar
     assert (tmp_path / "plot.png").stat().st_size > 0
 
@@ -119,17 +153,29 @@ def test_worker_errors_reach_the_driver(tmp_path):
         assert peer.call("memory")["rss_mb"] > 0
     finally:
         peer.close()
-    dead = bench.Peer("dead", [sys.executable, "-c", "import sys; sys.stderr.write('boom at start'); sys.exit(3)"],
-                      log_path=tmp_path / "dead.log")
+    dead = bench.Peer(
+        "dead",
+        [sys.executable, "-c", "import sys; sys.stderr.write('boom at start'); sys.exit(3)"],
+        log_path=tmp_path / "dead.log",
+    )
     with pytest.raises(bench.PeerError, match=r"(?s)dead: the worker exited \(code 3\).*boom at start"):
         dead.call("load", kind="fake", model="m")
     dead.close()
 
 
 def rec(corpus, system, cos, seconds, tokens=1000):
-    return {"corpus": corpus, "system": system, "texts": 10, "tokens": tokens, "seconds": seconds,
-            "cpu_seconds": seconds, "min_cosine": cos, "peak_rss_mb": 100.0, "loadavg_before": 0.5,
-            "loadavg_after": 0.6}
+    return {
+        "corpus": corpus,
+        "system": system,
+        "texts": 10,
+        "tokens": tokens,
+        "seconds": seconds,
+        "cpu_seconds": seconds,
+        "min_cosine": cos,
+        "peak_rss_mb": 100.0,
+        "loadavg_before": 0.5,
+        "loadavg_after": 0.6,
+    }
 
 
 def load(precision, roofline=None):
@@ -143,15 +189,22 @@ def test_matching_rule_and_precision_classes():
     """min cosine exactly MATCH_COSINE matches, just under it does not; the fastest peer is chosen within the
     resolved precision class (OpenVINO's default running bf16 competes with bfloat16 torch, not with float32), and
     the median of the rounds is the speed."""
-    loads = {"st-torch-float32": load("float32"), "st-torch-bfloat16": load("bfloat16"),
-             "st-openvino-default": load("bf16"), "fastembed-float32": load("float32"),
-             "st-onnx-float32": load("float32"), "engine-bfloat16": load("bfloat16", roofline=4000.0)}
-    records = [rec("c", "st-torch-float32", 1.0, [1.0, 9.0, 2.0]),
-               rec("c", "st-torch-bfloat16", 0.9995, [0.5, 0.5, 0.5]),
-               rec("c", "st-openvino-default", bench.MATCH_COSINE, [0.25, 0.25, 0.25]),
-               rec("c", "fastembed-float32", 0.9989999, [0.1, 0.1, 0.1]),
-               rec("c", "st-onnx-float32", 0.9999, [4.0, 4.0, 4.0]),
-               rec("c", "engine-bfloat16", 0.9991, [0.2, 0.2, 0.2])]
+    loads = {
+        "st-torch-float32": load("float32"),
+        "st-torch-bfloat16": load("bfloat16"),
+        "st-openvino-default": load("bf16"),
+        "fastembed-float32": load("float32"),
+        "st-onnx-float32": load("float32"),
+        "engine-bfloat16": load("bfloat16", roofline=4000.0),
+    }
+    records = [
+        rec("c", "st-torch-float32", 1.0, [1.0, 9.0, 2.0]),
+        rec("c", "st-torch-bfloat16", 0.9995, [0.5, 0.5, 0.5]),
+        rec("c", "st-openvino-default", bench.MATCH_COSINE, [0.25, 0.25, 0.25]),
+        rec("c", "fastembed-float32", 0.9989999, [0.1, 0.1, 0.1]),
+        rec("c", "st-onnx-float32", 0.9999, [4.0, 4.0, 4.0]),
+        rec("c", "engine-bfloat16", 0.9991, [0.2, 0.2, 0.2]),
+    ]
     df = bench.assemble(records, loads, {}).set_index("system")
     assert df.loc["st-torch-float32", "tokens_per_s"] == 500.0  # median 2 s
     assert df.loc["st-openvino-default", "matches"] and df.loc["st-openvino-default", "precision_class"] == "bfloat16"

@@ -116,7 +116,8 @@ def test_probe_offers_it_to_encoders_only():
     outs = {c: fn() for c, fn in probe.candidates.items()}
     for c, o in outs.items():
         torch.testing.assert_close(o.float(), outs["sdpa"].float(), atol=3e-2, rtol=3e-2, msg=c)
-    assert "bmm" not in probes.attention_probe(torch.bfloat16, 4, 32, 1, causal=True,
-                                               kernels=("sdpa", "lab")).candidates
+    assert (
+        "bmm" not in probes.attention_probe(torch.bfloat16, 4, 32, 1, causal=True, kernels=("sdpa", "lab")).candidates
+    )
     d = probes.decide(probe, forced={"attention_kernel": "bmm"})
     assert d.choice == "bmm" and d.source == "engine"

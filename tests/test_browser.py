@@ -34,8 +34,9 @@ WAIT_S = 300  # 2 cores: JupyterLab's first load, a kernel start and the noteboo
 
 def _missing() -> str | None:
     if CHROMIUM is None or CHROMEDRIVER is None:
-        return ("no Chromium / ChromeDriver on PATH (apt-get install chromium chromium-driver; .ci/setup does it "
-                "as root)")
+        return (
+            "no Chromium / ChromeDriver on PATH (apt-get install chromium chromium-driver; .ci/setup does it as root)"
+        )
     for module in ("selenium", "jupyterlab"):
         try:
             __import__(module)
@@ -65,14 +66,30 @@ def jupyter(tmp_path_factory):
     tracker = root / "settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
     tracker.parent.mkdir(parents=True)
     tracker.write_text('{"autoStartDefaultKernel": true}')
-    env = {**os.environ, "LAB_SMOKE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "JUPYTER_CONFIG_DIR": str(root / "config"), "JUPYTER_RUNTIME_DIR": str(root / "runtime")}
-    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-           f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={root / 'notebooks'}", f"--LabApp.workspaces_dir={root / 'workspaces'}",
-           f"--LabApp.user_settings_dir={root / 'settings'}",
-           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-           *(["--allow-root"] if os.geteuid() == 0 else [])]  # CI machines run as root
+    env = {
+        **os.environ,
+        "LAB_SMOKE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "JUPYTER_CONFIG_DIR": str(root / "config"),
+        "JUPYTER_RUNTIME_DIR": str(root / "runtime"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        "--no-browser",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root / 'notebooks'}",
+        f"--LabApp.workspaces_dir={root / 'workspaces'}",
+        f"--LabApp.user_settings_dir={root / 'settings'}",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        *(["--allow-root"] if os.geteuid() == 0 else []),
+    ]  # CI machines run as root
     log = (root / "server.log").open("w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -105,8 +122,14 @@ def browser():
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1500,1800", "--force-device-scale-factor=1"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1500,1800",
+        "--force-device-scale-factor=1",
+    ):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     try:
@@ -139,10 +162,18 @@ def test_panel_runs_in_jupyterlab(jupyter, browser):
     # the notebook's session and kernel exist before the page opens: JupyterLab attaches to them instead of asking
     # which kernel to start (it asks when the kernelspecs have not loaded yet as it opens the notebook)
     req = urllib.request.Request(
-        f"{base}/api/sessions", method="POST", headers={"Authorization": f"token {token}",
-                                                         "Content-Type": "application/json"},
-        data=json.dumps({"path": "01_quickstart.ipynb", "type": "notebook", "name": "01_quickstart.ipynb",
-                         "kernel": {"name": "python3"}}).encode())
+        f"{base}/api/sessions",
+        method="POST",
+        headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
+        data=json.dumps(
+            {
+                "path": "01_quickstart.ipynb",
+                "type": "notebook",
+                "name": "01_quickstart.ipynb",
+                "kernel": {"name": "python3"},
+            }
+        ).encode(),
+    )
     urllib.request.urlopen(req, timeout=60).close()
     try:  # on any failure, a screenshot of the page (failed.png) beside the server log in the test's tmp folder
         browser.get(f"{base}/lab/tree/01_quickstart.ipynb?token={token}")

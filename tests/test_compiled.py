@@ -22,8 +22,16 @@ from tests.test_adapters import make_adapter
 from tests.tiny_encoders import tiny_encoder
 from tests.tiny_models import tiny_llama
 
-TEXTS = ["x", "The quick brown fox jumps over the lazy dog.", "Paris", "What is the capital of France? " * 3,
-         "0123456789 !?", "Rotary position embeddings rotate queries and keys by an angle.", "a b", "Embeddings."]
+TEXTS = [
+    "x",
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris",
+    "What is the capital of France? " * 3,
+    "0123456789 !?",
+    "Rotary position embeddings rotate queries and keys by an angle.",
+    "a b",
+    "Embeddings.",
+]
 
 
 def shuffled(seed: int = 0) -> list[str]:
@@ -103,7 +111,8 @@ def test_knobs_adapters_and_dtype_never_run_stale_weights(tmp_path):
         a, b = eager.embed(texts), comp.embed(texts)
     assert cosines(a, b).min() > 0.995
     assert comp.runner.compiled.compile_seconds and all(
-        k[0] == "torch.bfloat16" for k in list(comp.runner.compiled._graphs)[-1:])
+        k[0] == "torch.bfloat16" for k in list(comp.runner.compiled._graphs)[-1:]
+    )
 
 
 def test_measured_choice_and_small_calls(tmp_path, minilm_path, monkeypatch):
@@ -141,8 +150,10 @@ def test_compile_on_the_padded_fallback_says_it_runs_eagerly(tmp_path, minilm_pa
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["SomethingElseModel"]  # not in our registry: transformers AutoModel, padded
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.warns(UserWarning, match="runs transformers' padded forward, which the compiled forward does not "
-                                         "take; it runs eagerly"):
+    with pytest.warns(
+        UserWarning,
+        match="runs transformers' padded forward, which the compiled forward does not take; it runs eagerly",
+    ):
         eng = Engine(str(path), pooling="mean", compile=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -187,8 +198,15 @@ print("warned:", any("compile=False" in str(w.message) for w in seen), "rows:", 
       "forward:", eng.cpu_paths.get("forward", "eager"))
 """
     env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                         check=False, cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "error names the fix: True" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "warned: True rows: 2 forward: eager" in out.stdout, out.stdout + out.stderr[-3000:]

@@ -15,8 +15,9 @@ from lab.kernels.reference import varlen_attention, varlen_attention_naive
 
 from lab.ops.probes import cpu_info
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(),
-                                reason=f"cpu_attention did not build here: {cpu_attention.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    not cpu_attention.available(), reason=f"cpu_attention did not build here: {cpu_attention.unavailable_reason()}"
+)
 
 LENGTHS = [1, 2, 15, 16, 17, 31, 33, 4, 100, 257, 3]  # around the kernel's 16-key vectors and 4-query blocks
 
@@ -55,8 +56,9 @@ def test_strided_views_and_empty_sequences():
     qkv = torch.randn(t, 3, 6, 32)
     q, k, v = qkv.unbind(1)
     got = cpu_attention.varlen_attention(q, k, v, cu_from(lens), False)
-    assert torch.equal(got, cpu_attention.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                                           cu_from(lens), False))
+    assert torch.equal(
+        got, cpu_attention.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_from(lens), False)
+    )
     torch.testing.assert_close(got, varlen_attention_naive(q, k, v, cu_from(lens), causal=False), atol=1e-5, rtol=1e-5)
     half = cpu_attention.varlen_attention(q, k, v, cu_from(lens), True, softmax_scale=0.05)
     want = varlen_attention_naive(q, k, v, cu_from(lens), causal=True, scale=0.05)
@@ -87,8 +89,9 @@ def test_bfloat16_uses_the_cpus_dot_products_where_it_has_them():
 def test_bad_input_names_the_problem():
     q = torch.randn(6, 2, 32)
     with pytest.raises(ValueError, match="multiple of 16"):
-        cpu_attention.varlen_attention(torch.randn(6, 2, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8),
-                                       cu_from([6]), False)
+        cpu_attention.varlen_attention(
+            torch.randn(6, 2, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8), cu_from([6]), False
+        )
     with pytest.raises(ValueError, match="float32/bfloat16"):
         cpu_attention.varlen_attention(q.half(), q.half(), q.half(), cu_from([6]), False)
     with pytest.raises(ValueError, match="Hq a multiple of Hkv"):

@@ -11,8 +11,9 @@ import torch
 from lab.kernels import cpu_norms
 from lab.kernels.reference import add_layer_norm, add_rms_norm
 
-pytestmark = pytest.mark.skipif(not cpu_norms.available(),
-                                reason=f"the C kernels did not build here: {cpu_norms.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    not cpu_norms.available(), reason=f"the C kernels did not build here: {cpu_norms.unavailable_reason()}"
+)
 
 
 def _inputs(t, n, dtype, seed):
@@ -42,7 +43,7 @@ def _close_to_torch(got, want, name):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5, msg=name)
     else:  # the same float32 value rounded once: at most one bfloat16 step apart, almost always equal
         diff = (got.float() - want.float()).abs()
-        step = want.float().abs().clamp_min(1e-3) * 2 ** -7
+        step = want.float().abs().clamp_min(1e-3) * 2**-7
         assert bool((diff <= step).all()), name
         assert (got != want).float().mean().item() < 1e-3, name
 
@@ -172,16 +173,18 @@ def test_bert_under_autograd_keeps_torchs_norms(tmp_path, minilm_path, monkeypat
     ours = BertModel.from_hf_config(spec.config)
     ours.load_hf_state_dict(read_state_dict(spec))
     ours.plan.update({"add_layer_norm": "lab", "bert_ffn": "fused"})  # (the row blocks write with out=: no autograd)
-    batch = PackedBatch.build([np.array([101, 7592, 2088, 102]), np.array([101, 102])], causal=False,
-                              device=torch.device("cpu"))
+    batch = PackedBatch.build(
+        [np.array([101, 7592, 2088, 102]), np.array([101, 102])], causal=False, device=torch.device("cpu")
+    )
     with torch.enable_grad():
         out = ours(batch.input_ids, batch.positions, batch.meta)
         out.sum().backward()
     assert not calls and out.grad_fn is not None
     assert ours.layers[0].attn_norm.weight.grad is not None and ours.emb_norm.weight.grad is not None
     with torch.no_grad():
-        torch.testing.assert_close(ours(batch.input_ids, batch.positions, batch.meta), out.detach(), atol=2e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            ours(batch.input_ids, batch.positions, batch.meta), out.detach(), atol=2e-5, rtol=1e-5
+        )
     assert calls  # and without gradients, the kernel
 
 

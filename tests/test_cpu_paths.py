@@ -51,11 +51,22 @@ DECODER_BF16_COSINE = 0.99
 
 # short texts, an odd count, in shuffled order; decoders: a one-token sequence and one longer than three causal query
 # blocks (``lab.models.decoder.CAUSAL_BLOCK``), so the blocked causal path runs (the ``decoders`` fixture checks both)
-MINILM_TEXTS = ["a", "", "The cat sits on the mat.", "?!", "Café crème, naïve façade — 東京タワー и Москва.",
-                "Stocks fell sharply on Monday after the central bank raised interest rates by half a point.",
-                "Two dogs run through a field of tall grass while the owner watches from a distance. " * 3]
-DECODER_TEXTS = ["a", "What is the capital of France?", "x y z " * 36, "Rotary embeddings rotate queries and keys.",
-                 "Paris"]
+MINILM_TEXTS = [
+    "a",
+    "",
+    "The cat sits on the mat.",
+    "?!",
+    "Café crème, naïve façade — 東京タワー и Москва.",
+    "Stocks fell sharply on Monday after the central bank raised interest rates by half a point.",
+    "Two dogs run through a field of tall grass while the owner watches from a distance. " * 3,
+]
+DECODER_TEXTS = [
+    "a",
+    "What is the capital of France?",
+    "x y z " * 36,
+    "Rotary embeddings rotate queries and keys.",
+    "Paris",
+]
 random.Random(0).shuffle(MINILM_TEXTS)
 random.Random(1).shuffle(DECODER_TEXTS)
 
@@ -151,9 +162,13 @@ def _explore(model, dtype: torch.dtype) -> dict[tuple[str, str], dict]:
                     walks.add(branch)
                     queue.append(dict(branch))
             made[probe.name] = choice
-    return {key: {"requires": {n: c for n, c in walks[0].items() if all(w.get(n) == c for w in walks)},
-                  "c_functions": c_functions[key]}
-            for key, walks in prefixes.items()}
+    return {
+        key: {
+            "requires": {n: c for n, c in walks[0].items() if all(w.get(n) == c for w in walks)},
+            "c_functions": c_functions[key],
+        }
+        for key, walks in prefixes.items()
+    }
 
 
 def _explore_families() -> dict[str, dict[torch.dtype, dict]]:
@@ -193,8 +208,9 @@ def _cases() -> list:
                 calls_c = any(by_dtype[d].get((name, candidate), {}).get("c_functions") for d in DTYPES)
                 for build in ("native", *(BUILDS if calls_c else ())):
                     suffix = "" if build == "native" else f"-{build}"
-                    cases.append(pytest.param(family, name, candidate, build,
-                                              id=f"{family}-{name}={candidate}{suffix}"))
+                    cases.append(
+                        pytest.param(family, name, candidate, build, id=f"{family}-{name}={candidate}{suffix}")
+                    )
     return cases
 
 
@@ -261,9 +277,15 @@ def decoders(tmp_path_factory):
             assert min(lengths) == 1 and 3 * CAUSAL_BLOCK < max(lengths), lengths  # one token; causal blocks run
             model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
             with torch.no_grad():
-                made[kind] = folder, np.stack([
-                    model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0].mean(0).numpy()
-                    for r in requests])
+                made[kind] = (
+                    folder,
+                    np.stack(
+                        [
+                            model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0].mean(0).numpy()
+                            for r in requests
+                        ]
+                    ),
+                )
         return made[kind]
 
     return get
@@ -320,8 +342,9 @@ def test_forced_candidate_matches_reference(family, name, candidate, build, requ
         groups[tuple(sorted(forced.items()))].append(dtype)
     for forced, dtypes in groups.items():
         with cpu_attention.use_build(counting) if counting is not None else contextlib.nullcontext():
-            eng = Engine(path, cpu_paths=dict(forced), dtype=str(dtypes[0]).removeprefix("torch."), cpu_workers=1,
-                         **knobs)
+            eng = Engine(
+                path, cpu_paths=dict(forced), dtype=str(dtypes[0]).removeprefix("torch."), cpu_workers=1, **knobs
+            )
             for i, dtype in enumerate(dtypes):
                 for workers in WORKERS[:: -1 if i % 2 else 1]:  # 1, 2, then 2, 1: one plan fewer
                     eng.configure(dtype=str(dtype).removeprefix("torch."), cpu_workers=workers)
@@ -353,8 +376,10 @@ def test_every_fast_path_is_asked_by_a_family():
     asked = {name for (name, _), _ in found}
     missing = [name for name in CANDIDATES if name not in asked and name not in CALL_PROBES]  # forward: test_compiled
     if missing and not cpu_attention.available():
-        pytest.skip(f"no family asks {', '.join(missing)} on this machine; prefill-lab's C library is not available: "
-                    f"{cpu_attention.unavailable_reason()}")
+        pytest.skip(
+            f"no family asks {', '.join(missing)} on this machine; prefill-lab's C library is not available: "
+            f"{cpu_attention.unavailable_reason()}"
+        )
     if missing:
         pytest.skip(f"no family asks {', '.join(missing)} on this machine (its probes do not offer them here)")
 

@@ -12,8 +12,9 @@ from lab.kernels import cpu_rope
 
 from lab.models.rope import RopeTables, rotate_pairs_
 
-pytestmark = pytest.mark.skipif(not cpu_rope.available(),
-                                reason=f"the C kernels did not build here: {cpu_rope.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    not cpu_rope.available(), reason=f"the C kernels did not build here: {cpu_rope.unavailable_reason()}"
+)
 
 
 def _case(t, h, d, dtype, seed, extra=5):

@@ -159,8 +159,10 @@ class TestRayEngine:
     def test_a_full_cluster_fails_at_once(self, reng, minilm_path, tmp_path):
         """reng holds both CPUs: more actors are refused before load_timeout (600 s), naming who holds them."""
         t0 = time.monotonic()
-        words = (r"1 Ray actor\(s\) asking for 1 CPU\(s\) and 0 GPU\(s\) each need 1 CPU\(s\), but the cluster has "
-                 r"0 of its 2 CPU\(s\) free; held in this process by RayEngine\(.*, 2 actors x 1 thread")
+        words = (
+            r"1 Ray actor\(s\) asking for 1 CPU\(s\) and 0 GPU\(s\) each need 1 CPU\(s\), but the cluster has "
+            r"0 of its 2 CPU\(s\) free; held in this process by RayEngine\(.*, 2 actors x 1 thread"
+        )
         with pytest.raises(RuntimeError, match=words):
             RayEngine(minilm_path, num_actors=1, load_timeout=600)
         with pytest.raises(RuntimeError, match=words):
@@ -248,8 +250,9 @@ class TestRayEngine:
         (out / f"shard-{left:05d}.parquet").write_bytes(b"not listed in the manifest")  # renamed, not recorded
 
         again = []
-        summary = embed_dataset(reng, texts, out, shard_texts=30, on_shard=lambda r: again.append(r["shard"]),
-                                show_progress=False)
+        summary = embed_dataset(
+            reng, texts, out, shard_texts=30, on_shard=lambda r: again.append(r["shard"]), show_progress=False
+        )
         assert sorted(again) == sorted(set(range(9)) - {kept})  # the rest and the replaced one, each once
         assert list(summary.shard) == list(range(9)) and summary.rows.sum() == 253
         assert list(summary.shard[~summary.computed]) == [kept]
@@ -308,11 +311,15 @@ def test_a_hub_id_loads_one_pinned_commit_in_every_actor(minilm_path, texts, ref
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     with RayEngine("sentence-transformers/all-MiniLM-L6-v2", num_actors=1) as reng:
         assert (reng.model_name, reng.revision, reng.knobs["revision"]) == (
-            "sentence-transformers/all-MiniLM-L6-v2", commit, commit)
+            "sentence-transformers/all-MiniLM-L6-v2",
+            commit,
+            commit,
+        )
         assert cosine_rows(reng.embed(texts[:40]), reference[:40]).min() >= COS
     out = tmp_path / "out"
-    embed_dataset("sentence-transformers/all-MiniLM-L6-v2", texts[:40], out, num_actors=1, shard_texts=25,
-                  show_progress=False)
+    embed_dataset(
+        "sentence-transformers/all-MiniLM-L6-v2", texts[:40], out, num_actors=1, shard_texts=25, show_progress=False
+    )
     job = json.loads((out / MANIFEST).read_text())["job"]
     assert job["model"] == "sentence-transformers/all-MiniLM-L6-v2" and job["knobs"]["revision"] == commit
     assert job["model_files"] == model_digest(minilm_path)  # the snapshot's files are the folder's
@@ -334,15 +341,21 @@ def write_parquet(path: Path, columns: dict) -> Path:
 
 
 BAD_SOURCES = {
-    "missing text": (lambda d: write_jsonl(d / "a.jsonl", [{"id": 1, "text": "x"}, {"id": 2, "title": "y"}]),
-                     r"line 2 \(row 1\) has no 'text'"),
+    "missing text": (
+        lambda d: write_jsonl(d / "a.jsonl", [{"id": 1, "text": "x"}, {"id": 2, "title": "y"}]),
+        r"line 2 \(row 1\) has no 'text'",
+    ),
     "null text": (lambda d: write_jsonl(d / "a.jsonl", [{"id": 1, "text": None}]), "row 0 .* has no text"),
     "non-string text": (lambda d: ["fine", 3.5], "row 1 .* float text"),
-    "duplicate ids": (lambda d: write_parquet(d / "a.parquet", {"id": [4, 5, 4], "text": ["a", "b", "c"]}),
-                      "id 4 appears twice"),
+    "duplicate ids": (
+        lambda d: write_parquet(d / "a.parquet", {"id": [4, 5, 4], "text": ["a", "b", "c"]}),
+        "id 4 appears twice",
+    ),
     "no text column": (lambda d: write_parquet(d / "a.parquet", {"id": [1], "body": ["a"]}), "no 'text' column"),
-    "mixed id types": (lambda d: write_jsonl(d / "a.jsonl", [{"id": 1, "text": "a"}, {"id": "2", "text": "b"}]),
-                       "use one type"),
+    "mixed id types": (
+        lambda d: write_jsonl(d / "a.jsonl", [{"id": 1, "text": "a"}, {"id": "2", "text": "b"}]),
+        "use one type",
+    ),
 }
 
 

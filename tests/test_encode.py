@@ -23,8 +23,9 @@ import torch
 from tests.conftest import cosine_rows, link_copy
 
 pytest.importorskip("sentence_transformers")
-pytestmark = pytest.mark.filterwarnings("ignore:.*longer than max_length.*:UserWarning",
-                                        "ignore:.*quantization.*:UserWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*longer than max_length.*:UserWarning", "ignore:.*quantization.*:UserWarning"
+)
 
 PROMPTS = {"query": "query: ", "passage": "passage: ", "clf": "Classify the topic of this text: "}
 DEFAULT_PROMPTS = {"query": "Represent the question: ", "document": "Represent the document: "}
@@ -75,8 +76,10 @@ def st_models(folders):
 
 def _assert_float(ours, ref, what):
     assert ours.shape == ref.shape, what
-    ours, ref = np.asarray(ours, dtype=np.float64).reshape(-1, ours.shape[-1]), np.asarray(ref).reshape(
-        -1, ref.shape[-1])
+    ours, ref = (
+        np.asarray(ours, dtype=np.float64).reshape(-1, ours.shape[-1]),
+        np.asarray(ref).reshape(-1, ref.shape[-1]),
+    )
     cos = cosine_rows(ours, ref)
     assert cos.min() >= COS, f"{what}: lowest cosine {cos.min():.7f}"
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), np.linalg.norm(ref, axis=1), rtol=1e-4, err_msg=what)
@@ -143,10 +146,15 @@ def test_encode_matches_sentence_transformers(engines, st_models, sentences, fol
     _same(ours, ref, f"{folder} {kwargs}", kwargs.get("precision", "float32"))
 
 
-@pytest.mark.parametrize(("folder", "kwargs"), [
-    ("prompted", {}), ("prompted", {"output_value": "token_embeddings"}), ("prompted", {"convert_to_tensor": True}),
-    ("default", {"precision": "ubinary"}),
-])
+@pytest.mark.parametrize(
+    ("folder", "kwargs"),
+    [
+        ("prompted", {}),
+        ("prompted", {"output_value": "token_embeddings"}),
+        ("prompted", {"convert_to_tensor": True}),
+        ("default", {"precision": "ubinary"}),
+    ],
+)
 def test_single_string_gives_one_vector(engines, st_models, folder, kwargs):
     text = "A man is playing a guitar."
     ref = st_models[folder].encode(text, **kwargs)
@@ -171,8 +179,11 @@ def test_encode_query_and_document_use_the_models_prompts(engines, st_models, se
 def test_embed_prompt_name_and_default_prompt(engines, st_models, minilm_st, sentences):
     texts = _texts(sentences)
     e = engines["prompted"]
-    _assert_float(e.embed(texts, prompt_name="query"), st_models["prompted"].encode(texts, prompt_name="query"),
-                  "embed(prompt_name='query')")
+    _assert_float(
+        e.embed(texts, prompt_name="query"),
+        st_models["prompted"].encode(texts, prompt_name="query"),
+        "embed(prompt_name='query')",
+    )
     assert e.prompts == {"document": "", **PROMPTS} == st_models["prompted"].prompts
     d = engines["default"]  # default_prompt_name: used when no instruction is named, as sentence-transformers does
     assert d.resolved["instruction"] == DEFAULT_PROMPTS["document"]
@@ -232,12 +243,17 @@ def test_quantize_equals_sentence_transformers_exactly(precision):
     rng = np.random.default_rng(0)
     emb = rng.standard_normal((37, 100)).astype(np.float32)  # 100 dims: the last packed byte is partial
     calib = rng.standard_normal((200, 100)).astype(np.float32) * 0.5
-    cases = [((emb,), {}), ((torch.from_numpy(emb),), {}), ((emb,), {"calibration_embeddings": calib}),
-             ((emb,), {"ranges": np.stack([calib.min(0), calib.max(0)])}),
-             (([emb[:5], emb[5:6], emb[6:]],), {}),  # token vectors: shared ranges
-             ((np.zeros((4, 16), np.float32),), {})]  # every range empty: step 1
+    cases = [
+        ((emb,), {}),
+        ((torch.from_numpy(emb),), {}),
+        ((emb,), {"calibration_embeddings": calib}),
+        ((emb,), {"ranges": np.stack([calib.min(0), calib.max(0)])}),
+        (([emb[:5], emb[5:6], emb[6:]],), {}),  # token vectors: shared ranges
+        ((np.zeros((4, 16), np.float32),), {}),
+    ]  # every range empty: step 1
     for args, kwargs in cases:
         ours, ref = quantize_embeddings(*args, precision, **kwargs), st_quantize(*args, precision=precision, **kwargs)
-        for a, b in zip(ours if isinstance(ours, list) else [ours], ref if isinstance(ref, list) else [ref],
-                        strict=True):
+        for a, b in zip(
+            ours if isinstance(ours, list) else [ours], ref if isinstance(ref, list) else [ref], strict=True
+        ):
             assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), (precision, kwargs)

@@ -43,8 +43,9 @@ def test_the_public_seam_runs_what_embed_runs(minilm_engine, sentences):
     from lab.outputs.heads import TokensHead
 
     eng = minilm_engine
-    dense, tokens = eng.run_passes([eng.embed_pass(sentences, None),
-                                    eng.embed_pass(sentences, None, "tokens", head=TokensHead())], "seam")
+    dense, tokens = eng.run_passes(
+        [eng.embed_pass(sentences, None), eng.embed_pass(sentences, None, "tokens", head=TokensHead())], "seam"
+    )
     assert eng.stats.sequences == 2 * len(sentences)
     np.testing.assert_array_equal(dense, eng.embed(sentences, instruction=None))
     for ours, theirs in zip(tokens, eng.embed(sentences, output="tokens", instruction=None)):

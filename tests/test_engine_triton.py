@@ -53,11 +53,18 @@ def test_engine_triton_backend_equals_torch(minilm_path):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = SCRIPT.format(tests=str(TESTS), minilm=minilm_path)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = dict(line.split() for line in proc.stdout.strip().splitlines())
-    assert set(results) == {"bert", "llama-causal", "llama-bidirectional", "llama-chunked", "llama-lasttoken",
-                            "llama-cls-bidirectional"}
+    assert set(results) == {
+        "bert",
+        "llama-causal",
+        "llama-bidirectional",
+        "llama-chunked",
+        "llama-lasttoken",
+        "llama-cls-bidirectional",
+    }
     for name, cos in results.items():
         assert float(cos) >= 0.9999, (name, cos)

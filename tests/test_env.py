@@ -14,13 +14,27 @@ from lab import env
 from lab.ops import probes
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [*sorted((ROOT / "lab").rglob("*.py")), *sorted((ROOT / "kernels").rglob("*.py")),
-           *sorted(p for p in (ROOT / "evals").rglob("*.py") if "llm2vec_ref" not in p.parts)]
+SOURCES = [
+    *sorted((ROOT / "lab").rglob("*.py")),
+    *sorted((ROOT / "kernels").rglob("*.py")),
+    *sorted(p for p in (ROOT / "evals").rglob("*.py") if "llm2vec_ref" not in p.parts),
+]
 
 
-@pytest.mark.parametrize(("value", "want"), [("1", True), ("true", True), ("Yes", True), ("ON", True),
-                                             ("0", False), ("False", False), ("no", False), ("off", False),
-                                             ("", None)])
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        ("1", True),
+        ("true", True),
+        ("Yes", True),
+        ("ON", True),
+        ("0", False),
+        ("False", False),
+        ("no", False),
+        ("off", False),
+        ("", None),
+    ],
+)
 def test_a_switch_takes_every_spelling(monkeypatch, value, want):
     monkeypatch.setenv("LAB_TEST_SWITCH", value)
     assert env.flag("LAB_TEST_SWITCH", True) is (True if want is None else want)
@@ -30,9 +44,12 @@ def test_a_switch_takes_every_spelling(monkeypatch, value, want):
 @pytest.mark.parametrize("value", ["2", "of", "ture", " 1", "enabled"])
 def test_a_switch_refuses_anything_else_naming_it(monkeypatch, value):
     monkeypatch.setenv("LAB_TEST_SWITCH", value)
-    with pytest.raises(ValueError, match=rf"LAB_TEST_SWITCH={re.escape(repr(value))} is not a valid value: use "
-                                         r"LAB_TEST_SWITCH=1 \(or true, yes, on\).*LAB_TEST_SWITCH=0 \(or false, no, "
-                                         r"off\).*unset for the default \(on\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"LAB_TEST_SWITCH={re.escape(repr(value))} is not a valid value: use "
+        r"LAB_TEST_SWITCH=1 \(or true, yes, on\).*LAB_TEST_SWITCH=0 \(or false, no, "
+        r"off\).*unset for the default \(on\)",
+    ):
         env.flag("LAB_TEST_SWITCH", True)
 
 
@@ -57,8 +74,11 @@ def test_a_choice_is_matched_in_any_case_and_refused_naming_the_choices(monkeypa
     monkeypatch.setenv("LAB_CPU_TEST_PATH", "Stacked")
     assert env.choice("LAB_CPU_TEST_PATH", ("split", "stacked", "auto"), "auto") == "stacked"
     monkeypatch.setenv("LAB_CPU_TEST_PATH", "sideways")
-    with pytest.raises(ValueError, match=r"LAB_CPU_TEST_PATH='sideways' is not an accepted value; valid: split, "
-                                         r"stacked, auto \(unset: auto\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"LAB_CPU_TEST_PATH='sideways' is not an accepted value; valid: split, "
+        r"stacked, auto \(unset: auto\)",
+    ):
         env.choice("LAB_CPU_TEST_PATH", ("split", "stacked", "auto"), "auto")
 
 
@@ -67,8 +87,11 @@ def test_a_folder_variable_naming_a_file_is_refused_naming_it(monkeypatch, tmp_p
     f.write_text("not a folder")
     for value, what in ((f, "is a file"), (f / "sub", f"is under {f}, which is a file")):
         monkeypatch.setenv("LAB_KERNEL_CACHE", str(value))
-        with pytest.raises(ValueError, match=rf"LAB_KERNEL_CACHE={re.escape(repr(str(value)))} {re.escape(what)}, "
-                                             r"not a folder: point LAB_KERNEL_CACHE at a folder"):
+        with pytest.raises(
+            ValueError,
+            match=rf"LAB_KERNEL_CACHE={re.escape(repr(str(value)))} {re.escape(what)}, "
+            r"not a folder: point LAB_KERNEL_CACHE at a folder",
+        ):
             cpu_attention.cache_dir()
     monkeypatch.setenv("LAB_KERNEL_CACHE", str(tmp_path / "new" / "folder"))  # absent: created on first build
     assert cpu_attention.cache_dir() == tmp_path / "new" / "folder"
@@ -78,10 +101,12 @@ def test_every_lab_variable_is_read_through_lab_env():
     """No module reads a ``LAB_*`` variable from ``os.environ`` itself (writing one, or forwarding them all to Ray
     actors, is not reading one), and every name the source mentions is in ``lab.env.VARIABLES``."""
     read = re.compile(r"""(environ\.get\(|environ\[|getenv\()\s*f?["']LAB_""")
-    direct = [f"{p.relative_to(ROOT)}:{n}" for p in SOURCES
-              for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
-              if read.search(line) and not re.search(r"environ\[[^]]+\]\s*=[^=]", line)
-]
+    direct = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in SOURCES
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if read.search(line) and not re.search(r"environ\[[^]]+\]\s*=[^=]", line)
+    ]
     assert direct == [], "read these through lab.env (flag / path / choice): " + ", ".join(direct)
     names = {m for p in SOURCES for m in re.findall(r"\bLAB_[A-Z0-9_]*[A-Z0-9]\b", p.read_text(encoding="utf-8"))}
     cpu_paths = {n for n in names if n.startswith("LAB_CPU_") and n not in env.VARIABLES}

@@ -54,14 +54,25 @@ def test_every_path_and_worker_split_gives_the_same_rows(folder, pooling):
     """Packed, chunked prefill and prefix cache, each with one forward per step and shared among two CPU workers:
     the same embeddings in input order (causal attention, so every path is exact up to float32 rounding)."""
     texts = shuffled(TEXTS)
-    eng = Engine(folder, pooling=pooling, normalize=False, instruction=INSTRUCTION, prefix_cache=False,
-                 cpu_workers=1, max_batch_tokens=4096)
+    eng = Engine(
+        folder,
+        pooling=pooling,
+        normalize=False,
+        instruction=INSTRUCTION,
+        prefix_cache=False,
+        cpu_workers=1,
+        max_batch_tokens=4096,
+    )
     want = eng.embed(texts)
     threads = WorkerThreads(eng.model)
-    for knobs in ({"cpu_workers": 2}, {"chunked_prefill": 8, "cpu_workers": 1},
-                  {"chunked_prefill": 8, "cpu_workers": 2},
-                  {"prefix_cache": True, "cpu_workers": 1}, {"prefix_cache": True, "cpu_workers": 2},
-                  {"prefix_cache": True, "chunked_prefill": 8, "cpu_workers": 2}):
+    for knobs in (
+        {"cpu_workers": 2},
+        {"chunked_prefill": 8, "cpu_workers": 1},
+        {"chunked_prefill": 8, "cpu_workers": 2},
+        {"prefix_cache": True, "cpu_workers": 1},
+        {"prefix_cache": True, "cpu_workers": 2},
+        {"prefix_cache": True, "chunked_prefill": 8, "cpu_workers": 2},
+    ):
         eng.configure(**{"chunked_prefill": None, "prefix_cache": False, **knobs})
         got = eng.embed(texts)
         assert got.shape == want.shape
@@ -131,13 +142,26 @@ def test_engine_arguments_are_the_knobs_by_name(minilm_path):
     skip = ("self", "model", *LOAD_TIME)
     params = [p for p in inspect.signature(Engine.__init__).parameters if p not in skip]
     assert params == list(KNOBS) == list(Knobs())
-    defaults = {p.name: p.default for p in inspect.signature(Engine.__init__).parameters.values()
-                if p.name not in skip}
+    defaults = {
+        p.name: p.default for p in inspect.signature(Engine.__init__).parameters.values() if p.name not in skip
+    }
     assert defaults == {name: k.default for name, k in KNOBS.items()} == dict(Knobs())
     assert [p for p in inspect.signature(Engine).parameters][-3:] == list(LOAD_TIME)
-    chosen = {"pooling": "max", "normalize": False, "truncate_dim": 17, "max_length": 33, "max_batch_tokens": 999,
-                  "max_num_seqs": 7, "instruction": "x: ", "include_instruction": True, "append_eos": True,
-                  "prefix_cache": False, "attention_backend": "torch", "cpu_workers": 1, "layer": 3}
+    chosen = {
+        "pooling": "max",
+        "normalize": False,
+        "truncate_dim": 17,
+        "max_length": 33,
+        "max_batch_tokens": 999,
+        "max_num_seqs": 7,
+        "instruction": "x: ",
+        "include_instruction": True,
+        "append_eos": True,
+        "prefix_cache": False,
+        "attention_backend": "torch",
+        "cpu_workers": 1,
+        "layer": 3,
+    }
     eng = Engine(minilm_path, **chosen)
     assert {k: eng.knobs[k] for k in chosen} == chosen
 
@@ -186,8 +210,9 @@ class Item:
 
 def _stream_steps():
     # step 1 (index 1) cannot be shared evenly: one long item among short ones
-    return [[Item(10, f"s{k}i{i}") for i in range(4)] if k != 1 else [Item(4000, "long"), Item(3, "x")]
-            for k in range(5)]
+    return [
+        [Item(10, f"s{k}i{i}") for i in range(4)] if k != 1 else [Item(4000, "long"), Item(3, "x")] for k in range(5)
+    ]
 
 
 def test_run_stream_yields_every_share_in_step_order():
@@ -204,8 +229,8 @@ def test_run_stream_yields_every_share_in_step_order():
     assert [it.tag for items, *_ in got for it in items] == tags  # outputs aligned with items
     for step in steps:  # every item once, each step's shares before the next step's
         want = sorted(it.tag for it in step)
-        assert sorted(tags[:len(want)]) == want
-        tags = tags[len(want):]
+        assert sorted(tags[: len(want)]) == want
+        tags = tags[len(want) :]
     assert sum(first for *_, first in got) == len(steps)
     assert sum(delta.tokens_computed for _, _, delta, _ in got) == sum(it.length for s in steps for it in s)
     assert threading.current_thread().name in seen  # the unshareable step ran on the calling thread

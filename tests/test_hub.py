@@ -26,8 +26,13 @@ from tiny_models import tiny_llama
 from lab import Engine
 from lab.models import hub
 
-TEXTS = ["A man is playing a guitar.", "a", "Someone plays an acoustic guitar on a stage, loudly and well.",
-         "The stock market fell.", "Paris"]
+TEXTS = [
+    "A man is playing a guitar.",
+    "a",
+    "Someone plays an acoustic guitar on a stage, loudly and well.",
+    "The stock market fell.",
+    "Paris",
+]
 MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"
 BASE_ID = "tiny-org/tiny-llama"
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
@@ -85,8 +90,13 @@ def test_revisions_by_branch_tag_and_commit_load_their_snapshot(cache, llamas):
     write_hub_cache(cache, BASE_ID, v2, commit=COMMIT_B, refs={"main": COMMIT_B, "dev": COMMIT_B})
     want = {COMMIT_A: embed(Engine(str(v1))), COMMIT_B: embed(Engine(str(v2)))}
     assert not np.allclose(want[COMMIT_A], want[COMMIT_B])
-    for revision, commit in [(None, COMMIT_B), ("main", COMMIT_B), ("dev", COMMIT_B), ("v1.0", COMMIT_A),
-                             (COMMIT_A, COMMIT_A)]:
+    for revision, commit in [
+        (None, COMMIT_B),
+        ("main", COMMIT_B),
+        ("dev", COMMIT_B),
+        ("v1.0", COMMIT_A),
+        (COMMIT_A, COMMIT_A),
+    ]:
         eng = Engine(BASE_ID, revision=revision)
         assert eng.revision == commit and eng.knobs["revision"] == revision, revision
         np.testing.assert_array_equal(embed(eng), want[commit])
@@ -94,8 +104,11 @@ def test_revisions_by_branch_tag_and_commit_load_their_snapshot(cache, llamas):
     with pytest.raises(ValueError, match=r"names revision 'v1.0' but revision='main' was passed too"):
         Engine(f"{BASE_ID}@v1.0", revision="main")
     eng = Engine(BASE_ID)
-    with pytest.raises(ValueError, match=r"revision cannot change live .*Engine\('tiny-org/tiny-llama', "
-                                         r"revision='v1.0'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"revision cannot change live .*Engine\('tiny-org/tiny-llama', "
+        r"revision='v1.0'\)",
+    ):
         eng.configure(revision="v1.0")
     assert eng.revision == COMMIT_B
 
@@ -127,24 +140,34 @@ def test_a_missing_id_offline_fails_fast_naming_the_id_the_cache_and_the_fix(cac
         Engine("BAAI/bge-small-en-v1.5", revision="v2")
     assert time.perf_counter() - t0 < 1.0
     msg = str(e.value)
-    for part in ("'BAAI/bge-small-en-v1.5' at revision 'v2'", "HF_HUB_OFFLINE is set",
-                 str(cache / "models--BAAI--bge-small-en-v1.5"), "hf download BAAI/bge-small-en-v1.5 --revision v2"):
+    for part in (
+        "'BAAI/bge-small-en-v1.5' at revision 'v2'",
+        "HF_HUB_OFFLINE is set",
+        str(cache / "models--BAAI--bge-small-en-v1.5"),
+        "hf download BAAI/bge-small-en-v1.5 --revision v2",
+    ):
         assert part in msg, msg
 
 
 def test_an_unknown_revision_of_a_cached_id_offline_is_named(cache, llamas):
     write_hub_cache(cache, BASE_ID, llamas[0], commit=COMMIT_A)
-    with pytest.raises(FileNotFoundError, match=r"'tiny-org/tiny-llama' at revision 'nope' is not in the Hugging "
-                                                r"Face cache"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"'tiny-org/tiny-llama' at revision 'nope' is not in the Hugging "
+        r"Face cache",
+    ):
         Engine(BASE_ID, revision="nope")
 
 
-@pytest.mark.parametrize("name, match", [
-    ("org/na me", r"neither an existing local path nor a valid hub id"),
-    ("a/b/c", r"does not exist \(and it is not a hub id such as 'org/name'\)"),
-    ("org/name@", r"written 'org/name@revision'"),
-    ("org--x/y", r"neither an existing local path nor a valid hub id"),
-])
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("org/na me", r"neither an existing local path nor a valid hub id"),
+        ("a/b/c", r"does not exist \(and it is not a hub id such as 'org/name'\)"),
+        ("org/name@", r"written 'org/name@revision'"),
+        ("org--x/y", r"neither an existing local path nor a valid hub id"),
+    ],
+)
 def test_malformed_names_are_refused_clearly(cache, name, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         Engine(name)
@@ -181,17 +204,28 @@ def test_the_published_llm2vec_layout_by_ids_needs_no_other_argument(cache, llam
 
     root = tmp_path / "published"
     base_dir, mntp_dir, sup_dir = published_layout(root, llamas[0])
-    for repo, folder, commit in [(LLAMA3, base_dir, COMMIT_A), (MNTP_ID, mntp_dir, COMMIT_B),
-                                 (MNTP_ID + "-supervised", sup_dir, "c" * 40)]:
+    for repo, folder, commit in [
+        (LLAMA3, base_dir, COMMIT_A),
+        (MNTP_ID, mntp_dir, COMMIT_B),
+        (MNTP_ID + "-supervised", sup_dir, "c" * 40),
+    ]:
         write_hub_cache(cache, repo, folder, commit=commit)
     want = embed(Engine(str(mntp_dir), adapters=[str(sup_dir)]))  # the same folders by path, no knobs either
     eng = Engine(MNTP_ID, adapters=[MNTP_ID + "-supervised"])
     np.testing.assert_array_equal(embed(eng), want)
-    weights = embed(Engine(str(base_dir), adapters=[str(mntp_dir), str(sup_dir)], bidirectional=True,
-                           pooling="mean", instruction_pooling="exact"))
+    weights = embed(
+        Engine(
+            str(base_dir),
+            adapters=[str(mntp_dir), str(sup_dir)],
+            bidirectional=True,
+            pooling="mean",
+            instruction_pooling="exact",
+        )
+    )
     # llm2vec's defaults, its weights
-    np.testing.assert_array_equal(embed(Engine(MNTP_ID, adapters=[MNTP_ID + "-supervised"],
-                                               instruction_pooling="exact")), weights)
+    np.testing.assert_array_equal(
+        embed(Engine(MNTP_ID, adapters=[MNTP_ID + "-supervised"], instruction_pooling="exact")), weights
+    )
     assert (eng.model_name, eng.revision) == (MNTP_ID, COMMIT_B)
     assert not list(cache.rglob("EXECUTED"))  # the -mntp repository's modeling code never ran
 
@@ -207,8 +241,9 @@ def online(cache, monkeypatch):
     with server:
         go_online(monkeypatch)
         monkeypatch.setattr(constants, "ENDPOINT", server.url)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/"
-                                                                                   "{filename}")
+        monkeypatch.setattr(
+            constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
+        )
         monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         yield server
 
@@ -216,8 +251,15 @@ def online(cache, monkeypatch):
 def _with_extras(folder: Path) -> dict[str, bytes]:
     """A repository as the hub holds it: the folder's files and others the Engine never reads."""
     files = read_folder(folder)
-    files.update({"onnx/model.onnx": b"onnx" * 100, "pytorch_model.bin": b"pickle" * 100,
-                  "tf_model.h5": b"h5" * 100, "openvino/openvino_model.xml": b"<xml/>", ".gitattributes": b"*\n"})
+    files.update(
+        {
+            "onnx/model.onnx": b"onnx" * 100,
+            "pytorch_model.bin": b"pickle" * 100,
+            "tf_model.h5": b"h5" * 100,
+            "openvino/openvino_model.xml": b"<xml/>",
+            ".gitattributes": b"*\n",
+        }
+    )
     return files
 
 
@@ -244,11 +286,17 @@ def test_download_fetches_only_what_the_engine_reads_then_works_offline(online, 
 
 def test_hub_errors_are_named(online, cache, llamas):
     online.add_repo(BASE_ID, read_folder(llamas[0]))
-    with pytest.raises(ValueError, match=r"'tiny-org/tiny-llama' has no revision 'nope' \(a branch, a tag or a "
-                                         r"commit"):
+    with pytest.raises(
+        ValueError,
+        match=r"'tiny-org/tiny-llama' has no revision 'nope' \(a branch, a tag or a "
+        r"commit",
+    ):
         Engine(BASE_ID, revision="nope")
-    with pytest.raises(FileNotFoundError, match=r"'tiny-org/missing' is not a repository on the hub, or it is "
-                                                r"private"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"'tiny-org/missing' is not a repository on the hub, or it is "
+        r"private",
+    ):
         Engine("tiny-org/missing")
     online.add_repo("tiny-org/docs-only", {"README.md": b"# nothing\n"})
     with pytest.raises(ValueError, match=r"holds no model: no config.json"):
@@ -284,8 +332,11 @@ def test_an_interrupted_download_is_an_error_and_the_next_run_resumes(online, ca
     monkeypatch.setattr(file_download.time, "sleep", lambda s: None)  # huggingface_hub's retries, without waiting
     online.add_repo(BASE_ID, read_folder(llamas[0]))
     online.interrupt = {"model.safetensors"}
-    with pytest.raises(ConnectionError, match=r"downloading model 'tiny-org/tiny-llama' at revision 'main' failed: "
-                                              r".*run the same call again to resume"):
+    with pytest.raises(
+        ConnectionError,
+        match=r"downloading model 'tiny-org/tiny-llama' at revision 'main' failed: "
+        r".*run the same call again to resume",
+    ):
         Engine(BASE_ID)
     snaps = cache / repo_folder_name(BASE_ID) / "snapshots"
     assert not list(snaps.rglob("model.safetensors"))  # no half file where the loader would look
@@ -298,13 +349,22 @@ def test_hf_endpoint_in_a_fresh_process(tmp_path, llamas):
     """The user's path end to end: ``HF_ENDPOINT`` and ``HF_HUB_CACHE`` set before Python starts, online."""
     server = HubServer()
     sha = server.add_repo(BASE_ID, read_folder(llamas[1]))
-    code = ("from lab import Engine; e = Engine('tiny-org/tiny-llama'); import json; "
-            "print(json.dumps([e.model_name, e.revision, e.embed(['a text']).tolist()]))")
+    code = (
+        "from lab import Engine; e = Engine('tiny-org/tiny-llama'); import json; "
+        "print(json.dumps([e.model_name, e.revision, e.embed(['a text']).tolist()]))"
+    )
     with server:
-        env = {**os.environ, "HF_ENDPOINT": server.url, "HF_HUB_CACHE": str(tmp_path / "c"), "HF_HUB_OFFLINE": "0",
-               "TRANSFORMERS_OFFLINE": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                             check=False)
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": server.url,
+            "HF_HUB_CACHE": str(tmp_path / "c"),
+            "HF_HUB_OFFLINE": "0",
+            "TRANSFORMERS_OFFLINE": "0",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        }
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
+        )
     assert out.returncode == 0, out.stderr[-2000:]
     name, revision, vec = json.loads(out.stdout.strip().splitlines()[-1])
     assert (name, revision) == (BASE_ID, sha)
@@ -312,26 +372,78 @@ def test_hf_endpoint_in_a_fresh_process(tmp_path, llamas):
 
 
 # --------------------------------------------------------------------------------------------- the file choice
-@pytest.mark.parametrize("files, want", [
-    (["config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json", "onnx/model.onnx", "README.md"],
-     ["README.md", "config.json", "model.safetensors", "tokenizer.json"]),
-    (["config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
-      "model-00002-of-00002.safetensors", "pytorch_model.bin.index.json", "pytorch_model-00001-of-00002.bin"],
-     ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-      "model.safetensors.index.json"]),
-    (["config.json", "pytorch_model.bin", "vocab.txt", "tf_model.h5", "flax_model.msgpack"],
-     ["config.json", "pytorch_model.bin", "vocab.txt"]),
-    (["modules.json", "config.json", "model.safetensors", "1_Pooling/config.json", "2_Dense/model.safetensors",
-      "2_Dense/config.json", "onnx/model_O4.onnx", "openvino/openvino_model.bin"],
-     ["1_Pooling/config.json", "2_Dense/config.json", "2_Dense/model.safetensors", "config.json", "model.safetensors",
-      "modules.json"]),
-    (["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "llm2vec_config.json",
-      "training_args.bin", "optimizer.pt"],
-     ["adapter_config.json", "adapter_model.safetensors", "llm2vec_config.json"]),
-    (["config.json", "model.safetensors", "sparse_linear.pt", "colbert_linear.pt", "sentencepiece.bpe.model"],
-     ["colbert_linear.pt", "config.json", "model.safetensors", "sentencepiece.bpe.model", "sparse_linear.pt"]),
-    (["README.md", "smollm2-q8_0.gguf", "smollm2-f16.gguf"], ["README.md", "smollm2-f16.gguf"]),
-])
+@pytest.mark.parametrize(
+    "files, want",
+    [
+        (
+            [
+                "config.json",
+                "model.safetensors",
+                "pytorch_model.bin",
+                "tokenizer.json",
+                "onnx/model.onnx",
+                "README.md",
+            ],
+            ["README.md", "config.json", "model.safetensors", "tokenizer.json"],
+        ),
+        (
+            [
+                "config.json",
+                "model.safetensors.index.json",
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "pytorch_model.bin.index.json",
+                "pytorch_model-00001-of-00002.bin",
+            ],
+            [
+                "config.json",
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "model.safetensors.index.json",
+            ],
+        ),
+        (
+            ["config.json", "pytorch_model.bin", "vocab.txt", "tf_model.h5", "flax_model.msgpack"],
+            ["config.json", "pytorch_model.bin", "vocab.txt"],
+        ),
+        (
+            [
+                "modules.json",
+                "config.json",
+                "model.safetensors",
+                "1_Pooling/config.json",
+                "2_Dense/model.safetensors",
+                "2_Dense/config.json",
+                "onnx/model_O4.onnx",
+                "openvino/openvino_model.bin",
+            ],
+            [
+                "1_Pooling/config.json",
+                "2_Dense/config.json",
+                "2_Dense/model.safetensors",
+                "config.json",
+                "model.safetensors",
+                "modules.json",
+            ],
+        ),
+        (
+            [
+                "adapter_config.json",
+                "adapter_model.safetensors",
+                "adapter_model.bin",
+                "llm2vec_config.json",
+                "training_args.bin",
+                "optimizer.pt",
+            ],
+            ["adapter_config.json", "adapter_model.safetensors", "llm2vec_config.json"],
+        ),
+        (
+            ["config.json", "model.safetensors", "sparse_linear.pt", "colbert_linear.pt", "sentencepiece.bpe.model"],
+            ["colbert_linear.pt", "config.json", "model.safetensors", "sentencepiece.bpe.model", "sparse_linear.pt"],
+        ),
+        (["README.md", "smollm2-q8_0.gguf", "smollm2-f16.gguf"], ["README.md", "smollm2-f16.gguf"]),
+    ],
+)
 def test_files_to_fetch_takes_what_the_loader_reads(files, want):
     assert hub.files_to_fetch(files) == want
 

@@ -13,8 +13,15 @@ from lab.engine import knob_registry
 from lab.engine.knob_registry import KNOBS, Knob, Widget, positive_int, register
 from lab.engine.knobs import Knobs
 
-TOY = Knob("toy_scale", 1, positive_int("toy_scale"), type="int", calls="nothing (a test's knob)",
-           widget=Widget("int", "toy scale", minimum=1, maximum=8), doc="a toy knob no code reads.")
+TOY = Knob(
+    "toy_scale",
+    1,
+    positive_int("toy_scale"),
+    type="int",
+    calls="nothing (a test's knob)",
+    widget=Widget("int", "toy scale", minimum=1, maximum=8),
+    doc="a toy knob no code reads.",
+)
 
 
 @pytest.fixture
@@ -82,7 +89,10 @@ def test_a_knob_fixed_at_load_is_refused_by_configure(minilm_path, scratch):
     register(Knob("toy_fixed", 1, positive_int("toy_fixed"), doc="a toy knob fixed at load.", live=False))
     eng = Engine(minilm_path, toy_fixed=2)
     eng.configure(toy_fixed=2)  # the value it has: nothing to change
-    with pytest.raises(ValueError, match=r"toy_fixed cannot change live; create a new Engine instead: "
-                                         r"Engine\('.*', toy_fixed=3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"toy_fixed cannot change live; create a new Engine instead: "
+        r"Engine\('.*', toy_fixed=3\)",
+    ):
         eng.configure(toy_fixed=3)
     assert eng.knobs["toy_fixed"] == 2

@@ -91,8 +91,12 @@ class Expected:
 
 
 def pooled(rows: np.ndarray, method: str) -> np.ndarray:
-    return {"mean": lambda: rows.mean(0), "max": lambda: rows.max(0), "cls": lambda: rows[0],
-            "lasttoken": lambda: rows[-1]}[method]()
+    return {
+        "mean": lambda: rows.mean(0),
+        "max": lambda: rows.max(0),
+        "cls": lambda: rows[0],
+        "lasttoken": lambda: rows[-1],
+    }[method]()
 
 
 def late_chunks(eng: Engine, docs: list[str], chunk_tokens: int) -> np.ndarray:
@@ -101,16 +105,19 @@ def late_chunks(eng: Engine, docs: list[str], chunk_tokens: int) -> np.ndarray:
     ``truncate_dim`` and normalize. The documents must fit ``max_length``."""
     tok = eng.tokenizer
     # the token states start at the leading specials, or after the instruction (which counts them) when there is one
-    n_prefix = 0 if eng.resolved["instruction"] else tok("x")["input_ids"].index(
-        tok("x", add_special_tokens=False)["input_ids"][0])
+    n_prefix = (
+        0
+        if eng.resolved["instruction"]
+        else tok("x")["input_ids"].index(tok("x", add_special_tokens=False)["input_ids"][0])
+    )
     with configured(eng, include_instruction=False, long_inputs="truncate"):
         states = eng.embed(docs, output="tokens")
     out = []
     for doc, rows in zip(docs, states, strict=True):
         n = len(tok(doc, add_special_tokens=False)["input_ids"])
         for a in range(0, n, chunk_tokens):
-            out.append(pooled(rows[n_prefix + a:n_prefix + min(a + chunk_tokens, n)], eng.resolved.pooling))
-    out = np.stack(out)[:, :eng.knobs["truncate_dim"] or None]
+            out.append(pooled(rows[n_prefix + a : n_prefix + min(a + chunk_tokens, n)], eng.resolved.pooling))
+    out = np.stack(out)[:, : eng.knobs["truncate_dim"] or None]
     return unit(out) if eng.resolved.normalize else out
 
 
@@ -130,7 +137,8 @@ def dense_call(eng: Engine, call: str, want: Expected, *, mode: str | None = Non
         return (q * d).sum(1), eng.score(list(zip(QUERIES, DOCS, strict=True)), mode=mode)
     assert call == "rerank"  # its one query is embedded alone (in bfloat16 a batch of one may round otherwise)
     return d @ unit(want.embed(QUERIES[:1]))[0], eng.rerank(QUERIES[0], DOCS, mode=mode).sort_values("index")[
-        "score"].to_numpy()
+        "score"
+    ].to_numpy()
 
 
 def check_close(ours, expected, what: str, atol: float = ATOL) -> None:
@@ -179,10 +187,16 @@ def test_encode_prompts_take_precedence_over_the_instruction_knob(mini):
     with configured(mini, instruction="Represent this sentence for searching: "):
         check_close(mini.encode(QUERIES, prompt="query: "), mini.embed(QUERIES, instruction="query: "), "prompt=")
         check_close(mini.encode(QUERIES, prompt_name="query"), mini.embed(QUERIES, instruction=None), "prompt_name=")
-        check_close(mini.encode_query(QUERIES, prompt="query: "), mini.embed(QUERIES, instruction="query: "),
-                    "encode_query(prompt=)")
-        check_close(mini.encode_document(DOCS, prompt="passage: "), mini.embed(DOCS, instruction="passage: "),
-                    "encode_document(prompt=)")
+        check_close(
+            mini.encode_query(QUERIES, prompt="query: "),
+            mini.embed(QUERIES, instruction="query: "),
+            "encode_query(prompt=)",
+        )
+        check_close(
+            mini.encode_document(DOCS, prompt="passage: "),
+            mini.embed(DOCS, instruction="passage: "),
+            "encode_document(prompt=)",
+        )
 
 
 def test_per_token_outputs_refuse_long_inputs_chunk(mini):
@@ -194,8 +208,11 @@ def test_per_token_outputs_refuse_long_inputs_chunk(mini):
 
 
 # ------------------------------------------------------------------------------------ cross-encoder: pair scores
-CE_PAIRS = [("How many people live in Berlin?", "Berlin has about 3.5 million inhabitants."),
-            ("guitar", "A man is playing a guitar on a stage."), ("a", "b")]
+CE_PAIRS = [
+    ("How many people live in Berlin?", "Berlin has about 3.5 million inhabitants."),
+    ("guitar", "A man is playing a guitar on a stage."),
+    ("a", "b"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -219,40 +236,66 @@ def hf_cross_encoder(folder, pairs, *, max_length: int = 128, layer: int | None 
     return np.asarray(out, dtype=np.float32)
 
 
-@pytest.mark.parametrize(("knob", "settings"), [
-    ("instruction", {"instruction": "Answer the question: "}),
-    ("max_length", {"max_length": 12}),
-    ("layer", {"layer": 1}),
-    ("dtype", {"dtype": "bfloat16"}),
-    ("long_inputs", {"long_inputs": "chunk"}),  # every pair fits: scored as under truncate
-])
+@pytest.mark.parametrize(
+    ("knob", "settings"),
+    [
+        ("instruction", {"instruction": "Answer the question: "}),
+        ("max_length", {"max_length": 12}),
+        ("layer", {"layer": 1}),
+        ("dtype", {"dtype": "bfloat16"}),
+        ("long_inputs", {"long_inputs": "chunk"}),  # every pair fits: scored as under truncate
+    ],
+)
 def test_cross_encoder_honours_the_knobs_that_apply(ce, knob, settings):
     folder, eng = ce
     instr = settings.get("instruction", "")
-    expected = hf_cross_encoder(folder, [(instr + q, d) for q, d in CE_PAIRS],
-                                max_length=settings.get("max_length", 128), layer=settings.get("layer"))
+    expected = hf_cross_encoder(
+        folder,
+        [(instr + q, d) for q, d in CE_PAIRS],
+        max_length=settings.get("max_length", 128),
+        layer=settings.get("layer"),
+    )
     with configured(eng, **settings):
         atol = 2e-2 if knob == "dtype" else ATOL
         check_close(eng.score(CE_PAIRS), expected, f"score under {settings}", atol)
         df = eng.rerank(CE_PAIRS[0][0], [d for _, d in CE_PAIRS]).sort_values("index")
         pairs = [(CE_PAIRS[0][0], d) for _, d in CE_PAIRS]
-        check_close(df["score"].to_numpy(), hf_cross_encoder(
-            folder, [(instr + q, d) for q, d in pairs], max_length=settings.get("max_length", 128),
-            layer=settings.get("layer")), f"rerank under {settings}", atol)
+        check_close(
+            df["score"].to_numpy(),
+            hf_cross_encoder(
+                folder,
+                [(instr + q, d) for q, d in pairs],
+                max_length=settings.get("max_length", 128),
+                layer=settings.get("layer"),
+            ),
+            f"rerank under {settings}",
+            atol,
+        )
         if knob == "dtype":
             assert not np.array_equal(eng.score(CE_PAIRS), expected), "dtype changes nothing"
 
 
-@pytest.mark.parametrize("settings", [{"pooling": "mean"}, {"normalize": True}, {"truncate_dim": 8},
-                                      {"include_instruction": False, "instruction": "q: "}], ids=str)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"pooling": "mean"},
+        {"normalize": True},
+        {"truncate_dim": 8},
+        {"include_instruction": False, "instruction": "q: "},
+    ],
+    ids=str,
+)
 def test_cross_encoder_scores_ignore_the_knobs_that_do_not_apply(ce, settings):
     """The classification head reads the first token: pooling, normalize, truncate_dim and include_instruction
     leave the scores as they are (the instruction itself does apply)."""
     folder, eng = ce
     instr = settings.get("instruction", "")
     with configured(eng, **settings):
-        check_close(eng.score(CE_PAIRS), hf_cross_encoder(folder, [(instr + q, d) for q, d in CE_PAIRS]),
-                    f"score under {settings}")
+        check_close(
+            eng.score(CE_PAIRS),
+            hf_cross_encoder(folder, [(instr + q, d) for q, d in CE_PAIRS]),
+            f"score under {settings}",
+        )
 
 
 def test_pair_scoring_refuses_a_pair_past_max_length_under_long_inputs_chunk(ce, qwen2):
@@ -264,15 +307,19 @@ def test_pair_scoring_refuses_a_pair_past_max_length_under_long_inputs_chunk(ce,
         with pytest.raises(ValueError, match=r"long_inputs='chunk'.*max_length=32"):
             eng.rerank("who met?", [LONG * 3, "b"])
     llm = qwen2[1]
-    with (configured(llm, long_inputs="chunk", max_length=110),
-          pytest.raises(ValueError, match=r"long_inputs='chunk'.*mode='llm'.*pairs\[0\].*max_length=110")):
+    with (
+        configured(llm, long_inputs="chunk", max_length=110),
+        pytest.raises(ValueError, match=r"long_inputs='chunk'.*mode='llm'.*pairs\[0\].*max_length=110"),
+    ):
         llm.score(long_pairs, prompt=PROMPT)
 
 
 # --------------------------------------------------------------------------------- tiny decoder: LLM and embedder
 PROMPT = YesNoPrompt(system="Judge: yes or no.", instruction="Find it", yes_token="ĠFrance", no_token="Ġcapital")
-LLM_PAIRS = [("What is the capital of France?", "Paris is the capital of France. " * 4),
-             ("fox", "The quick brown fox jumps over the lazy dog.")]
+LLM_PAIRS = [
+    ("What is the capital of France?", "Paris is the capital of France. " * 4),
+    ("fox", "The quick brown fox jumps over the lazy dog."),
+]
 
 
 @pytest.fixture(scope="module")
@@ -298,12 +345,15 @@ def test_llm_reranker_honours_instruction_and_chunked_prefill(qwen2):
             check_close(eng.score(LLM_PAIRS, prompt=PROMPT), plain, f"{settings} (does not apply)")
 
 
-@pytest.mark.parametrize(("knob", "settings"), [
-    ("bidirectional", {"bidirectional": True}),
-    ("chunked_prefill", {"chunked_prefill": 48}),  # LONG is longer
-    ("long_inputs", {"long_inputs": "chunk", "max_length": 24}),
-    ("instruction", {"instruction": "Find it:"}),  # no trailing space: tokenized alone or with a text alike
-])
+@pytest.mark.parametrize(
+    ("knob", "settings"),
+    [
+        ("bidirectional", {"bidirectional": True}),
+        ("chunked_prefill", {"chunked_prefill": 48}),  # LONG is longer
+        ("long_inputs", {"long_inputs": "chunk", "max_length": 24}),
+        ("instruction", {"instruction": "Find it:"}),  # no trailing space: tokenized alone or with a text alike
+    ],
+)
 def test_every_embedding_call_honours_the_knob_on_a_decoder(qwen2, knob, settings):
     _, eng = qwen2
     plain = np.concatenate([eng.embed(QUERIES), eng.embed(DOCS)])
@@ -334,8 +384,10 @@ def test_per_token_and_lexical_score_modes_refuse_long_inputs_chunk(tmp_path, mi
     pairs = [("who met?", "The committee met."), ("a", "b")]
     for mode in ("late-interaction", "sparse", "m3"):
         plain = eng.score(pairs, mode=mode)
-        with (configured(eng, long_inputs="chunk"),
-              pytest.raises(ValueError, match=rf"long_inputs='chunk'.*mode='{mode}'.*long_inputs='truncate'")):
+        with (
+            configured(eng, long_inputs="chunk"),
+            pytest.raises(ValueError, match=rf"long_inputs='chunk'.*mode='{mode}'.*long_inputs='truncate'"),
+        ):
             eng.score(pairs, mode=mode)
         assert np.array_equal(eng.score(pairs, mode=mode), plain)
         with configured(eng, long_inputs="chunk"), pytest.raises(ValueError, match=r"long_inputs='chunk'"):

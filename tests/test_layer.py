@@ -166,8 +166,15 @@ def test_below_last_layer_the_decoder_skips_the_final_norm(dec_folder, dec_ref):
 def test_chunked_prefill_at_each_layer_equals_unchunked(dec_folder, dec_ref, pooling):
     texts = shuffled(TEXTS)
     plain = Engine(dec_folder, normalize=False, append_eos=False, pooling=pooling)
-    chunked = Engine(dec_folder, normalize=False, append_eos=False, pooling=pooling, chunked_prefill=3,
-                     max_batch_tokens=40, max_num_seqs=4)
+    chunked = Engine(
+        dec_folder,
+        normalize=False,
+        append_eos=False,
+        pooling=pooling,
+        chunked_prefill=3,
+        max_batch_tokens=40,
+        max_num_seqs=4,
+    )
     ids = token_ids(plain, texts)
     for k in LAYERS:
         plain.configure(layer=k)
@@ -182,8 +189,9 @@ def test_chunked_prefill_at_each_layer_equals_unchunked(dec_folder, dec_ref, poo
 def test_prefix_cache_at_each_layer(dec_folder, dec_ref, chunk):
     """An instruction shared by every input: computed once (prefix cache) for the first k layers only."""
     texts = shuffled(TEXTS)
-    eng = Engine(dec_folder, normalize=False, append_eos=False, pooling="mean", instruction=INSTRUCTION,
-                 chunked_prefill=chunk)
+    eng = Engine(
+        dec_folder, normalize=False, append_eos=False, pooling="mean", instruction=INSTRUCTION, chunked_prefill=chunk
+    )
     reqs = eng.tokenize(texts, instruction=INSTRUCTION)
     ids, starts = [list(r.ids) for r in reqs], [r.pool_start for r in reqs]
     assert min(starts) > 3
@@ -280,8 +288,7 @@ def test_llm_yes_no_from_layer_k(dec_folder):
 
     from lab.engine.rerank import YesNoPrompt
 
-    prompt = YesNoPrompt(system="Judge: yes or no.", instruction="Find it", yes_token="ĠFrance",
-                         no_token="Ġcapital")
+    prompt = YesNoPrompt(system="Judge: yes or no.", instruction="Find it", yes_token="ĠFrance", no_token="Ġcapital")
     pairs = [("What is the capital of France?", "Paris is the capital of France."), ("fox", "the lazy dog")]
     eng = Engine(dec_folder, layer=2)
     tok = eng.tokenizer

@@ -20,8 +20,22 @@ from tiny_models import tiny_llama
 from lab import Engine as _Engine
 from lab.engine.llm2vec import Llm2VecNotice, cut_document
 
-WORDS = ("retrieval", "of", "scientific", "abstracts", "needs", "long", "documents", "and", "tokenizers",
-         "split", "rare", "words", "into", "pieces")
+WORDS = (
+    "retrieval",
+    "of",
+    "scientific",
+    "abstracts",
+    "needs",
+    "long",
+    "documents",
+    "and",
+    "tokenizers",
+    "split",
+    "rare",
+    "words",
+    "into",
+    "pieces",
+)
 LLAMA2 = "meta-llama/Llama-2-7b-chat-hf"
 
 
@@ -39,6 +53,7 @@ def documents(n: int, seed: int = 0) -> list[str]:
 # ---------------------------------------------------------------- llm2vec 0.2.3's rules, re-implemented plainly
 def ref_cut(tokenizer, text: str, max_length: int, doc_max_length: int) -> str:
     """``LLM2Vec._convert_to_str``'s loop on the text."""
+
     def count(t):
         return len(tokenizer([t], truncation=True, max_length=max_length, add_special_tokens=False)["input_ids"][0])
 
@@ -104,12 +119,14 @@ def test_doc_max_length_cuts_as_llm2vec_in_every_call_kind(base, tmp_path):
     want = off.embed(cut)
     np.testing.assert_array_equal(eng.embed(docs), want)
     np.testing.assert_array_equal(eng.encode(docs), want)
-    np.testing.assert_allclose(eng.score([("a query", d) for d in docs]), off.score([("a query", c) for c in cut]),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        eng.score([("a query", d) for d in docs]), off.score([("a query", c) for c in cut]), rtol=1e-6, atol=1e-6
+    )
     assert not np.allclose(off.embed(docs), want, atol=1e-4)
     # with an instruction the text is cut, never the instruction
-    np.testing.assert_array_equal(eng.embed(docs, instruction="Represent the abstract: "),
-                                  off.embed(cut, instruction="Represent the abstract: "))
+    np.testing.assert_array_equal(
+        eng.embed(docs, instruction="Represent the abstract: "), off.embed(cut, instruction="Represent the abstract: ")
+    )
     # long inputs in windows: the cut first, the windows split what is left
     chunked = Engine(str(folder), long_inputs="chunk", max_length=8, doc_max_length=12)
     plain = Engine(str(folder), long_inputs="chunk", max_length=8, doc_max_length=0)
@@ -129,8 +146,14 @@ def test_settings_come_from_the_folder_llm2vec_reads(base, tmp_path):
     """``Engine(model, adapters=[..., last])`` is ``LLM2Vec.from_pretrained(model, peft_model_name_or_path=last)``:
     the settings come from the last adapter's llm2vec_config.json when it has one, else from llm2vec's defaults,
     never from another folder (here the model folder holds a non-default file)."""
-    model = with_llm2vec_config(base, tmp_path / "model", pooling_mode="weighted_mean", max_length=33,
-                                skip_instruction=False, doc_max_length=50)
+    model = with_llm2vec_config(
+        base,
+        tmp_path / "model",
+        pooling_mode="weighted_mean",
+        max_length=33,
+        skip_instruction=False,
+        doc_max_length=50,
+    )
     with_file = Path(bare_adapter(base, tmp_path / "with", seed=1))
     (with_file / "llm2vec_config.json").write_text(json.dumps({"pooling_mode": "eos_token", "max_length": 21}))
     without = Path(bare_adapter(base, tmp_path / "without", seed=2))
@@ -140,8 +163,11 @@ def test_settings_come_from_the_folder_llm2vec_reads(base, tmp_path):
         eng = Engine(str(model), adapters=[str(peft)] if peft else [])
         ref = ref_config(model, peft)
         got = {k: eng.resolved[v] for k, v in names.items()}
-        assert got == {"pooling_mode": ours[ref["pooling_mode"]], "max_length": min(ref["max_length"], 256),
-                       "doc_max_length": ref["doc_max_length"]}, peft
+        assert got == {
+            "pooling_mode": ours[ref["pooling_mode"]],
+            "max_length": min(ref["max_length"], 256),
+            "doc_max_length": ref["doc_max_length"],
+        }, peft
         assert eng.resolved["include_instruction"] is (not ref["skip_instruction"])
         assert eng.resolved["causal"] is False  # enable_bidirectional=True by default
 
@@ -149,11 +175,15 @@ def test_settings_come_from_the_folder_llm2vec_reads(base, tmp_path):
 def test_a_layout_without_llm2vec_config_gets_llm2vecs_defaults(base, tmp_path):
     """A published -mntp folder (auto_map to llm2vec's encoder) with no llm2vec_config.json anywhere: mean pooling,
     512 tokens, documents cut at 400, instructions not pooled, bidirectional; the notice names what it brought."""
-    _, mntp_dir, sup_dir = published_layout(tmp_path / "pub", base,
-                                            base_ref="../../meta-llama/Meta-Llama-3-8B-Instruct")
-    with pytest.warns(Llm2VecNotice, match=r"an LLM2Vec layout .*names llm2vec's encoder model.*bidirectional=True.*"
-                                           r"pooling='mean'.*doc_max_length=400.*the chat template of "
-                                           r"meta-llama/Meta-Llama-3-8B-Instruct"):
+    _, mntp_dir, sup_dir = published_layout(
+        tmp_path / "pub", base, base_ref="../../meta-llama/Meta-Llama-3-8B-Instruct"
+    )
+    with pytest.warns(
+        Llm2VecNotice,
+        match=r"an LLM2Vec layout .*names llm2vec's encoder model.*bidirectional=True.*"
+        r"pooling='mean'.*doc_max_length=400.*the chat template of "
+        r"meta-llama/Meta-Llama-3-8B-Instruct",
+    ):
         eng = _Engine(str(mntp_dir), adapters=[str(sup_dir)], device="cpu")
     r = eng.resolved
     assert (r["pooling"], r["doc_max_length"], r["include_instruction"], r["causal"]) == ("mean", 400, False, False)
@@ -165,8 +195,11 @@ def test_a_layout_without_llm2vec_config_gets_llm2vecs_defaults(base, tmp_path):
 def test_explicit_knobs_win_and_say_so(base, tmp_path):
     folder = with_llm2vec_config(base, tmp_path / "cfg", pooling_mode="mean")
     eng = Engine(str(folder), bidirectional=False, pooling="lasttoken", doc_max_length=0)
-    assert (eng.resolved["causal"], eng.resolved["pooling"], eng.resolved["doc_max_length"]) == (True, "lasttoken",
-                                                                                                  None)
+    assert (eng.resolved["causal"], eng.resolved["pooling"], eng.resolved["doc_max_length"]) == (
+        True,
+        "lasttoken",
+        None,
+    )
     assert eng.resolved.sources["causal"] == eng.resolved.sources["pooling"] == "user"
     assert "(user)" in repr(eng.resolved) and "llm2vec" not in repr(Engine(str(base)).resolved)
 
@@ -207,8 +240,7 @@ def test_the_published_mntp_id_brings_its_bases_template(base, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base)
-    _, mntp_dir, sup_dir = published_layout(tmp_path / "p", base,
-                                            base_ref="../../meta-llama/Meta-Llama-3-8B-Instruct")
+    _, mntp_dir, sup_dir = published_layout(tmp_path / "p", base, base_ref="../../meta-llama/Meta-Llama-3-8B-Instruct")
     eng = Engine(str(mntp_dir), adapters=[str(sup_dir)])
     name = "meta-llama/Meta-Llama-3-8B-Instruct"
     assert _texts_tokenized(eng, ["A cat."]) == [tok(ref_wrap(name, "A cat."))["input_ids"]]

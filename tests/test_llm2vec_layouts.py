@@ -30,11 +30,21 @@ from lab.adapt import mntp, simcse
 from lab.adapt.train import LLM2VEC_CONFIG, LoraSpec, set_bidirectional
 
 COS_MIN = 0.99999
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "a", "What is the capital of France?",
-         "Rotary position embeddings rotate queries and keys by an angle.", "Paris"]
-TRAIN = ["The quick brown fox jumps over the lazy dog.", "A packed batch holds many sequences.",
-         "Rotary embeddings rotate queries and keys.", "What is the capital of France?",
-         "Paris is the capital of France.", "Embeddings map text to vectors."]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "a",
+    "What is the capital of France?",
+    "Rotary position embeddings rotate queries and keys by an angle.",
+    "Paris",
+]
+TRAIN = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A packed batch holds many sequences.",
+    "Rotary embeddings rotate queries and keys.",
+    "What is the capital of France?",
+    "Paris is the capital of France.",
+    "Embeddings map text to vectors.",
+]
 SMALL = LoraSpec(r=2, alpha=4.0, dropout=0.0)
 
 
@@ -70,8 +80,9 @@ def assert_peft_loads_every_key(base, folder) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm = PeftModel.from_pretrained(AutoModel.from_pretrained(base, dtype=torch.float32), str(folder))
-    assert not [w for w in caught
-                if "missing adapter keys" in str(w.message).lower()], [str(w.message) for w in caught]
+    assert not [w for w in caught if "missing adapter keys" in str(w.message).lower()], [
+        str(w.message) for w in caught
+    ]
     loaded = get_peft_model_state_dict(pm)
     with safe_open(str(Path(folder) / "adapter_model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
@@ -90,9 +101,12 @@ def bare_adapter(base, out, *, seed: int, base_name: str | None = None, **config
 
     model = AutoModel.from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(seed)
-    lora = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                           "down_proj"])
+    lora = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         peft.get_peft_model(model, lora).save_pretrained(out)
@@ -149,31 +163,49 @@ def base(tmp_path_factory):
     return tiny_llama(tmp_path_factory.mktemp("llm2vec-cfg"), "llama")
 
 
-@pytest.mark.parametrize("mode,pooling,append_eos", [("mean", "mean", False), ("weighted_mean", "weightedmean", False),
-                                                     ("eos_token", "eos_token", False),
-                                                     ("last_token", "lasttoken", False), ("bos_token", "cls", False)])
+@pytest.mark.parametrize(
+    "mode,pooling,append_eos",
+    [
+        ("mean", "mean", False),
+        ("weighted_mean", "weightedmean", False),
+        ("eos_token", "eos_token", False),
+        ("last_token", "lasttoken", False),
+        ("bos_token", "cls", False),
+    ],
+)
 def test_llm2vec_pooling_names_map_to_ours(base, tmp_path, mode, pooling, append_eos):
     folder = with_llm2vec_config(base, tmp_path / mode, pooling_mode=mode)
     eng = Engine(str(folder))
     assert (eng.resolved["pooling"], eng.resolved["append_eos"]) == (pooling, append_eos)
     assert eng.resolved["instruction_pooling"] == "llm2vec"  # the folder asks for llm2vec's conventions
     assert eng.resolved["causal"] is False  # llm2vec enables bidirectional attention unless told not to
-    np.testing.assert_array_equal(eng.embed(TEXTS), Engine(str(base), pooling=pooling, append_eos=append_eos,
-                                                           instruction_pooling="llm2vec",
-                                                           bidirectional=True).embed(TEXTS))
+    np.testing.assert_array_equal(
+        eng.embed(TEXTS),
+        Engine(
+            str(base), pooling=pooling, append_eos=append_eos, instruction_pooling="llm2vec", bidirectional=True
+        ).embed(TEXTS),
+    )
 
 
 def test_llm2vec_config_sets_defaults_and_explicit_knobs_win(base, tmp_path):
-    folder = with_llm2vec_config(base, tmp_path / "cfg", pooling_mode="weighted_mean", max_length=6,
-                                 doc_max_length=400, skip_instruction=False)
+    folder = with_llm2vec_config(
+        base, tmp_path / "cfg", pooling_mode="weighted_mean", max_length=6, doc_max_length=400, skip_instruction=False
+    )
     eng = Engine(str(folder), instruction="Retrieve: ")
     r = eng.resolved
     assert (r["pooling"], r["max_length"], r["include_instruction"]) == ("weightedmean", 6, True)
     assert eng.knobs["pooling"] is None and eng.knobs["max_length"] is None  # defaults, not knob values
     out = eng.embed(TEXTS)
     assert eng.stats.truncated > 0  # max_length=6 cuts the long texts
-    same = Engine(str(base), pooling="weightedmean", max_length=6, include_instruction=True, instruction="Retrieve: ",
-                  bidirectional=True, instruction_pooling="llm2vec")
+    same = Engine(
+        str(base),
+        pooling="weightedmean",
+        max_length=6,
+        include_instruction=True,
+        instruction="Retrieve: ",
+        bidirectional=True,
+        instruction_pooling="llm2vec",
+    )
     np.testing.assert_array_equal(out, same.embed(TEXTS))
     eng.configure(pooling="mean", max_length=64, include_instruction=False)  # explicit knobs win
     r = eng.resolved
@@ -189,8 +221,9 @@ def test_adapter_llm2vec_config_overrides_the_models_and_follows_the_stack(base,
     folder = with_llm2vec_config(base, tmp_path / "model", pooling_mode="weighted_mean", max_length=40)
     plain = bare_adapter(base, tmp_path / "plain", seed=1)
     tuned = bare_adapter(base, tmp_path / "tuned", seed=2)
-    (Path(tuned) / "llm2vec_config.json").write_text(json.dumps({"pooling_mode": "mean", "max_length": 20,
-                                                                  "skip_instruction": True}))
+    (Path(tuned) / "llm2vec_config.json").write_text(
+        json.dumps({"pooling_mode": "mean", "max_length": 20, "skip_instruction": True})
+    )
     """llm2vec reads llm2vec_config.json from peft_model_name_or_path (our last adapter) when there is one, else from
     the base folder, and from nowhere else: an adapter without the file brings llm2vec's class defaults."""
     eng = Engine(str(folder))
@@ -201,21 +234,25 @@ def test_adapter_llm2vec_config_overrides_the_models_and_follows_the_stack(base,
     assert eng.resolved.sources["pooling"] == eng.resolved.sources["max_length"] == "llm2vec default"
     eng.configure(adapters=[plain, tuned])  # the last adapter's
     assert (eng.resolved["pooling"], eng.resolved["max_length"]) == ("mean", 20)
-    assert {k: eng.resolved.defaults[k] for k in ("pooling", "max_length", "include_instruction", "doc_max_length")} \
-        == {"pooling": "mean", "max_length": 20, "include_instruction": False, "doc_max_length": 400}
+    assert {
+        k: eng.resolved.defaults[k] for k in ("pooling", "max_length", "include_instruction", "doc_max_length")
+    } == {"pooling": "mean", "max_length": 20, "include_instruction": False, "doc_max_length": 400}
     eng.configure(adapters=[tuned, plain])  # the last adapter has none: llm2vec's defaults
     assert eng.resolved.sources["pooling"] == "llm2vec default"
     eng.configure(adapters=[])
     assert (eng.resolved["pooling"], eng.resolved["max_length"]) == ("weightedmean", 40)
 
 
-@pytest.mark.parametrize("cfg,match", [
-    ({"pooling_mode": "latent_attention"}, r"llm2vec_config.json: pooling_mode 'latent_attention'.*valid: mean"),
-    ({"max_length": 0}, r"llm2vec_config.json: max_length must be a positive integer"),
-    ({"max_length": "512"}, r"llm2vec_config.json: max_length must be a positive integer"),
-    ({"skip_instruction": "yes"}, r"llm2vec_config.json: skip_instruction must be true or false"),
-    ([1, 2], r"llm2vec_config.json should hold a JSON object"),
-])
+@pytest.mark.parametrize(
+    "cfg,match",
+    [
+        ({"pooling_mode": "latent_attention"}, r"llm2vec_config.json: pooling_mode 'latent_attention'.*valid: mean"),
+        ({"max_length": 0}, r"llm2vec_config.json: max_length must be a positive integer"),
+        ({"max_length": "512"}, r"llm2vec_config.json: max_length must be a positive integer"),
+        ({"skip_instruction": "yes"}, r"llm2vec_config.json: skip_instruction must be true or false"),
+        ([1, 2], r"llm2vec_config.json should hold a JSON object"),
+    ],
+)
 def test_bad_llm2vec_config_is_named(base, tmp_path, cfg, match):
     folder = with_llm2vec_config(base, tmp_path / "bad", **({} if isinstance(cfg, list) else cfg))
     if isinstance(cfg, list):
@@ -234,10 +271,10 @@ def test_unknown_llm2vec_config_keys_warn(base, tmp_path):
 # ------------------------------------------------------------------------------------ published layouts, offline
 BASE_ID = "meta-llama/Meta-Llama-3-8B-Instruct"
 MNTP_ID = "McGill-NLP/LLM2Vec-Meta-Llama-3-8B-Instruct-mntp"
-CUSTOM_CODE = '''from pathlib import Path
+CUSTOM_CODE = """from pathlib import Path
 Path(__file__).with_name("EXECUTED").write_text("custom code ran")
 raise RuntimeError("custom model code must never be executed")
-'''
+"""
 
 
 def published_layout(root: Path, base: Path, *, base_ref: str = BASE_ID) -> tuple[Path, Path, Path]:
@@ -258,9 +295,13 @@ def published_layout(root: Path, base: Path, *, base_ref: str = BASE_ID) -> tupl
             shutil.copy(f, mntp_dir / f.name)
     for name in ("modeling_llama_encoder.py", "attn_mask_utils.py"):
         (mntp_dir / name).write_text(CUSTOM_CODE)
-    bare_adapter(base, mntp_dir, seed=3, base_name=base_ref,
-                 auto_mapping={"base_model_class": "LlamaBiModel",
-                               "parent_library": "llm2vec.models.bidirectional_llama"})
+    bare_adapter(
+        base,
+        mntp_dir,
+        seed=3,
+        base_name=base_ref,
+        auto_mapping={"base_model_class": "LlamaBiModel", "parent_library": "llm2vec.models.bidirectional_llama"},
+    )
     sup_dir = root / (MNTP_ID + "-supervised")
     bare_adapter(base, sup_dir, seed=4, base_name=MNTP_ID)
     (sup_dir / "README.md").write_text("---\nlibrary_name: peft\n---\n")
@@ -277,14 +318,22 @@ def test_mntp_folder_with_a_stacked_adapter_equals_base_plus_both(published, mon
     """The weights: the -mntp folder with a stacked adapter is its base plus both adapters (the exact rule here:
     under llm2vec's, the -mntp folder's config brings its base's chat template, ``test_chat_template_...``)."""
     root, base_dir, mntp_dir, sup_dir = published
-    eng = Engine(str(mntp_dir), adapters=[str(sup_dir)], bidirectional=True, pooling="mean",
-                 instruction_pooling="exact")
+    eng = Engine(
+        str(mntp_dir), adapters=[str(sup_dir)], bidirectional=True, pooling="mean", instruction_pooling="exact"
+    )
     assert Path(eng.model_path) == base_dir.resolve()
     assert eng.knobs["adapters"] == (str(mntp_dir), str(sup_dir))
     out = eng.embed(TEXTS)
-    np.testing.assert_array_equal(out, Engine(str(base_dir), adapters=[str(mntp_dir), str(sup_dir)],
-                                              bidirectional=True, pooling="mean",
-                                              instruction_pooling="exact").embed(TEXTS))
+    np.testing.assert_array_equal(
+        out,
+        Engine(
+            str(base_dir),
+            adapters=[str(mntp_dir), str(sup_dir)],
+            bidirectional=True,
+            pooling="mean",
+            instruction_pooling="exact",
+        ).embed(TEXTS),
+    )
     cos = min_cos(out, peft_reference(base_dir, [mntp_dir, sup_dir]))
     print(f"published -mntp + -supervised layout vs peft: min cos {cos:.8f}")
     assert cos >= COS_MIN
@@ -305,8 +354,9 @@ def test_base_found_by_absolute_path_and_in_the_hub_cache(base, tmp_path, monkey
     cfg["base_model_name_or_path"] = str(base_dir)
     (mntp_dir / "adapter_config.json").write_text(json.dumps(cfg))
     want = Engine(str(base_dir), adapters=[str(mntp_dir)], pooling="mean", instruction_pooling="exact").embed(TEXTS)
-    np.testing.assert_array_equal(Engine(str(mntp_dir), pooling="mean", instruction_pooling="exact").embed(TEXTS),
-                                  want)
+    np.testing.assert_array_equal(
+        Engine(str(mntp_dir), pooling="mean", instruction_pooling="exact").embed(TEXTS), want
+    )
     # the hub id, resolved from a Hugging Face cache snapshot (offline: nothing is downloaded)
     cache = tmp_path / "hub-cache"
     snap = cache / ("models--" + BASE_ID.replace("/", "--")) / "snapshots" / "0123abcd"
@@ -327,9 +377,14 @@ def test_missing_base_names_it_and_the_fix(base, tmp_path, monkeypatch):
     base_dir, mntp_dir, sup_dir = published_layout(root, base)
     shutil.rmtree(base_dir)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=(r"its base 'meta-llama/Meta-Llama-3-8B-Instruct' \(base_model_name_or_path "
-                                          r"in .*adapter_config.json\) is not a local folder.*hub id.*Download the "
-                                          r"base model.*base_model_name_or_path")):
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"its base 'meta-llama/Meta-Llama-3-8B-Instruct' \(base_model_name_or_path "
+            r"in .*adapter_config.json\) is not a local folder.*hub id.*Download the "
+            r"base model.*base_model_name_or_path"
+        ),
+    ):
         Engine(str(mntp_dir), adapters=[str(sup_dir)])
     assert not list(root.rglob("EXECUTED"))
 
@@ -355,5 +410,6 @@ def test_parity_script_writes_a_transformers4_copy_the_engine_reads_alike(base, 
     merges = json.loads((copy / "tokenizer.json").read_text())["model"]["merges"]
     assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
     assert (copy / "model.safetensors").is_symlink()
-    np.testing.assert_array_equal(Engine(str(copy), pooling="mean").embed(TEXTS),
-                                  Engine(str(base), pooling="mean").embed(TEXTS))
+    np.testing.assert_array_equal(
+        Engine(str(copy), pooling="mean").embed(TEXTS), Engine(str(base), pooling="mean").embed(TEXTS)
+    )

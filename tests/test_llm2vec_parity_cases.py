@@ -21,11 +21,20 @@ def _write(folder: Path, files: dict[str, object]) -> Path:
 
 @pytest.fixture
 def folders(tmp_path):
-    base = _write(tmp_path / "base", {"config.json": {"model_type": "llama", "_name_or_path": "somewhere"},
-                                      "tokenizer.json": "{}", "tokenizer_config.json": "{}",
-                                      "model.safetensors": "weights"})
-    adapter = {"adapter_config.json": {"base_model_name_or_path": "/trained/on", "peft_type": "LORA"},
-               "adapter_model.safetensors": "lora", "llm2vec_config.json": {"pooling_mode": "mean"}}
+    base = _write(
+        tmp_path / "base",
+        {
+            "config.json": {"model_type": "llama", "_name_or_path": "somewhere"},
+            "tokenizer.json": "{}",
+            "tokenizer_config.json": "{}",
+            "model.safetensors": "weights",
+        },
+    )
+    adapter = {
+        "adapter_config.json": {"base_model_name_or_path": "/trained/on", "peft_type": "LORA"},
+        "adapter_model.safetensors": "lora",
+        "llm2vec_config.json": {"pooling_mode": "mean"},
+    }
     return {"base": base, "mntp:bare": _write(tmp_path / "m", adapter), "simcse:bare": _write(tmp_path / "s", adapter)}
 
 
@@ -62,21 +71,24 @@ def test_published_layout_by_path(tmp_path, folders):
     assert config["auto_map"]["AutoModel"] == "modeling_llama_encoder.LlamaEncoderModel"
     assert (mntp / "tokenizer.json").is_file() and not (mntp / "llm2vec_config.json").exists()
     assert json.loads((mntp / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
-        folders["base"].resolve())
+        folders["base"].resolve()
+    )
     assert json.loads((sup / "adapter_config.json").read_text())["base_model_name_or_path"] == str(mntp)
     assert json.loads((sup / "llm2vec_config.json").read_text()) == {"max_length": 128}
 
 
 def test_published_layout_by_hub_id(tmp_path, folders):
-    v = parity.published("row", peft=None, mntp_config={"pooling_mode": "eos_token"},
-                         hub=("McGill-NLP/LLM2Vec-X-mntp", "org/base"))
+    v = parity.published(
+        "row", peft=None, mntp_config={"pooling_mode": "eos_token"}, hub=("McGill-NLP/LLM2Vec-X-mntp", "org/base")
+    )
     names = parity.published_folders(v, folders, tmp_path, tmp_path / "hub")
     assert names == ("McGill-NLP/LLM2Vec-X-mntp", None)
     for repo in ("McGill-NLP/LLM2Vec-X-mntp", "McGill-NLP/LLM2Vec-X-mntp-supervised", "org/base"):
         top = tmp_path / "hub" / ("models--" + repo.replace("/", "--"))
         commit = (top / "refs" / "main").read_text()
-        assert (top / "snapshots" / commit
-                / ("config.json" if repo == "org/base" else "adapter_config.json")).is_file()
+        assert (
+            top / "snapshots" / commit / ("config.json" if repo == "org/base" else "adapter_config.json")
+        ).is_file()
     snap = next((tmp_path / "hub" / "models--McGill-NLP--LLM2Vec-X-mntp" / "snapshots").iterdir())
     assert json.loads((snap / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/base"
     assert json.loads((snap / "llm2vec_config.json").read_text()) == {"pooling_mode": "eos_token"}

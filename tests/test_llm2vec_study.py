@@ -43,11 +43,23 @@ def test_training_text_shares_no_sentence_with_any_evaluation_file(text):
     sources = {DATA / "twentynewsgroups" / "train.full.jsonl.gz", DATA / "banking77" / "train.jsonl.gz"}
     files = [p for p in DATA.rglob("*") if p.name.endswith((".jsonl", ".jsonl.gz")) and p not in sources]
     names = {str(p.relative_to(DATA)) for p in files}
-    for must in ("stsbenchmark/train.jsonl.gz", "stsbenchmark/validation.jsonl.gz", "stsbenchmark/test.jsonl.gz",
-                 "sts12/test.jsonl.gz", "sts14/test.jsonl.gz", "sts16/test.jsonl.gz", "sickr/train.jsonl.gz",
-                 "sickr/trial.jsonl.gz", "sickr/test.jsonl.gz", "banking77/test.jsonl.gz",
-                 "twentynewsgroups/test.subjects.jsonl.gz", "twitterurlcorpus/test.jsonl.gz",
-                 "twitterurlcorpus/test.reranking.jsonl.gz", "scifact/corpus.jsonl.gz", "scifact/queries.test.jsonl"):
+    for must in (
+        "stsbenchmark/train.jsonl.gz",
+        "stsbenchmark/validation.jsonl.gz",
+        "stsbenchmark/test.jsonl.gz",
+        "sts12/test.jsonl.gz",
+        "sts14/test.jsonl.gz",
+        "sts16/test.jsonl.gz",
+        "sickr/train.jsonl.gz",
+        "sickr/trial.jsonl.gz",
+        "sickr/test.jsonl.gz",
+        "banking77/test.jsonl.gz",
+        "twentynewsgroups/test.subjects.jsonl.gz",
+        "twitterurlcorpus/test.jsonl.gz",
+        "twitterurlcorpus/test.reranking.jsonl.gz",
+        "scifact/corpus.jsonl.gz",
+        "scifact/queries.test.jsonl",
+    ):
         assert must in names
     assert sorted(files) == train_text.evaluation_files()
     held = set()
@@ -133,8 +145,13 @@ def test_report_sets_every_training_text_side_by_side():
     """comparison_lines: a trained variant gets one row per training text (the earlier ones, then ``TEXT_MIX``), an
     untrained one a single row; each text's target line says met or short from its own gains."""
     base = {("causal base", t): 40.0 for t in report.TARGETS}
-    current = _results({**base, **{(report.TARGET_VARIANT, t): 40.0 + g + 1 for t, g in report.TARGETS.items()},
-                        ("causal echo", "STSBenchmark"): 55.0})
+    current = _results(
+        {
+            **base,
+            **{(report.TARGET_VARIANT, t): 40.0 + g + 1 for t, g in report.TARGETS.items()},
+            ("causal echo", "STSBenchmark"): 55.0,
+        }
+    )
     short = _results({**base, **{(report.TARGET_VARIANT, t): 40.0 + g - 1 for t, g in report.TARGETS.items()}})
     label = train_text.mix_label(train_text.TEXT_MIX)
     lines = report.comparison_lines(current, {"earlier text": short})
@@ -175,10 +192,17 @@ def test_seed_lines_give_every_seed_the_mean_and_the_targets_on_the_mean(tmp_pat
     single seed. seed_plot draws them."""
     base = {("causal base", t): 40.0 for t in report.TARGETS}
     offsets = {0: -0.5, 1: 1.5}  # seed 0 short of every target by 0.5, seed 1 over by 1.5: mean over by 0.5
-    runs = {s: _results({**base, **{(report.TARGET_VARIANT, t): 40.0 + g + d for t, g in report.TARGETS.items()},
-                         **{(report.CONTROL, t): 45.0 for t in report.TARGETS},
-                         ("causal echo", "STS12"): 50.0})
-            for s, d in offsets.items()}
+    runs = {
+        s: _results(
+            {
+                **base,
+                **{(report.TARGET_VARIANT, t): 40.0 + g + d for t, g in report.TARGETS.items()},
+                **{(report.CONTROL, t): 45.0 for t in report.TARGETS},
+                ("causal echo", "STS12"): 50.0,
+            }
+        )
+        for s, d in offsets.items()
+    }
     assert report.seed_lines({0: runs[0]}) == []
     lines = report.seed_lines(runs)
     rows = {line.split(" | ")[1]: line for line in lines if line.startswith(f"| {report.TARGET_VARIANT} |")}

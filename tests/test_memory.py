@@ -36,8 +36,11 @@ def test_the_least_of_the_cgroup_levels_and_the_machine_is_the_ceiling(tmp_path)
     _machine(tmp_path)
     _write(tmp_path, "proc/self/cgroup", "0::/user/job/step\n")
     _write(tmp_path, "sys/fs/cgroup/cgroup.controllers", "cpu memory\n")
-    for rel, limit, current in (("user/job/step", "max", GIB), ("user/job", str(3 * GIB), 3 * GIB // 2),
-                                ("user", str(8 * GIB), 2 * GIB)):
+    for rel, limit, current in (
+        ("user/job/step", "max", GIB),
+        ("user/job", str(3 * GIB), 3 * GIB // 2),
+        ("user", str(8 * GIB), 2 * GIB),
+    ):
         _write(tmp_path, f"sys/fs/cgroup/{rel}/memory.max", limit + "\n")
         _write(tmp_path, f"sys/fs/cgroup/{rel}/memory.current", f"{current}\n")
         _write(tmp_path, f"sys/fs/cgroup/{rel}/memory.stat", f"anon 1\ninactive_file {GIB // 2}\n")
@@ -84,8 +87,11 @@ def test_fit_budget_keeps_cuts_or_refuses():
     assert memory.fit_budget(_need(1000), budget=10 * fits, tokens=fits, longest=10, **kw) == 10 * fits  # the call
     cut = memory.fit_budget(_need(1000), budget=10 * fits, tokens=10 * fits, longest=10, **kw)
     assert cut in (fits, fits - 1)  # the largest budget whose step fits (MARGIN's rounding)
-    with pytest.raises(memory.MemoryLimitError, match=r"longest input \(\d+ tokens\).*RLIMIT_AS \(test\): lower "
-                                                      r"max_length.*long_inputs='chunk'.*chunked_prefill"):
+    with pytest.raises(
+        memory.MemoryLimitError,
+        match=r"longest input \(\d+ tokens\).*RLIMIT_AS \(test\): lower "
+        r"max_length.*long_inputs='chunk'.*chunked_prefill",
+    ):
         memory.fit_budget(_need(1000), budget=10 * fits, tokens=10 * fits, longest=fits + 10, **kw)
     with pytest.raises(memory.MemoryLimitError, match=r"outputs of this call.*embed_dataset.*output='dense'"):
         memory.fit_budget(_need(1, kept=room), budget=16, tokens=16, longest=8, **kw)
@@ -106,8 +112,10 @@ def test_step_bytes_counts_the_blocked_mlp_and_padding():
     blocked = memory.step_bytes(memory.Shapes(**{**sh.__dict__, "ffn_rows": 1024}), 4096, dtype_bytes=4)
     assert whole - blocked == 3 * 4 * 1000 * (4096 - 1024)
     padded = memory.Shapes(**{**sh.__dict__, "padded": True})
-    assert memory.step_bytes(padded, 100, dtype_bytes=4, sequences=4, longest=50) == \
-        memory.step_bytes(sh, 200, dtype_bytes=4) + 2 * 4 * 4 * 4 * 50 * 50
+    assert (
+        memory.step_bytes(padded, 100, dtype_bytes=4, sequences=4, longest=50)
+        == memory.step_bytes(sh, 200, dtype_bytes=4) + 2 * 4 * 4 * 4 * 50 * 50
+    )
 
 
 CHILD = """
@@ -157,10 +165,15 @@ def test_under_a_real_address_space_limit_a_call_is_split_or_refused_not_killed(
     primitive per GEMM shape in its cache, address space a step's estimate does not see (``lab.runtime.memory``),
     so its cut steps are not asserted to fit."""
     split = "split" if gemm == "blas" else "refuse"
-    res = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(Path(__file__).parent)), str(tmp_path), gemm,
-                          split],
-                         capture_output=True, text=True, timeout=600, check=False, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "LAB_MEMORY_CHECK": "1"})
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD.format(tests=str(Path(__file__).parent)), str(tmp_path), gemm, split],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LAB_MEMORY_CHECK": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["ceiling"].startswith("RLIMIT_AS")

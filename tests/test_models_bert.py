@@ -15,8 +15,14 @@ from lab.models.bert import BertModel
 from lab.models.folder import read_folder, read_state_dict
 from lab.ops.batch import PackedBatch
 
-TEXTS = ["a", "hello world", "the quick brown fox jumps over the lazy dog", "", "naïve café 東京",
-         "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"]
+TEXTS = [
+    "a",
+    "hello world",
+    "the quick brown fox jumps over the lazy dog",
+    "",
+    "naïve café 東京",
+    "one two three four five six seven eight nine ten eleven twelve thirteen fourteen",
+]
 
 
 # the CPU ``attention_kernel`` choice, in the plan
@@ -49,8 +55,9 @@ def test_packed_forward_matches_transformers(tmp_path, minilm_path, kind, kernel
         got = ours(batch.input_ids, batch.positions, batch.meta, batch.token_type_ids)
         s = 0
         for x, t in zip(ids, types):
-            want = ref(input_ids=torch.from_numpy(x)[None],
-                       token_type_ids=torch.from_numpy(t)[None]).last_hidden_state[0]
+            want = ref(
+                input_ids=torch.from_numpy(x)[None], token_type_ids=torch.from_numpy(t)[None]
+            ).last_hidden_state[0]
             assert cosine_rows(got[s : s + len(x)].numpy(), want.numpy()).min() >= 0.99999
             torch.testing.assert_close(got[s : s + len(x)], want, atol=2e-5, rtol=1e-4)
             s += len(x)

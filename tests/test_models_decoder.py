@@ -369,8 +369,9 @@ def test_pairs_layout_matches_transformers_and_halves(folders, kind, causal):
     with torch.no_grad():
         torch.testing.assert_close(pairs(ids, pos, meta), halves(ids, pos, meta), rtol=1e-5, atol=1e-6)
         only = OutputRows.build(meta, rows)
-        torch.testing.assert_close(pairs(ids, pos, meta, output_rows=only), halves(ids, pos, meta, output_rows=only),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            pairs(ids, pos, meta, output_rows=only), halves(ids, pos, meta, output_rows=only), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_pairs_layout_bfloat16_as_close_as_halves(folders):
@@ -381,8 +382,10 @@ def test_pairs_layout_bfloat16_as_close_as_halves(folders):
     meta = AttnMeta.from_lengths(LENGTHS, causal=True)
     with torch.no_grad():
         want = pairs(ids, pos, meta)
-        low = {layout: ours(folders["qwen3"], layout).to(torch.bfloat16)(ids, pos, meta).float()
-               for layout in ("halves", "pairs")}
+        low = {
+            layout: ours(folders["qwen3"], layout).to(torch.bfloat16)(ids, pos, meta).float()
+            for layout in ("halves", "pairs")
+        }
     err = {layout: (h - want).abs().max().item() for layout, h in low.items()}
     assert err["pairs"] <= 1.5 * err["halves"] + 1e-3, err
 

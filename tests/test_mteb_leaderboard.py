@@ -36,8 +36,9 @@ def _engine_at(folder: Path) -> FakeEngine:
 
 
 def _plain_files(cache: Path) -> list[Path]:
-    return [p for p in (cache / "results").rglob("*.json")
-            if "experiments" not in p.parts and p.name != "model_meta.json"]
+    return [
+        p for p in (cache / "results").rglob("*.json") if "experiments" not in p.parts and p.name != "model_meta.json"
+    ]
 
 
 # ------------------------------------------------------------------------------------------------- model card
@@ -118,8 +119,11 @@ def test_variant_is_filed_apart_and_never_overwrites_the_plain_run(tmp_path):
     eng.configure(bidirectional=None)
     assert plain_file.read_text() == text and _plain_files(tmp_path) == [plain_file]
     variants = {p.parent.name for p in (tmp_path / "results").rglob("STSBenchmark.n20.json") if p != plain_file}
-    assert len(variants) == 2 and all("experiments" == p.parent.parent.name for p in
-                                      (tmp_path / "results").rglob("STSBenchmark.n20.json") if p != plain_file)
+    assert len(variants) == 2 and all(
+        "experiments" == p.parent.parent.name
+        for p in (tmp_path / "results").rglob("STSBenchmark.n20.json")
+        if p != plain_file
+    )
     assert any("pooling_cls" in v for v in variants) and any("bidirectional_True" in v for v in variants)
     scores = [d[d["main"]]["score"].item() for d in (plain, swept, set_away)]
     assert len(set(scores)) == 3
@@ -235,8 +239,16 @@ def test_cli_refuses_benchmark_misuse(argv, message, capsys):
 
 def test_cli_benchmark_offline_every_task_skipped_with_reasons(tmp_path, capsys):
     df = cli.main(
-        ["--model", "unused", "--benchmark", "MTEB(eng, v2)", "--out", str(tmp_path / "out"), "--cache",
-         str(tmp_path / "cache")],
+        [
+            "--model",
+            "unused",
+            "--benchmark",
+            "MTEB(eng, v2)",
+            "--out",
+            str(tmp_path / "out"),
+            "--cache",
+            str(tmp_path / "cache"),
+        ],
         engine=FakeEngine(),
     )
     tasks = task_table(df)
@@ -250,8 +262,21 @@ def test_cli_benchmark_offline_every_task_skipped_with_reasons(tmp_path, capsys)
 
 
 def test_cli_prints_the_per_task_table(tmp_path, capsys):
-    cli.main(["--model", "unused", "--tasks", "STSBenchmark", "--limit", "20", "--out", str(tmp_path), "--cache",
-              str(tmp_path / "cache")], engine=FakeEngine())
+    cli.main(
+        [
+            "--model",
+            "unused",
+            "--tasks",
+            "STSBenchmark",
+            "--limit",
+            "20",
+            "--out",
+            str(tmp_path),
+            "--cache",
+            str(tmp_path / "cache"),
+        ],
+        engine=FakeEngine(),
+    )
     out = capsys.readouterr().out
     assert "STSBenchmark.n20" in out and "computed" in out and "tokens/s" in out
     (md,) = tmp_path.glob("*.md")
@@ -268,12 +293,25 @@ def test_evals_run_by_hub_id_is_found_by_mteb_under_the_id_and_commit(minilm_pat
     model_id, commit = "sentence-transformers/all-MiniLM-L6-v2", "e" * 40
     write_hub_cache(tmp_path / "hf", model_id, Path(minilm_path), commit=commit)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
-    cli.main(["--model", model_id, "--tasks", "STSBenchmark", "--limit", "30", "--cache", str(tmp_path / "cache"),
-              "--out", str(tmp_path / "out")])
+    cli.main(
+        [
+            "--model",
+            model_id,
+            "--tasks",
+            "STSBenchmark",
+            "--limit",
+            "30",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     results = mteb.ResultCache(tmp_path / "cache").load_results(models=[model_id])
     [model] = results.model_results
     assert (model.model_name, model.model_revision) == (model_id, commit)
-    meta = json.loads((tmp_path / "cache" / "results" / model_id.replace("/", "__") / commit / "model_meta.json")
-                      .read_text())
+    meta = json.loads(
+        (tmp_path / "cache" / "results" / model_id.replace("/", "__") / commit / "model_meta.json").read_text()
+    )
     assert meta["n_parameters"] > 2e7 and meta["embed_dim"] == 384 and meta["max_tokens"] == 256
     assert meta["memory_usage_mb"] > 80 and meta["reference"] == f"https://huggingface.co/{model_id}"

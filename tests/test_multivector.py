@@ -28,27 +28,59 @@ st = pytest.importorskip("sentence_transformers")
 if not hasattr(st, "MultiVectorEncoder"):
     pytest.skip("this sentence-transformers has no MultiVectorEncoder", allow_module_level=True)
 
-QUERIES = ["what is a cat?", "hi", "a much longer query that will certainly run past the fixed query length", "x y",
-           "", "Why do dogs bark at night, and what can be done?", "q"]
-DOCS = ["A cat is an animal, small.", "x", "Dogs! bark; loudly... (sometimes) at night.", "hello world", "",
-        "Protein folding remains a central problem of computational biology; it is hard.", "z", "Café crème."]
+QUERIES = [
+    "what is a cat?",
+    "hi",
+    "a much longer query that will certainly run past the fixed query length",
+    "x y",
+    "",
+    "Why do dogs bark at night, and what can be done?",
+    "q",
+]
+DOCS = [
+    "A cat is an animal, small.",
+    "x",
+    "Dogs! bark; loudly... (sometimes) at night.",
+    "hello world",
+    "",
+    "Protein folding remains a central problem of computational biology; it is hard.",
+    "z",
+    "Café crème.",
+]
 ATOL = 1e-5  # float32 (measured <= 2e-7)
 BF16_ATOL = 0.03  # bfloat16 unit vectors against the float32 oracle (measured ~0.01)
 
 
-def _save_mv(out, minilm_path, *, expansion=None, query_length=None, document_length=None, dense=16,
-             skiplist=True, normalize=True, activation=None):
+def _save_mv(
+    out,
+    minilm_path,
+    *,
+    expansion=None,
+    query_length=None,
+    document_length=None,
+    dense=16,
+    skiplist=True,
+    normalize=True,
+    activation=None,
+):
     from sentence_transformers import MultiVectorEncoder
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
     from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
 
     base = tiny_encoder(out.parent / f"{out.name}-base", minilm_path)
-    modules = [Transformer(str(base), query_expansion=expansion, query_length=query_length,
-                           document_length=document_length)]
+    modules = [
+        Transformer(str(base), query_expansion=expansion, query_length=query_length, document_length=document_length)
+    ]
     if dense:
-        modules.append(Dense(in_features=48, out_features=dense, bias=activation is not None,
-                             activation_function=activation or torch.nn.Identity(),
-                             module_input_name="token_embeddings"))
+        modules.append(
+            Dense(
+                in_features=48,
+                out_features=dense,
+                bias=activation is not None,
+                activation_function=activation or torch.nn.Identity(),
+                module_input_name="token_embeddings",
+            )
+        )
     modules.append(MultiVectorMask(skiplist_words=list(string.punctuation) if skiplist else None))
     if normalize:
         modules.append(Normalize(module_input_name="token_embeddings"))
@@ -65,8 +97,11 @@ VARIANTS = {
     "fixed-attend": {"expansion": {"strategy": "fixed", "attend": True, "length": 12}},
     "min": {"expansion": {"strategy": "min", "attend": False, "length": 8}, "query_length": 16},
     "plain": {"query_length": 10, "skiplist": False, "normalize": False, "dense": 0},
-    "tanh": {"expansion": {"strategy": "fixed", "attend": False, "length": 12}, "activation": torch.nn.Tanh(),
-             "normalize": False},  # a biased Dense with tanh, no Normalize
+    "tanh": {
+        "expansion": {"strategy": "fixed", "attend": False, "length": 12},
+        "activation": torch.nn.Tanh(),
+        "normalize": False,
+    },  # a biased Dense with tanh, no Normalize
 }
 
 
@@ -79,15 +114,37 @@ def _as_pylate(native, out):
     shutil.copytree(native, out)
     for extra in ("2_MultiVectorMask", "3_Normalize"):
         shutil.rmtree(out / extra)
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]))
-    (out / "1_Dense" / "config.json").write_text(json.dumps(
-        {"in_features": 48, "out_features": 16, "bias": False,
-         "activation_function": "torch.nn.modules.linear.Identity"}))
-    (out / "config_sentence_transformers.json").write_text(json.dumps({
-        "model_type": "ColBERT", "query_prefix": "[unused0]", "document_prefix": "[unused1]", "query_length": 10,
-        "document_length": 20, "attend_to_expansion_tokens": False, "similarity_fn_name": "MaxSim"}))
+    (out / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"},
+            ]
+        )
+    )
+    (out / "1_Dense" / "config.json").write_text(
+        json.dumps(
+            {
+                "in_features": 48,
+                "out_features": 16,
+                "bias": False,
+                "activation_function": "torch.nn.modules.linear.Identity",
+            }
+        )
+    )
+    (out / "config_sentence_transformers.json").write_text(
+        json.dumps(
+            {
+                "model_type": "ColBERT",
+                "query_prefix": "[unused0]",
+                "document_prefix": "[unused1]",
+                "query_length": 10,
+                "document_length": 20,
+                "attend_to_expansion_tokens": False,
+                "similarity_fn_name": "MaxSim",
+            }
+        )
+    )
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": False}))
     return out
 
@@ -158,8 +215,11 @@ def test_bfloat16_and_maxsim(folders):
     _close(_ours(eng, DOCS, "document"), rd, BF16_ATOL)
     from sentence_transformers import MultiVectorEncoder
 
-    ref = MultiVectorEncoder(str(path), device="cpu").similarity([torch.from_numpy(x) for x in rq],
-                                                                [torch.from_numpy(x) for x in rd]).numpy()
+    ref = (
+        MultiVectorEncoder(str(path), device="cpu")
+        .similarity([torch.from_numpy(x) for x in rq], [torch.from_numpy(x) for x in rd])
+        .numpy()
+    )
     ours = maxsim_matrix(rq, rd) * np.asarray([len(x) for x in rq])[:, None]  # ours divides by query length
     np.testing.assert_allclose(ours, ref, atol=1e-4)
 
@@ -172,11 +232,11 @@ def test_visible_keys_attention_matches_masked_softmax():
     out = visible_keys_attention(q, k, v, meta)
     start = 0
     for n, kl in zip(lens, keys):
-        qi = q[start:start + n].transpose(0, 1)
-        ki = k[start:start + kl].repeat_interleave(2, dim=1).transpose(0, 1)
-        vi = v[start:start + kl].repeat_interleave(2, dim=1).transpose(0, 1)
+        qi = q[start : start + n].transpose(0, 1)
+        ki = k[start : start + kl].repeat_interleave(2, dim=1).transpose(0, 1)
+        vi = v[start : start + kl].repeat_interleave(2, dim=1).transpose(0, 1)
         ref = torch.softmax(qi @ ki.transpose(1, 2) / 8**0.5, -1) @ vi
-        torch.testing.assert_close(out[start:start + n], ref.transpose(0, 1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[start : start + n], ref.transpose(0, 1), atol=1e-5, rtol=0)
         start += n
     assert AttnMeta.from_lengths(lens, causal=False, key_lens=lens).key_lens is None  # all visible: the fast path
 
@@ -193,16 +253,19 @@ def test_unsupported_multi_vector_folders_are_refused(folders, tmp_path):
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "keep_only_token_ids": None}))
     modules = json.loads((path / "modules.json").read_text())
     dense = "sentence_transformers.base.modules.dense.Dense"
-    for extra, match in (({"idx": 4, "name": "4", "path": "1_Dense", "type": dense}, "more than one Dense"),
-                         ({"idx": 4, "name": "4", "path": "../elsewhere", "type": "x.Normalize"}, "outside"),
-                         ({"idx": 4, "name": "4", "path": "", "type": "x.HierarchicalTokenPooling"}, "not supported")):
+    for extra, match in (
+        ({"idx": 4, "name": "4", "path": "1_Dense", "type": dense}, "more than one Dense"),
+        ({"idx": 4, "name": "4", "path": "../elsewhere", "type": "x.Normalize"}, "outside"),
+        ({"idx": 4, "name": "4", "path": "", "type": "x.HierarchicalTokenPooling"}, "not supported"),
+    ):
         (path / "modules.json").write_text(json.dumps([*modules, extra]))
         with pytest.raises(ValueError, match=match):
             Engine(str(path))
     (path / "modules.json").write_text(json.dumps(modules))
     dcfg = path / "1_Dense" / "config.json"
-    dcfg.write_text(json.dumps({**json.loads(dcfg.read_text()),
-                                "activation_function": "torch.nn.modules.activation.ReLU"}))
+    dcfg.write_text(
+        json.dumps({**json.loads(dcfg.read_text()), "activation_function": "torch.nn.modules.activation.ReLU"})
+    )
     with pytest.raises(ValueError, match="activation_function"):
         Engine(str(path))
 
@@ -237,8 +300,12 @@ def test_encode_query_and_document_answer_as_multi_vector_encoder(folders):
         one = eng.encode_query("what is a cat?")
         assert isinstance(one, torch.Tensor) and one.shape == model.encode_query("what is a cat?").shape
         assert eng.encode_document([]) == []
-    for bad, match in (({"convert_to_tensor": True}, "convert_to_tensor"), ({"precision": "int8"}, "precision"),
-                       ({"task": "passage"}, "task"), ({"output_value": "sentence_embedding"}, "output_value")):
+    for bad, match in (
+        ({"convert_to_tensor": True}, "convert_to_tensor"),
+        ({"precision": "int8"}, "precision"),
+        ({"task": "passage"}, "task"),
+        ({"output_value": "sentence_embedding"}, "output_value"),
+    ):
         with pytest.raises(ValueError, match=match):
             eng.encode(["a"], **bad)
 

@@ -18,8 +18,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-EXPECTED = ["01_quickstart", "02_pooling_and_bidirectional", "03_chunked_prefill", "04_mteb", "05_throughput",
-            "06_llm2vec", "07_outputs"]
+EXPECTED = [
+    "01_quickstart",
+    "02_pooling_and_bidirectional",
+    "03_chunked_prefill",
+    "04_mteb",
+    "05_throughput",
+    "06_llm2vec",
+    "07_outputs",
+]
 # generous: a 2-core CI machine shared with other jobs
 CELL_TIMEOUT_S = int(os.environ.get("LAB_NOTEBOOK_TIMEOUT", "600"))
 
@@ -54,11 +61,15 @@ def kernel_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("jupyter")
     spec = root / "kernels" / "python3"
     spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3 (prefill-lab tests)",
-        "language": "python",
-    }))
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "Python 3 (prefill-lab tests)",
+                "language": "python",
+            }
+        )
+    )
     return root
 
 
@@ -93,6 +104,11 @@ def test_notebook_runs_in_smoke_mode(path, kernel_dir, tmp_path, monkeypatch):
     print(f"{path.name}: {time.perf_counter() - t0:.0f} s")
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {})]
+    images = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {})
+    ]
     assert images, f"{path.name} showed no plot"

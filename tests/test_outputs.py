@@ -62,8 +62,9 @@ def csr_close(ours, ref: np.ndarray, atol: float) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ SPLADE
-@pytest.fixture(scope="module", params=[("bert", "max", "relu"), ("roberta", "sum", "log1p_relu")],
-                ids=lambda p: "-".join(p))
+@pytest.fixture(
+    scope="module", params=[("bert", "max", "relu"), ("roberta", "sum", "log1p_relu")], ids=lambda p: "-".join(p)
+)
 def splade(request, tmp_path_factory, minilm_path):
     """A SparseEncoder folder (MLMTransformer + SpladePooling) over a tiny random ``*ForMaskedLM``."""
     from sentence_transformers import SparseEncoder
@@ -132,14 +133,19 @@ def m3_folder(tmp_path_factory, minilm_path):
             layer.weight.copy_(torch.randn(out, hidden, generator=g) * 0.2)
             layer.bias.copy_(shift + torch.randn(out, generator=g) * 0.1)
         torch.save(layer.state_dict(), folder / f"{name}.pt")
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ]))
+    (folder / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+            ]
+        )
+    )
     (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden,
-                                                                  "pooling_mode_cls_token": True}))
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": hidden, "pooling_mode_cls_token": True})
+    )
     (folder / "2_Normalize").mkdir()
     return folder
 
@@ -150,10 +156,14 @@ def m3_reference(folder, texts, dtype=torch.float32) -> dict:
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     model = XLMRobertaModel.from_pretrained(str(folder), dtype=dtype).eval()
-    heads = {name: torch.load(folder / f"{name}.pt", weights_only=True)
-             for name in ("sparse_linear", "colbert_linear")}
-    unused = {tok.convert_tokens_to_ids(tok.special_tokens_map[t])
-              for t in ("cls_token", "eos_token", "pad_token", "unk_token") if t in tok.special_tokens_map}
+    heads = {
+        name: torch.load(folder / f"{name}.pt", weights_only=True) for name in ("sparse_linear", "colbert_linear")
+    }
+    unused = {
+        tok.convert_tokens_to_ids(tok.special_tokens_map[t])
+        for t in ("cls_token", "eos_token", "pad_token", "unk_token")
+        if t in tok.special_tokens_map
+    }
     enc = tok(texts, padding=True, truncation=True, max_length=512, return_tensors="pt")
     with torch.no_grad():
         h = model(**enc).last_hidden_state.float()  # (B, L, H)
@@ -179,6 +189,7 @@ def m3_reference(folder, texts, dtype=torch.float32) -> dict:
 
 def check_m3(out: dict, ref: dict, atol: float | None = None) -> None:
     """``atol`` for every output (float32), or ``None``: ``BF16_REL`` of each output's largest value."""
+
     def tol(x: float) -> float:
         return BF16_REL * x if atol is None else atol
 
@@ -241,10 +252,15 @@ def test_score_modes_match_the_reference(m3_folder):
     np.testing.assert_allclose(m3, (dense + lexical + colbert) / 3, atol=ATOL, rtol=1e-5)
     assert lexical.min() < lexical.max() and colbert.min() < colbert.max()  # the scores tell pairs apart
     df = eng.rerank(PAIRS[0][0], docs, mode="late-interaction")
-    np.testing.assert_allclose(df.sort_values("index")["score"], [flag_colbert_score(
-        rq["colbert"][0], d) for d in rd["colbert"]], atol=ATOL, rtol=0)
-    np.testing.assert_allclose(eng.score(PAIRS, mode="sparse", activation="sigmoid"),
-                               1 / (1 + np.exp(-lexical)), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        df.sort_values("index")["score"],
+        [flag_colbert_score(rq["colbert"][0], d) for d in rd["colbert"]],
+        atol=ATOL,
+        rtol=0,
+    )
+    np.testing.assert_allclose(
+        eng.score(PAIRS, mode="sparse", activation="sigmoid"), 1 / (1 + np.exp(-lexical)), atol=ATOL, rtol=0
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ tokens
@@ -289,8 +305,14 @@ def test_tokens_average_to_the_mean_pooled_vector(minilm_raw, sentences, instruc
 
 def test_tokens_on_a_decoder_with_chunked_prefill(tmp_path):
     path = tiny_llama(tmp_path, "qwen2")
-    texts = shuffled(["The quick brown fox jumps over the lazy dog. " * 4, "a", "What is the capital of France?",
-                      "Embeddings map text to vectors; rerankers score a query against a document. " * 2])
+    texts = shuffled(
+        [
+            "The quick brown fox jumps over the lazy dog. " * 4,
+            "a",
+            "What is the capital of France?",
+            "Embeddings map text to vectors; rerankers score a query against a document. " * 2,
+        ]
+    )
     instruction = "Given a claim, retrieve: "
     plain = Engine(str(path), pooling="mean")
     want = plain.embed(texts, output=("dense", "tokens"), instruction=instruction)
@@ -368,8 +390,11 @@ def test_an_m3_head_of_the_wrong_width_is_named(m3_folder, tmp_path):
     folder = tmp_path / "m3-wrong"
     shutil.copytree(m3_folder, folder)
     torch.save(torch.nn.Linear(40, 48).state_dict(), folder / "colbert_linear.pt")
-    with pytest.raises(ValueError, match=r"'colbert_linear.weight'.*has shape \(48, 40\), but config.json implies "
-                                         r"\(48, 48\) \(\(outputs, hidden_size\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'colbert_linear.weight'.*has shape \(48, 40\), but config.json implies "
+        r"\(48, 48\) \(\(outputs, hidden_size\)\)",
+    ):
         Engine(str(folder))
 
 
@@ -386,16 +411,18 @@ def test_a_registered_output_kind_is_offered_by_embed(minilm_path, monkeypatch):
     texts = ["a man plays a guitar", "short", "two dogs run in the snow"]
     with pytest.raises(ValueError, match="unknown output 'first_rows'; valid: 'dense', 'tokens', 'sparse', 'colbert'"):
         eng.embed(texts, output="first_rows")
-    register(OutputKind("first_rows", lambda model, spec: True,
-                        lambda *_: Output(pooling_method("tokens"), TokensHead())))
+    register(
+        OutputKind("first_rows", lambda model, spec: True, lambda *_: Output(pooling_method("tokens"), TokensHead()))
+    )
     first = eng.embed(texts, output="first_rows")
     tokens = eng.embed(texts, output="tokens")
     assert all(np.array_equal(a, b) for a, b in zip(first, tokens))
     both = eng.embed(texts, output=("dense", "first_rows"))
     np.testing.assert_array_equal(both["dense"], eng.embed(texts))
     register(OutputKind("never", lambda model, spec: False, lambda *_: None, needs="a head no model has"))
-    with pytest.raises(ValueError, match="output='never' needs a head no model has; .* its outputs: dense, tokens, "
-                                         "first_rows"):
+    with pytest.raises(
+        ValueError, match="output='never' needs a head no model has; .* its outputs: dense, tokens, first_rows"
+    ):
         eng.embed(texts, output="never")
     with pytest.raises(TypeError, match="OutputKind"):
         register("never")

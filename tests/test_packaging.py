@@ -90,13 +90,21 @@ def test_wheel_carries_the_c_kernel_source(tmp_path):
     cannot build and the probe silently never offers them."""
     import zipfile
 
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = tmp_path.glob("prefill_lab-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"lab/kernels/cpu_attention.c", "lab/kernels/cpu_rows.c", "lab/kernels/cpu_vector.h",
-            "lab/kernels/cpu_attention.py"} <= set(names)
+    assert {
+        "lab/kernels/cpu_attention.c",
+        "lab/kernels/cpu_rows.c",
+        "lab/kernels/cpu_vector.h",
+        "lab/kernels/cpu_attention.py",
+    } <= set(names)
 
 
 def test_the_c_kernels_build_and_load_wherever_there_is_a_compiler(tmp_path):
@@ -108,6 +116,11 @@ def test_the_c_kernels_build_and_load_wherever_there_is_a_compiler(tmp_path):
     if not any(shutil.which(c) for c in (os.environ.get("CC") or "cc", "gcc", "clang")):
         pytest.skip("no C compiler on this machine")
     lib = cpu_attention.bind(cpu_attention.build(arch=[], directory=tmp_path))
-    for name in ("lab_varlen_attention", "lab_attention_scratch", "lab_add_layer_norm", "lab_add_rms_norm",
-                 "lab_rope_pairs"):
+    for name in (
+        "lab_varlen_attention",
+        "lab_attention_scratch",
+        "lab_add_layer_norm",
+        "lab_add_rms_norm",
+        "lab_rope_pairs",
+    ):
         assert getattr(lib, name) is not None, name

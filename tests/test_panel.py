@@ -33,8 +33,19 @@ def tiny_decoder(tmp_path):
 def test_panel_is_a_widget_with_named_children(minilm):
     p = build_panel(minilm)
     assert isinstance(p, ipywidgets.Widget)
-    for name in ("pooling", "bidirectional", "chunked_prefill", "max_batch_tokens", "dtype", "instruction",
-                 "sentences", "run_button", "error", "stats_view", "plot"):
+    for name in (
+        "pooling",
+        "bidirectional",
+        "chunked_prefill",
+        "max_batch_tokens",
+        "dtype",
+        "instruction",
+        "sentences",
+        "run_button",
+        "error",
+        "stats_view",
+        "plot",
+    ):
         assert isinstance(getattr(p, name), ipywidgets.Widget), name
     assert p.bidirectional.value is True  # an encoder starts bidirectional
     assert p.pooling.value is None and p.error.value == ""

@@ -31,6 +31,7 @@ class FakeClock:
         def run():
             self.calls[name] = self.calls.get(name, 0) + 1
             self.now += seconds
+
         return run
 
 
@@ -38,13 +39,16 @@ def fake_probe(clock: FakeClock, costs: dict[str, float], key=("fake",), name="b
     return Probe(name, key, {c: clock.candidate(c, s) for c, s in costs.items()})
 
 
-@pytest.mark.parametrize("costs,want", [
-    ({"split": 1.0, "stacked": 1.0}, "split"),  # a tie: the default (first) stays
-    ({"split": 1.0, "stacked": 1.0 / (MARGIN * 0.999)}, "split"),  # slower: the default stays
-    ({"split": 1.0, "stacked": 0.99}, "split"),  # faster, but within the margin: the default stays
-    ({"split": 1.0, "stacked": 0.9}, "stacked"),  # faster by more than the margin
-    ({"stacked": 0.9, "split": 1.0}, "stacked"),  # the default is the fastest
-])
+@pytest.mark.parametrize(
+    "costs,want",
+    [
+        ({"split": 1.0, "stacked": 1.0}, "split"),  # a tie: the default (first) stays
+        ({"split": 1.0, "stacked": 1.0 / (MARGIN * 0.999)}, "split"),  # slower: the default stays
+        ({"split": 1.0, "stacked": 0.99}, "split"),  # faster, but within the margin: the default stays
+        ({"split": 1.0, "stacked": 0.9}, "stacked"),  # faster by more than the margin
+        ({"stacked": 0.9, "split": 1.0}, "stacked"),  # the default is the fastest
+    ],
+)
 def test_the_margin_rule_on_injected_timings(costs, want, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(probes.time, "perf_counter", clock)
@@ -110,8 +114,10 @@ def test_a_trial_is_invisible_to_other_threads():
     assert seen == ["sdpa"] and plan.as_dict() == {"attention_kernel": "sdpa"}
     plan.replace({"attention_kernel": "lab"})
     assert plan["attention_kernel"] == "lab" and plan.bf16_gemm == "native" and plan.f32_gemm == "blas"
-    assert plan.weights(torch.float32) == "plain" and CpuPlan({"bf16_weights": "packed"}).weights(torch.bfloat16) == \
-        "packed"
+    assert (
+        plan.weights(torch.float32) == "plain"
+        and CpuPlan({"bf16_weights": "packed"}).weights(torch.bfloat16) == "packed"
+    )
 
 
 def test_derived_copies_belong_to_their_plan():
@@ -131,8 +137,12 @@ def test_derived_copies_belong_to_their_plan():
 
 FORCED = {
     "a": {"bert_qkv": "split", "bert_ffn": "blocks", "attention_kernel": "sdpa", "f32_gemm": "blas"},
-    "b": {"bert_qkv": "stacked", "bert_ffn": "fused", "attention_kernel": "matmul",
-          **({"f32_gemm": "onednn", "f32_weights": "packed"} if gemm.onednn_cpu() else {})},
+    "b": {
+        "bert_qkv": "stacked",
+        "bert_ffn": "fused",
+        "attention_kernel": "matmul",
+        **({"f32_gemm": "onednn", "f32_weights": "packed"} if gemm.onednn_cpu() else {}),
+    },
 }
 
 

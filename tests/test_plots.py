@@ -20,16 +20,40 @@ from lab.eval import plots
 def _throughput_table(with_length: bool = False) -> pd.DataFrame:
     """The shape of lab.eval.bench.throughput's table: an engine swept over budgets and dtypes, plus a baseline."""
     rows = []
-    for length in ([16, 128] if with_length else [None]):
+    for length in [16, 128] if with_length else [None]:
         for dtype in ("float32", "bfloat16"):
             for budget in (512, 2048, 16384):
                 secs = 0.1 * (1 + 1000 / budget) * (1.5 if dtype == "bfloat16" else 1)
-                rows.append({"system": "engine", "max_batch_tokens": budget, "dtype": dtype, "texts": 64,
-                             "tokens": 2000, "padded_tokens": 0, "seconds_median": secs, "seconds_min": secs * 0.9,
-                             "seconds_max": secs * 1.1, "tokens_per_s": 2000 / secs, "length": length})
-        rows.append({"system": "sentence-transformers", "max_batch_tokens": None, "dtype": None, "texts": 64,
-                     "tokens": 2000, "padded_tokens": 700, "seconds_median": 0.3, "seconds_min": 0.28,
-                     "seconds_max": 0.33, "tokens_per_s": 2000 / 0.3, "length": length})
+                rows.append(
+                    {
+                        "system": "engine",
+                        "max_batch_tokens": budget,
+                        "dtype": dtype,
+                        "texts": 64,
+                        "tokens": 2000,
+                        "padded_tokens": 0,
+                        "seconds_median": secs,
+                        "seconds_min": secs * 0.9,
+                        "seconds_max": secs * 1.1,
+                        "tokens_per_s": 2000 / secs,
+                        "length": length,
+                    }
+                )
+        rows.append(
+            {
+                "system": "sentence-transformers",
+                "max_batch_tokens": None,
+                "dtype": None,
+                "texts": 64,
+                "tokens": 2000,
+                "padded_tokens": 700,
+                "seconds_median": 0.3,
+                "seconds_min": 0.28,
+                "seconds_max": 0.33,
+                "tokens_per_s": 2000 / 0.3,
+                "length": length,
+            }
+        )
     df = pd.DataFrame(rows)
     return df if with_length else df.drop(columns="length")
 
@@ -74,8 +98,19 @@ def test_scores_from_an_evaluate_table():
     rows = []
     for variant, s in (("pooling=mean", 0.82), ("pooling=cls", 0.77)):
         for task in ("STSBenchmark", "SICK-R"):
-            rows.append({"model": "m", "variant": variant, "pooling": variant.split("=")[1], "task": task,
-                         "split": "test", "subset": "default", "metric": "cosine_spearman", "score": s, "main": True})
+            rows.append(
+                {
+                    "model": "m",
+                    "variant": variant,
+                    "pooling": variant.split("=")[1],
+                    "task": task,
+                    "split": "test",
+                    "subset": "default",
+                    "metric": "cosine_spearman",
+                    "score": s,
+                    "main": True,
+                }
+            )
             rows.append({**rows[-1], "metric": "cosine_pearson", "score": s - 0.01, "main": False})
     df = pd.DataFrame(rows)
     fig = plots.scores(df)
@@ -107,9 +142,19 @@ def test_similarity_heatmap():
 
 
 def test_chunked_memory_and_time():
-    rows = [{"text": i, "input_tokens": n, "chunked_prefill": c, "seconds": n / 1000, "peak_mb": n / (c or n) + 1,
-             "max_abs_diff": 0.0, "cosine": 1.0}
-            for i, n in enumerate([256, 512, 1024]) for c in (None, 64, 256)]
+    rows = [
+        {
+            "text": i,
+            "input_tokens": n,
+            "chunked_prefill": c,
+            "seconds": n / 1000,
+            "peak_mb": n / (c or n) + 1,
+            "max_abs_diff": 0.0,
+            "cosine": 1.0,
+        }
+        for i, n in enumerate([256, 512, 1024])
+        for c in (None, 64, 256)
+    ]
     df = pd.DataFrame(rows)
     fig = plots.chunked_memory(df)
     _check(fig)
@@ -119,8 +164,13 @@ def test_chunked_memory_and_time():
 
 
 def test_grouped_bars():
-    df = pd.DataFrame({"pooling": ["mean", "mean", "cls", "cls"], "attention": ["causal", "bidirectional"] * 2,
-                       "spearman": [0.5, 0.6, 0.3, 0.4]})
+    df = pd.DataFrame(
+        {
+            "pooling": ["mean", "mean", "cls", "cls"],
+            "attention": ["causal", "bidirectional"] * 2,
+            "spearman": [0.5, 0.6, 0.3, 0.4],
+        }
+    )
     fig = plots.grouped_bars(df, x="pooling", hue="attention", value="spearman")
     _check(fig)
     assert len(fig.axes[0].patches) == 4

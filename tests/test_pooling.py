@@ -63,8 +63,15 @@ def test_pool_with_instruction_offset_and_length_one(method):
     for n, p in zip(lengths, start.tolist()):
         seg = hidden[s + p : s + n]
         w = torch.arange(1, len(seg) + 1, dtype=torch.float32)[:, None]
-        rows.append({"cls": seg[0], "lasttoken": seg[-1], "max": seg.max(0).values, "mean": seg.mean(0),
-                     "weightedmean": (seg * w).sum(0) / w.sum()}[method])
+        rows.append(
+            {
+                "cls": seg[0],
+                "lasttoken": seg[-1],
+                "max": seg.max(0).values,
+                "mean": seg.mean(0),
+                "weightedmean": (seg * w).sum(0) / w.sum(),
+            }[method]
+        )
         s += n
     torch.testing.assert_close(got, torch.stack(rows), atol=1e-6, rtol=1e-6)
 
@@ -98,8 +105,17 @@ def test_every_head_follows_the_one_protocol():
     import lab.outputs.multivector  # defines ColbertRows
 
     heads = _all_heads()
-    assert {"EmbeddingHead", "TokensHead", "ClassifierHead", "YesNoHead", "SpladeHead", "LexicalHead", "ColbertHead",
-            "ColbertRows", "OutputHeads"} <= {h.__name__ for h in heads}
+    assert {
+        "EmbeddingHead",
+        "TokensHead",
+        "ClassifierHead",
+        "YesNoHead",
+        "SpladeHead",
+        "LexicalHead",
+        "ColbertHead",
+        "ColbertRows",
+        "OutputHeads",
+    } <= {h.__name__ for h in heads}
     for h in heads:
         assert list(inspect.signature(h.__call__).parameters)[2:] == ["requests"], h
         assert hasattr(h, "shape"), h
@@ -143,8 +159,9 @@ def test_a_registered_pooling_method_is_offered_by_the_knob_configure_and_the_pa
 
     monkeypatch.setattr(pooling, "METHODS", dict(pooling.METHODS))
     assert "first_two" not in pooling.knob_values() and "tokens" not in pooling.knob_values()
-    with pytest.raises(ValueError, match="unknown pooling 'first_two'; valid: cls, mean, max, lasttoken, "
-                                         "weightedmean, eos_token"):
+    with pytest.raises(
+        ValueError, match="unknown pooling 'first_two'; valid: cls, mean, max, lasttoken, weightedmean, eos_token"
+    ):
         Engine(minilm_path, pooling="first_two")
     register("first_two", _FirstTwo())
     eng = Engine(minilm_path, pooling="first_two", normalize=False)

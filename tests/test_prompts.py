@@ -72,8 +72,11 @@ def folders(minilm_path, tmp_path_factory) -> dict[str, str]:
     (excluded / pool_dir / "config.json").write_text(json.dumps({**pool_cfg, "include_prompt": False}, indent=2))
 
     # no modules.json / Pooling config: a plain transformers folder (both sides fall back to mean pooling)
-    bare = link_copy(src, root / "bare", skip={pool_dir, "modules.json", "sentence_bert_config.json",
-                                              "config_sentence_transformers.json"})
+    bare = link_copy(
+        src,
+        root / "bare",
+        skip={pool_dir, "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"},
+    )
     return {"original": str(src), "exclude_prompt": str(excluded), "bare": str(bare)}
 
 

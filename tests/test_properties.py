@@ -13,8 +13,12 @@ from hypothesis import strategies as st
 
 from lab import Engine
 
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 TEXT = st.text(max_size=60)  # any unicode (no lone surrogates: those are refused, tests/test_reliability.py)
 TEXTS = st.lists(TEXT, min_size=1, max_size=12)
 

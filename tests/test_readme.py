@@ -18,8 +18,9 @@ README = ROOT / "README.md"
 EVALS_README = ROOT / "evals" / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s+(.+?)\s*-->")
 FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
-JOURNAL = re.compile(r"\bsessions?\b|\bthis\s+stop\b|\bfirst version\b|\bpreviously\b|_s\d+\b|\brerun\b",
-                     re.IGNORECASE)
+JOURNAL = re.compile(
+    r"\bsessions?\b|\bthis\s+stop\b|\bfirst version\b|\bpreviously\b|_s\d+\b|\brerun\b", re.IGNORECASE
+)
 
 
 def snippets(text: str) -> list[tuple[int, str, str | None]]:
@@ -52,8 +53,12 @@ def test_readme_snippets_run(tmp_path, monkeypatch, capsys):
 
     from lab._extras import minilm_path
 
-    write_hub_cache(tmp_path / "hf-cache", "sentence-transformers/all-MiniLM-L6-v2", Path(minilm_path()),
-                    commit="c9745ed1d9f207416be6d2e6f8de32d1f16199bf")
+    write_hub_cache(
+        tmp_path / "hf-cache",
+        "sentence-transformers/all-MiniLM-L6-v2",
+        Path(minilm_path()),
+        commit="c9745ed1d9f207416be6d2e6f8de32d1f16199bf",
+    )
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     blocks = snippets(README.read_text(encoding="utf-8"))
@@ -76,8 +81,10 @@ def test_readme_snippets_run(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("triton") is None,
-                    reason="the API block documents lab.distributed (Ray) and lab.kernels' Triton modules")
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None or importlib.util.find_spec("triton") is None,
+    reason="the API block documents lab.distributed (Ray) and lab.kernels' Triton modules",
+)
 def test_generated_blocks_are_current():
     """The knob, CPU fast-path and API blocks equal what ``python -m lab._readme`` writes."""
     assert _readme.stale() == [], "README.md's generated blocks are stale: run python -m lab._readme"
@@ -98,8 +105,10 @@ def test_knob_table_lists_every_knob():
 def test_render_replaces_only_between_markers():
     """Text outside the markers is kept; a begin marker without its end is an error naming the missing marker."""
     blocks = {"x": lambda: "NEW"}
-    assert _readme.render("a\n<!-- x:begin -->\nold\n<!-- x:end -->\nb", blocks) == \
-        "a\n<!-- x:begin -->\nNEW\n<!-- x:end -->\nb"
+    assert (
+        _readme.render("a\n<!-- x:begin -->\nold\n<!-- x:end -->\nb", blocks)
+        == "a\n<!-- x:begin -->\nNEW\n<!-- x:end -->\nb"
+    )
     with pytest.raises(ValueError, match="x:end"):
         _readme.render("<!-- x:begin -->\nold", blocks)
 

@@ -22,15 +22,18 @@ def eng(minilm_path):
     return Engine(minilm_path)
 
 
-@pytest.mark.parametrize("texts, error, match", [
-    (b"raw bytes", TypeError, r"got bytes; decode it first"),
-    ({"a": "first text", "b": "second"}, TypeError, r"got a dict .*keys.*list\(d.values\(\)\)"),
-    ({"one", "two"}, TypeError, r"got a set, which has no order"),
-    (frozenset({"one"}), TypeError, r"got a frozenset"),
-    (["ok", b"bytes item"], TypeError, r"texts\[1\] is bytes, not str.*decode"),
-    (["ok", "fine", "bad \ud800 surrogate"], ValueError, r"texts\[2\] cannot be encoded as UTF-8"),
-    ([1.5], TypeError, r"texts\[0\] is float"),
-])
+@pytest.mark.parametrize(
+    "texts, error, match",
+    [
+        (b"raw bytes", TypeError, r"got bytes; decode it first"),
+        ({"a": "first text", "b": "second"}, TypeError, r"got a dict .*keys.*list\(d.values\(\)\)"),
+        ({"one", "two"}, TypeError, r"got a set, which has no order"),
+        (frozenset({"one"}), TypeError, r"got a frozenset"),
+        (["ok", b"bytes item"], TypeError, r"texts\[1\] is bytes, not str.*decode"),
+        (["ok", "fine", "bad \ud800 surrogate"], ValueError, r"texts\[2\] cannot be encoded as UTF-8"),
+        ([1.5], TypeError, r"texts\[0\] is float"),
+    ],
+)
 def test_bad_containers_and_items_are_named(eng, texts, error, match):
     before = eng.stats
     with pytest.raises(error, match=match):
@@ -46,12 +49,15 @@ def test_dataframe_is_refused_with_the_fix(eng):
     assert eng.embed(df["text"]).shape == (2, 384)  # a Series is its values, in order
 
 
-@pytest.mark.parametrize("knobs, match", [
-    ({"truncate_dim": 10**6}, r"truncate_dim=1000000 exceeds the embedding size 384; valid: 1..384"),
-    ({"max_length": 600}, r"max_length=600 but this model has 512 positions; valid: 1..512"),
-    ({"max_length": 2}, r"max_length=2 leaves no room for text.*2 special token.*>= 3"),
-    ({"pooling": "foo"}, r"unknown pooling 'foo'"),
-])
+@pytest.mark.parametrize(
+    "knobs, match",
+    [
+        ({"truncate_dim": 10**6}, r"truncate_dim=1000000 exceeds the embedding size 384; valid: 1..384"),
+        ({"max_length": 600}, r"max_length=600 but this model has 512 positions; valid: 1..512"),
+        ({"max_length": 2}, r"max_length=2 leaves no room for text.*2 special token.*>= 3"),
+        ({"pooling": "foo"}, r"unknown pooling 'foo'"),
+    ],
+)
 def test_knobs_are_checked_at_configure_and_change_nothing(eng, knobs, match):
     before = (eng.knobs, eng.resolved)
     with pytest.raises(ValueError, match=match):
@@ -75,11 +81,14 @@ def test_decoder_past_its_positions_warns(tmp_path):
         Engine(str(folder), max_length=100)
 
 
-@pytest.mark.parametrize("a, b, match", [
-    (np.ones(4), None, r"a must be a 2-D array \(n, dim\), got shape \(4,\); for one vector pass a\[None\]"),
-    (np.ones((2, 3, 4)), None, r"got shape \(2, 3, 4\)"),
-    (np.ones((2, 4)), np.ones((3, 5)), r"a has 4 dimensions and b has 5"),
-])
+@pytest.mark.parametrize(
+    "a, b, match",
+    [
+        (np.ones(4), None, r"a must be a 2-D array \(n, dim\), got shape \(4,\); for one vector pass a\[None\]"),
+        (np.ones((2, 3, 4)), None, r"got shape \(2, 3, 4\)"),
+        (np.ones((2, 4)), np.ones((3, 5)), r"a has 4 dimensions and b has 5"),
+    ],
+)
 def test_similarity_checks_its_shapes(eng, a, b, match):
     with pytest.raises(ValueError, match=match):
         eng.similarity(a, b)
@@ -111,8 +120,11 @@ def test_custom_code_in_a_model_folder_is_never_run(tmp_path, minilm_path):
     marker = tmp_path / "code_ran"
     (folder / "modeling_custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(architectures=["CustomModel"], model_type="custom-lab-test",
-               auto_map={"AutoConfig": "modeling_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel"})
+    cfg.update(
+        architectures=["CustomModel"],
+        model_type="custom-lab-test",
+        auto_map={"AutoConfig": "modeling_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel"},
+    )
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"declares custom model code .*never executes code from a model folder"):
         Engine(str(folder))
@@ -191,20 +203,26 @@ def test_unused_weights_are_reported(tmp_path, minilm_path):
     """A config with 3 layers over 6 layers' weights used to run 3 layers silently; now it says which tensors it
     leaves unread, as transformers' UNEXPECTED report does."""
     folder = _copy_with(minilm_path, tmp_path / "m", config={"num_hidden_layers": 3})
-    with pytest.warns(UserWarning,
-                      match=r"weight\(s\) this config.json does not use: encoder.layer.3.*num_hidden_layers"):
+    with pytest.warns(
+        UserWarning, match=r"weight\(s\) this config.json does not use: encoder.layer.3.*num_hidden_layers"
+    ):
         Engine(str(folder))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the real folder: every tensor is read (the pooler is documented unused)
         Engine(minilm_path)
 
 
-@pytest.mark.parametrize("index, match", [
-    ({"weight_map": {"a": "../outside.safetensors"}},
-     r"names the shard '../outside.safetensors', which is not a file inside"),
-    ({"weights": {}}, r"is not a valid shard index .*KeyError"),
-    ("not json {", r"is not a valid shard index"),
-])
+@pytest.mark.parametrize(
+    "index, match",
+    [
+        (
+            {"weight_map": {"a": "../outside.safetensors"}},
+            r"names the shard '../outside.safetensors', which is not a file inside",
+        ),
+        ({"weights": {}}, r"is not a valid shard index .*KeyError"),
+        ("not json {", r"is not a valid shard index"),
+    ],
+)
 def test_shard_index_is_checked(tmp_path, minilm_path, index, match):
     folder = _copy_with(minilm_path, tmp_path / "m")
     (folder / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
@@ -212,15 +230,23 @@ def test_shard_index_is_checked(tmp_path, minilm_path, index, match):
         Engine(str(folder))
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda f: (f / "config.json").write_text("{not json"), r"config.json is not valid JSON"),
-    (lambda f: (f / "config.json").write_text("[1, 2]"), r"config.json should hold a JSON object .*got a list"),
-    (lambda f: (f / "modules.json").write_text('{"a": 1}'), r"modules.json should hold a JSON list"),
-    (lambda f: _edit_config(f, num_attention_heads=5), r"hidden_size=384 is not divisible by num_attention_heads=5"),
-    (lambda f: _edit_config(f, hidden_size=None), r"config.json lacks 'hidden_size'"),
-    (lambda f: (f / "model.gguf").write_bytes(b"") or (f / "config.json").unlink(),
-     r"model.gguf is not a GGUF file .*it is empty"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda f: (f / "config.json").write_text("{not json"), r"config.json is not valid JSON"),
+        (lambda f: (f / "config.json").write_text("[1, 2]"), r"config.json should hold a JSON object .*got a list"),
+        (lambda f: (f / "modules.json").write_text('{"a": 1}'), r"modules.json should hold a JSON list"),
+        (
+            lambda f: _edit_config(f, num_attention_heads=5),
+            r"hidden_size=384 is not divisible by num_attention_heads=5",
+        ),
+        (lambda f: _edit_config(f, hidden_size=None), r"config.json lacks 'hidden_size'"),
+        (
+            lambda f: (f / "model.gguf").write_bytes(b"") or (f / "config.json").unlink(),
+            r"model.gguf is not a GGUF file .*it is empty",
+        ),
+    ],
+)
 def test_broken_folders_get_errors_that_name_the_file(tmp_path, minilm_path, change, match):
     folder = _copy_with(minilm_path, tmp_path / "m")
     (folder / "modules.json").write_text("[]")
@@ -298,22 +324,25 @@ def _count_lines(fragment: str, fn) -> int:
     return count[0]
 
 
-@pytest.mark.parametrize("knob, value, error, match", [
-    ("normalize", "yes", TypeError, r"normalize must be True, False or None"),
-    ("bidirectional", 1, TypeError, r"bidirectional must be True, False or None"),
-    ("append_eos", "no", TypeError, r"append_eos must be True, False or None"),
-    ("include_instruction", "x", TypeError, r"include_instruction must be True, False or None"),
-    ("prefix_cache", None, TypeError, r"prefix_cache must be True or False"),
-    ("max_length", 0, ValueError, r"max_length must be a positive int"),
-    ("max_num_seqs", -1, ValueError, r"max_num_seqs must be a positive int"),
-    ("chunked_prefill", 0, ValueError, r"chunked_prefill must be a positive int"),
-    ("truncate_dim", True, ValueError, r"truncate_dim must be a positive int"),
-    ("instruction", 3, TypeError, r"instruction must be a string or None"),
-    ("layer", 1.5, TypeError, r"layer must be an int"),
-    ("layer", 99, ValueError, r"layer=99 but this model has 6 layers"),
-    ("chunked_prefill", 8, ValueError, r"chunked_prefill needs causal attention"),
-    ("dtype", "int8", ValueError, r"unknown dtype 'int8'"),
-])
+@pytest.mark.parametrize(
+    "knob, value, error, match",
+    [
+        ("normalize", "yes", TypeError, r"normalize must be True, False or None"),
+        ("bidirectional", 1, TypeError, r"bidirectional must be True, False or None"),
+        ("append_eos", "no", TypeError, r"append_eos must be True, False or None"),
+        ("include_instruction", "x", TypeError, r"include_instruction must be True, False or None"),
+        ("prefix_cache", None, TypeError, r"prefix_cache must be True or False"),
+        ("max_length", 0, ValueError, r"max_length must be a positive int"),
+        ("max_num_seqs", -1, ValueError, r"max_num_seqs must be a positive int"),
+        ("chunked_prefill", 0, ValueError, r"chunked_prefill must be a positive int"),
+        ("truncate_dim", True, ValueError, r"truncate_dim must be a positive int"),
+        ("instruction", 3, TypeError, r"instruction must be a string or None"),
+        ("layer", 1.5, TypeError, r"layer must be an int"),
+        ("layer", 99, ValueError, r"layer=99 but this model has 6 layers"),
+        ("chunked_prefill", 8, ValueError, r"chunked_prefill needs causal attention"),
+        ("dtype", "int8", ValueError, r"unknown dtype 'int8'"),
+    ],
+)
 def test_every_knob_refuses_bad_values_and_changes_nothing(eng, knob, value, error, match):
     before = (eng.knobs, eng.resolved)
     with pytest.raises(error, match=match):
@@ -348,8 +377,10 @@ def test_interrupted_configure_leaves_the_old_state_or_the_new(minilm_path):
         np.testing.assert_array_equal(e.embed(texts), base)
 
 
-@pytest.mark.parametrize("template", ["Rewrite the sentence: {text}, rewritten sentence: {text}",
-                                      'This sentence : "{text}" means in one word:"'])
+@pytest.mark.parametrize(
+    "template",
+    ["Rewrite the sentence: {text}, rewritten sentence: {text}", 'This sentence : "{text}" means in one word:"'],
+)
 def test_a_template_pools_the_text_not_its_words_on_a_sentence_transformers_folder(minilm_path, template):
     """all-MiniLM-L6-v2's Pooling config pools a prompt (include_prompt); a template's words are no prompt: by
     default only the tokens of the text's last copy are pooled, as ``include_instruction=False`` pools them."""
@@ -357,8 +388,9 @@ def test_a_template_pools_the_text_not_its_words_on_a_sentence_transformers_fold
     eng = Engine(minilm_path, template=template)
     assert eng.resolved["include_instruction"] is False
     assert eng.resolved.sources["include_instruction"].startswith("template")
-    np.testing.assert_array_equal(eng.embed(texts), Engine(minilm_path, template=template,
-                                                           include_instruction=False).embed(texts))
+    np.testing.assert_array_equal(
+        eng.embed(texts), Engine(minilm_path, template=template, include_instruction=False).embed(texts)
+    )
     pooled_all = Engine(minilm_path, template=template, include_instruction=True).embed(texts)
     assert not np.allclose(eng.embed(texts), pooled_all, atol=1e-3)  # the knob still pools everything when set
 

@@ -31,8 +31,11 @@ PAIRS = [
 ]
 
 
-@pytest.fixture(scope="module", params=[("bert", 1), ("bert", 3), ("xlm-roberta", 1), ("xlm-roberta", 3)],
-                ids=lambda p: f"{p[0]}-{p[1]}label")
+@pytest.fixture(
+    scope="module",
+    params=[("bert", 1), ("bert", 3), ("xlm-roberta", 1), ("xlm-roberta", 3)],
+    ids=lambda p: f"{p[0]}-{p[1]}label",
+)
 def ce_folder(request, tmp_path_factory, minilm_path):
     kind, labels = request.param
     return tiny_encoder(tmp_path_factory.mktemp(f"{kind}{labels}"), minilm_path, kind, num_labels=labels)
@@ -46,10 +49,12 @@ def hf_logits(folder, pairs) -> np.ndarray:
     tok = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32).eval()
     with torch.no_grad():
-        return np.concatenate([
-            model(**tok([q], [d], truncation=True, max_length=MAX_LEN, return_tensors="pt")).logits.numpy()
-            for q, d in pairs
-        ])
+        return np.concatenate(
+            [
+                model(**tok([q], [d], truncation=True, max_length=MAX_LEN, return_tensors="pt")).logits.numpy()
+                for q, d in pairs
+            ]
+        )
 
 
 @pytest.mark.filterwarnings("ignore:.*truncated")  # said once per max_length; stats.truncated counts every cut
@@ -94,8 +99,10 @@ def test_cross_encoder_uses_the_saved_activation(tmp_path, minilm_path):
 
 
 # --------------------------------------------------------------------------------------------------- LLM yes/no
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 PROMPT = YesNoPrompt(system="Judge: yes or no.", instruction="Find it", yes_token="ĠFrance", no_token="Ġcapital")
 LLM_PAIRS = [
     ("What is the capital of France?", "Paris is the capital of France."),
@@ -124,8 +131,11 @@ def prompt_text(q: str, d: str, chat: bool, tok) -> str:
     user = f"<Instruct>: Find it\n<Query>: {q}\n<Document>: {d}"
     if not chat:
         return f"Judge: yes or no.\n\n{user}\n\nAnswer (yes or no):\n"
-    return tok.apply_chat_template([{"role": "system", "content": "Judge: yes or no."},
-                                    {"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+    return tok.apply_chat_template(
+        [{"role": "system", "content": "Judge: yes or no."}, {"role": "user", "content": user}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
 
 
 def hf_yes_probability(folder, ids_list) -> tuple[np.ndarray, np.ndarray]:
@@ -173,8 +183,9 @@ def test_llm_truncation_cuts_the_document_never_the_suffix(qwen2_folders):
         text = prompt_text(q, d, True, tok)
         cut = text.rindex("<|im_end|>\n<|im_start|>assistant")
         body, suffix = tok(text[:cut], add_special_tokens=False)["input_ids"], tok(text[cut:])["input_ids"]
-        expected.append(body[: max_length - len(suffix)] + suffix if len(body) + len(suffix) > max_length
-                        else body + suffix)
+        expected.append(
+            body[: max_length - len(suffix)] + suffix if len(body) + len(suffix) > max_length else body + suffix
+        )
     assert len(expected[0]) == max_length and len(expected[1]) < max_length
     reqs = YesNoLayout(tok, PROMPT, PROMPT.instruction, max_length).requests(*map(list, zip(*pairs)))
     assert [r.ids.tolist() for r in reqs] == expected and [r.truncated for r in reqs] == [True, False]
@@ -184,7 +195,7 @@ def test_llm_truncation_cuts_the_document_never_the_suffix(qwen2_folders):
     # a long query and a long document are both cut, longest first; the template stays whole
     both = YesNoLayout(tok, PROMPT, PROMPT.instruction, max_length).requests(["fox " * 60], ["dog " * 60])[0]
     text = tok.decode(both.ids)
-    assert both.length == max_length and both.ids[-len(suffix):].tolist() == suffix
+    assert both.length == max_length and both.ids[-len(suffix) :].tolist() == suffix
     assert 0 < text.count("fox") < 60 and 0 < text.count("dog") < 60
     assert text.startswith(prompt_text("", "", True, tok).split("<Query>")[0])
 
@@ -192,8 +203,15 @@ def test_llm_truncation_cuts_the_document_never_the_suffix(qwen2_folders):
 # ---------------------------------------------------------------------------------------------------- bi-encoder
 def test_bi_encoder_rerank_equals_sentence_transformers_cosine(minilm_engine, minilm_st):
     query = "A man is playing a guitar."
-    docs = ["Someone plays guitar on a stage.", "The cat sits on the mat.", "A man is playing a guitar.",
-            "Stocks fell sharply on Monday.", "", "A woman is slicing an onion.", "The cat sits on the mat."]
+    docs = [
+        "Someone plays guitar on a stage.",
+        "The cat sits on the mat.",
+        "A man is playing a guitar.",
+        "Stocks fell sharply on Monday.",
+        "",
+        "A woman is slicing an onion.",
+        "The cat sits on the mat.",
+    ]
     assert minilm_engine.score_mode == "bi-encoder"
     q = minilm_st.encode([query], convert_to_numpy=True)[0]
     d = minilm_st.encode(docs, convert_to_numpy=True)
@@ -276,8 +294,9 @@ def test_a_registered_score_mode_is_offered_by_score_and_rerank(minilm_path, mon
     np.testing.assert_array_equal(eng.score(pairs, mode="length"), [-1.0, 10.0, -1.0])
     ranked = eng.rerank("ab", ["abcd", "a", "abc"], mode="length")
     assert ranked["document"].tolist() == ["abcd", "abc", "a"] and ranked.attrs["mode"] == "length"
-    with pytest.raises(ValueError, match="similarity='dot' is for mode='bi-encoder'; this call scores in "
-                                         "mode='length'"):
+    with pytest.raises(
+        ValueError, match="similarity='dot' is for mode='bi-encoder'; this call scores in mode='length'"
+    ):
         eng.score(pairs, mode="length", similarity="dot")
 
     def refuse(engine):

@@ -14,14 +14,30 @@ from lab.models.spec import ModelSpec
 
 SPEC = ModelSpec(path=Path("/nowhere"), config={}, weights=[], weight_format="safetensors")
 PLAIN = Layout(False)
-LLM2VEC = Layout(True, "llm2vec_config.json in /m", Path("/m"),
-                 {"pooling": ("mean", "llm2vec_config.json in /m"), "max_length": (512, "llm2vec default"),
-                  "doc_max_length": (400, "llm2vec default"), "include_instruction": (False, "llm2vec default")})
+LLM2VEC = Layout(
+    True,
+    "llm2vec_config.json in /m",
+    Path("/m"),
+    {
+        "pooling": ("mean", "llm2vec_config.json in /m"),
+        "max_length": (512, "llm2vec default"),
+        "doc_max_length": (400, "llm2vec default"),
+        "include_instruction": (False, "llm2vec default"),
+    },
+)
 
 
 def facts(**kw) -> ModelFacts:
-    base = {"hidden": 64, "positions": 2048, "is_decoder": True, "default_causal": True, "num_layers": 4,
-            "specials": 1, "tokenizer_max": None, "spec": SPEC}
+    base = {
+        "hidden": 64,
+        "positions": 2048,
+        "is_decoder": True,
+        "default_causal": True,
+        "num_layers": 4,
+        "specials": 1,
+        "tokenizer_max": None,
+        "spec": SPEC,
+    }
     return ModelFacts(**{**base, **kw})
 
 
@@ -34,8 +50,9 @@ def test_a_decoder_without_configs_takes_the_model_kinds_defaults():
 
 def test_an_encoder_reads_its_sentence_transformers_configs():
     spec = dataclasses.replace(SPEC, pooling="cls", include_prompt=False, normalize=True, max_seq_length=128)
-    r = resolve(Knobs(), facts(is_decoder=False, default_causal=False, positions=512, tokenizer_max=256, spec=spec),
-                PLAIN)
+    r = resolve(
+        Knobs(), facts(is_decoder=False, default_causal=False, positions=512, tokenizer_max=256, spec=spec), PLAIN
+    )
     assert (r.pooling, r.include_instruction, r.normalize, r.max_length, r.causal) == ("cls", False, True, 128, False)
     assert r.sources["pooling"] == r.sources["include_instruction"] == "sentence-transformers Pooling"
     assert r.sources["max_length"] == "sentence-transformers config"
@@ -48,7 +65,12 @@ def test_an_encoder_reads_its_sentence_transformers_configs():
 def test_an_llm2vec_layout_brings_its_settings_and_a_set_knob_wins():
     r = resolve(Knobs(), facts(), LLM2VEC)
     assert (r.pooling, r.causal, r.max_length, r.doc_max_length, r.instruction_pooling) == (
-        "mean", False, 512, 400, "llm2vec")
+        "mean",
+        False,
+        512,
+        400,
+        "llm2vec",
+    )
     assert r.sources["pooling"] == "llm2vec_config.json in /m" and r.sources["causal"] == "llm2vec default"
     assert r.defaults["pooling"] == "mean" and r.defaults["causal"] is False
     r = resolve(Knobs(pooling="lasttoken", bidirectional=False, doc_max_length=0, layer=-2), facts(), LLM2VEC)

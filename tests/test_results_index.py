@@ -82,11 +82,17 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def _embed_rows(when: str) -> list[dict]:
-    common = {"corpus": "mixed", "dtype": "float32", "cpu_model": "Test CPU 9000", "cpu_flags": "avx2 fma",
-              "run_date": when}
-    return [{**common, "system": "engine", "tokens_per_s": "3000", "ratio_vs_sentence_transformers": "1.5"},
-            {**common, "system": "sentence-transformers", "tokens_per_s": "2000",
-             "ratio_vs_sentence_transformers": "1"}]
+    common = {
+        "corpus": "mixed",
+        "dtype": "float32",
+        "cpu_model": "Test CPU 9000",
+        "cpu_flags": "avx2 fma",
+        "run_date": when,
+    }
+    return [
+        {**common, "system": "engine", "tokens_per_s": "3000", "ratio_vs_sentence_transformers": "1.5"},
+        {**common, "system": "sentence-transformers", "tokens_per_s": "2000", "ratio_vs_sentence_transformers": "1"},
+    ]
 
 
 def test_generator_on_a_temporary_folder(tmp_path):
@@ -127,10 +133,14 @@ def test_generator_on_a_temporary_folder(tmp_path):
     assert "evals/results/bench_embed/bench_embed_test-cpu-9000.csv" in text and "fastest peer" not in text
     assert ri.main(["--results", str(root), "--readme", str(readme), "--check"]) == 0
 
-    _write_csv(root / "bench_peers" / "bench_peers_test-cpu-9000.csv",
-               [{"system": "engine", "corpus": "mixed", "dtype": "float32", "tokens_per_s": "3300"},
-                {"system": "peer-a", "corpus": "mixed", "dtype": "float32", "tokens_per_s": "1100"},
-                {"system": "peer-b", "corpus": "mixed", "dtype": "float32", "tokens_per_s": "1500"}])
+    _write_csv(
+        root / "bench_peers" / "bench_peers_test-cpu-9000.csv",
+        [
+            {"system": "engine", "corpus": "mixed", "dtype": "float32", "tokens_per_s": "3300"},
+            {"system": "peer-a", "corpus": "mixed", "dtype": "float32", "tokens_per_s": "1100"},
+            {"system": "peer-b", "corpus": "mixed", "dtype": "float32", "tokens_per_s": "1500"},
+        ],
+    )
     assert ri.stale(root, readme) == [str(root / "README.md"), f"{readme} (speed block)"]
     ri.write(root, readme)
     assert "| 3,000 | 1.50x | 2.20x (peer-b) |" in readme.read_text()
@@ -159,13 +169,19 @@ def test_orphans_and_broken_inputs_are_named(tmp_path, capsys):
 def test_writing_helpers(tmp_path):
     """The names the scripts write: result_path, companion (kind before the slug), gpu_slug, write_meta, stamp."""
     assert ri.result_path("bench_x", slug="h200", root=tmp_path) == tmp_path / "bench_x" / "bench_x_h200.csv"
-    assert ri.result_path("bench_x", "bench_x_quick", slug="a-b", ext="png", root=tmp_path).name == \
-        "bench_x_quick_a-b.png"
-    assert ri.companion(tmp_path / "bench_decoder_a-b.csv", "memory", "png", "a-b").name == \
-        "bench_decoder_memory_a-b.png"
+    assert (
+        ri.result_path("bench_x", "bench_x_quick", slug="a-b", ext="png", root=tmp_path).name
+        == "bench_x_quick_a-b.png"
+    )
+    assert (
+        ri.companion(tmp_path / "bench_decoder_a-b.csv", "memory", "png", "a-b").name == "bench_decoder_memory_a-b.png"
+    )
     assert ri.companion(tmp_path / "mine.csv", "memory", "png", "a-b").name == "mine_memory.png"
-    assert [ri.gpu_slug(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB")] == \
-        ["h200", "h100", "a100"]
+    assert [ri.gpu_slug(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB")] == [
+        "h200",
+        "h100",
+        "a100",
+    ]
     meta = ri.write_meta(tmp_path / "r.csv", "python x.py", "2030-01-02")
     assert json.loads(meta.read_text()) == {"date": "2030-01-02", "command": "python x.py"}
     assert ri.stamp([{"a": 1}], "2030-01-02") == [{"a": 1, "run_date": "2030-01-02"}]
@@ -179,8 +195,11 @@ def test_save_helpers_write_each_file_whole(tmp_path):
     pd = pytest.importorskip("pandas")
     df = pd.DataFrame({"a": [1, 2]})
     csv_path = ri.save_run(df, tmp_path / "bench_x", "bench_x", slug="h200", extra={".md": "# x\n"})
-    assert sorted(p.name for p in csv_path.parent.iterdir()) == \
-        ["bench_x_h200.csv", "bench_x_h200.csv.meta.json", "bench_x_h200.md"]
+    assert sorted(p.name for p in csv_path.parent.iterdir()) == [
+        "bench_x_h200.csv",
+        "bench_x_h200.csv.meta.json",
+        "bench_x_h200.md",
+    ]
     assert csv_path.read_text() == "a\n1\n2\n" and json.loads(Path(f"{csv_path}.meta.json").read_text())["date"]
 
     class Broken:  # a figure whose rendering fails half-way
@@ -191,6 +210,9 @@ def test_save_helpers_write_each_file_whole(tmp_path):
     with pytest.raises(OSError, match="No space"):
         ri.save_table(csv_path, "a\n3\n", {csv_path.with_suffix(".md"): Broken()})
     assert csv_path.with_suffix(".md").read_text() == "# x\n"
-    assert sorted(p.name for p in csv_path.parent.iterdir()) == \
-        ["bench_x_h200.csv", "bench_x_h200.csv.meta.json", "bench_x_h200.md"]
+    assert sorted(p.name for p in csv_path.parent.iterdir()) == [
+        "bench_x_h200.csv",
+        "bench_x_h200.csv.meta.json",
+        "bench_x_h200.md",
+    ]
     assert ri.save_file(tmp_path / "new" / "b.bin", b"\x00").read_bytes() == b"\x00"

@@ -77,11 +77,20 @@ def test_evaluate_scores_retrieval_modes_apart(minilm_engine):
     with pytest.raises(ValueError, match="sparse"):  # checked against the model's heads before any work
         evaluate(minilm_engine, tasks, retrieval_modes=("dense", "sparse"), cache=None, show_progress=False)
     assert minilm_engine.stats is before
-    df = evaluate(minilm_engine, tasks, retrieval_modes=("dense", "tokens-maxsim", "late-chunking"), cache=None,
-                  show_progress=False)
+    df = evaluate(
+        minilm_engine,
+        tasks,
+        retrieval_modes=("dense", "tokens-maxsim", "late-chunking"),
+        cache=None,
+        show_progress=False,
+    )
     main = df[df.main]
-    assert set(main.variant) == {"default", "default,mode=dense", "default,mode=tokens-maxsim",
-                                 "default,mode=late-chunking"}
+    assert set(main.variant) == {
+        "default",
+        "default,mode=dense",
+        "default,mode=tokens-maxsim",
+        "default,mode=late-chunking",
+    }
     mteb_ndcg = main[main.variant == "default"].score.item()
     ours = main[main.variant == "default,mode=dense"]
     assert ours.metric.item() == "ndcg_at_10" and ours.score.item() == pytest.approx(mteb_ndcg, abs=1e-4)

@@ -43,8 +43,9 @@ print(json.dumps(out))
 
 
 def _run(tuning: str) -> dict:
-    res = subprocess.run([sys.executable, "-c", SCRIPT, tuning], capture_output=True, text=True, timeout=120,
-                         check=False)
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT, tuning], capture_output=True, text=True, timeout=120, check=False
+    )
     if "mallinfo2" in res.stderr:
         pytest.skip("glibc without mallinfo2 (< 2.33)")
     assert res.returncode == 0, res.stderr
@@ -107,9 +108,15 @@ print(json.dumps(calls))
 
 
 def _worker_faults(minilm_path: str, tuning: str) -> list[int]:
-    res = subprocess.run([sys.executable, "-c", WORKER_FAULTS, minilm_path, tuning], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600, check=False,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run(
+        [sys.executable, "-c", WORKER_FAULTS, minilm_path, tuning],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=600,
+        check=False,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -141,18 +148,27 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt only")
-@pytest.mark.parametrize(("env", "args", "want"), [
-    (None, [None, False, True, None], [False, False, True, True]),  # off by default; once on, on for the process
-    ("0", [None], [False]),
-    ("1", [False, None], [False, True]),  # the argument wins over the variable, which is the default
-])
+@pytest.mark.parametrize(
+    ("env", "args", "want"),
+    [
+        (None, [None, False, True, None], [False, False, True, True]),  # off by default; once on, on for the process
+        ("0", [None], [False]),
+        ("1", [False, None], [False, True]),  # the argument wins over the variable, which is the default
+    ],
+)
 def test_engines_tune_the_allocator_only_when_asked(minilm_path, env, args, want):
     environ = {k: v for k, v in os.environ.items() if k != "LAB_MALLOC_TUNING"}
     if env is not None:
         environ["LAB_MALLOC_TUNING"] = env
-    res = subprocess.run([sys.executable, "-c", ENGINES, minilm_path, json.dumps(args)], capture_output=True,
-                         text=True, env={**environ, "HF_HUB_OFFLINE": "1"}, timeout=300, check=False,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run(
+        [sys.executable, "-c", ENGINES, minilm_path, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env={**environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+        check=False,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert [resolved for resolved, _ in got] == want and [state for _, state in got] == want, got

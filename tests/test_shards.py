@@ -34,8 +34,14 @@ def fake_model(root: Path) -> Path:
     (root / "config.json").write_text('{"model_type": "bert"}')
     (root / "model.safetensors").write_bytes(bytes(range(256)) * 64)
     (root / "tokenizer.json").write_text('{"vocab": ["a", "b"]}')
-    (root / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type": "x.Transformer"},
-                                                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "x.Pooling"}]))
+    (root / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "x.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "x.Pooling"},
+            ]
+        )
+    )
     (root / "1_Pooling").mkdir()
     (root / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
     (root / "README.md").write_text("a model card")
@@ -89,7 +95,7 @@ def reopen(out: Path, src, digest: str = "d" * 64) -> Manifest:
 
 
 def shard_ids(src, k: int) -> list:
-    return src.ids[k * SHARD:(k + 1) * SHARD]
+    return src.ids[k * SHARD : (k + 1) * SHARD]
 
 
 def test_a_finished_job_reads_back_and_resumes_with_nothing_to_do(tmp_path):
@@ -148,13 +154,16 @@ def test_a_damaged_shard_is_recomputed_on_resume_and_named_when_read(tmp_path, d
     assert read_embeddings(tmp_path)[0] == list(range(ROWS))
 
 
-@pytest.mark.parametrize(("edit", "words"), [
-    (lambda d: d["shards"]["1"].update(file="../elsewhere.parquet"), "not a file name inside"),
-    (lambda d: d["shards"]["1"].update(file="/tmp/shard-00001.parquet"), "not a file name inside"),
-    (lambda d: d["shards"].update({"3": d["shards"]["2"]}), r"lists shard\(s\) \[3\], but its job has 3 shard"),
-    (lambda d: d["shards"].update({"-1": d["shards"]["0"]}), r"lists shard\(s\) \[-1\]"),
-    (lambda d: d["shards"]["0"].pop("sha256"), "not a manifest this version reads .*sha256"),
-])
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda d: d["shards"]["1"].update(file="../elsewhere.parquet"), "not a file name inside"),
+        (lambda d: d["shards"]["1"].update(file="/tmp/shard-00001.parquet"), "not a file name inside"),
+        (lambda d: d["shards"].update({"3": d["shards"]["2"]}), r"lists shard\(s\) \[3\], but its job has 3 shard"),
+        (lambda d: d["shards"].update({"-1": d["shards"]["0"]}), r"lists shard\(s\) \[-1\]"),
+        (lambda d: d["shards"]["0"].pop("sha256"), "not a manifest this version reads .*sha256"),
+    ],
+)
 def test_manifest_entries_out_of_place_are_refused(tmp_path, edit, words):
     _, src, _ = make_job(tmp_path)
     data = json.loads((tmp_path / MANIFEST).read_text())
@@ -203,10 +212,12 @@ def test_a_file_source_is_read_in_batches_and_cut_into_the_shards_a_list_gives(t
     (tmp_path / "c.jsonl").write_text(lines)
     with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
         f.write(lines)
-    pq.write_table(pa.table({"id": [r["id"] for r in rows], "text": [r["text"] for r in rows]}),
-                   tmp_path / "c.parquet")
-    want = [(k, [r["id"] for r in rows[5 * k:5 * k + 5]], [r["text"] for r in rows[5 * k:5 * k + 5]])
-            for k in range(5)]
+    pq.write_table(
+        pa.table({"id": [r["id"] for r in rows], "text": [r["text"] for r in rows]}), tmp_path / "c.parquet"
+    )
+    want = [
+        (k, [r["id"] for r in rows[5 * k : 5 * k + 5]], [r["text"] for r in rows[5 * k : 5 * k + 5]]) for k in range(5)
+    ]
     sources = [read_source(tmp_path / name) for name in ("c.jsonl", "c.jsonl.gz", "c.parquet")]
     for src in sources:
         assert len(src) == 23 and list(src.shards(5)) == want

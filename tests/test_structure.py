@@ -134,8 +134,15 @@ def layer(module: str) -> str:
 
 def test_scan_sees_the_package():
     graph = import_graph()
-    assert {"lab.engine.engine", "lab.engine.executor", "lab.engine.kv_path", "lab.outputs.pooling",
-            "lab.outputs.heads", "lab.models.base", "lab.ops.gemm"} <= set(graph)
+    assert {
+        "lab.engine.engine",
+        "lab.engine.executor",
+        "lab.engine.kv_path",
+        "lab.outputs.pooling",
+        "lab.outputs.heads",
+        "lab.models.base",
+        "lab.ops.gemm",
+    } <= set(graph)
     assert {"lab.engine.executor", "lab.engine.call", "lab.engine.passes"} <= graph["lab.engine.engine"]  # real edges
     assert "lab.outputs.heads" in graph["lab.engine.passes"]
     assert {layer(m) for m in graph} <= set(LAYERS) | {"lab"}  # every module sits in a layer
@@ -151,8 +158,11 @@ def test_no_private_names_imported_across_modules():
     for path in [*LAB_MODULES.values(), *sorted((ROOT / "evals").rglob("*.py")), *sorted(KERNELS.rglob("*.py"))]:
         for name, names, line in imports(path, module_name(path).rpartition(".")[0]):
             if name.startswith(("lab", "evals", "kernels")):
-                bad += [f"{path.relative_to(ROOT)}:{line} imports {n} from {name}" for n in names
-                        if n.startswith("_") and not n.startswith("__")]
+                bad += [
+                    f"{path.relative_to(ROOT)}:{line} imports {n} from {name}"
+                    for n in names
+                    if n.startswith("_") and not n.startswith("__")
+                ]
     assert bad == []
 
 
@@ -193,8 +203,12 @@ def test_nothing_outside_engine_touches_engine_internals():
         if LAB / "engine" in path.parents:
             continue
         for node in ast.walk(parse(path)):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and ast.unparse(node.value) in ENGINE_NAMES):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and ast.unparse(node.value) in ENGINE_NAMES
+            ):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     assert bad == []
 
@@ -203,14 +217,23 @@ def test_the_engine_hands_out_no_private_callbacks():
     """``Engine`` passes no ``self._method`` as an argument: rerank, ``encode`` and the rest call its public seams."""
     tree = parse(LAB / "engine" / "engine.py")
     engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
-    methods = {n.name for n in engine.body if isinstance(n, ast.FunctionDef)
-               and not any(ast.unparse(d) in ("property", "cached_property") for d in n.decorator_list)}
+    methods = {
+        n.name
+        for n in engine.body
+        if isinstance(n, ast.FunctionDef)
+        and not any(ast.unparse(d) in ("property", "cached_property") for d in n.decorator_list)
+    }
     bad = []
     for node in ast.walk(engine):
         if isinstance(node, ast.Call):
             for arg in [*node.args, *(k.value for k in node.keywords)]:
-                if (isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "self"
-                        and arg.attr.startswith("_") and arg.attr in methods):
+                if (
+                    isinstance(arg, ast.Attribute)
+                    and isinstance(arg.value, ast.Name)
+                    and arg.value.id == "self"
+                    and arg.attr.startswith("_")
+                    and arg.attr in methods
+                ):
                     bad.append(f"line {node.lineno}: {ast.unparse(arg)} handed to {ast.unparse(node.func)}")
     assert bad == []
 
@@ -221,8 +244,11 @@ def test_models_are_not_probed_with_hasattr_outside_the_model_code():
         if mod.startswith("lab.models"):
             continue
         for node in ast.walk(parse(path)):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr",
-                                                                                                   "getattr"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("hasattr", "getattr")
+            ):
                 target = ast.unparse(node.args[0]) if node.args else ""
                 if target == "model" or target.endswith(".model") or ".model." in target:
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
@@ -255,8 +281,11 @@ def test_evals_scripts_stay_under_600_lines(path):
     assert n <= 600, f"{path.relative_to(ROOT)} has {n} lines; split it into a library part and a CLI part"
 
 
-@pytest.mark.parametrize("path", [*LAB_MODULES.values(), *sorted(KERNELS.rglob("*.py")),
-                                  *sorted(KERNELS.glob("*.[ch]"))], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path",
+    [*LAB_MODULES.values(), *sorted(KERNELS.rglob("*.py")), *sorted(KERNELS.glob("*.[ch]"))],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_modules_stay_small(path):
     n = len(path.read_text(encoding="utf-8").splitlines())
     assert n <= 600, f"{path.relative_to(ROOT)} has {n} lines; past 600 a module holds two concerns: split it"
@@ -287,8 +316,13 @@ def test_kernels_define_no_product_vocabulary():
     from lab.outputs.kinds import KINDS
     from lab.outputs.pooling import METHODS
 
-    vocabulary = ((set(METHODS) - set(SEGMENT_REDUCTIONS)) | set(KINDS) | set(SCORE_MODES) | set(INSTRUCTION_POOLING)
-                  | set(LONG_INPUTS))
+    vocabulary = (
+        (set(METHODS) - set(SEGMENT_REDUCTIONS))
+        | set(KINDS)
+        | set(SCORE_MODES)
+        | set(INSTRUCTION_POOLING)
+        | set(LONG_INPUTS)
+    )
     assert {"eos_token", "colbert", "bi-encoder", "llm2vec", "chunk"} <= vocabulary  # the registries are read
     bad = {str(p.relative_to(ROOT)): sorted(module_strings(p) & vocabulary) for p in sorted(KERNELS.rglob("*.py"))}
     assert {path: names for path, names in bad.items() if names} == {}

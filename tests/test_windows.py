@@ -17,8 +17,10 @@ import torch
 from tests.conftest import cosine_rows
 
 COS = 0.99999
-LONG = ("The committee met on Tuesday to discuss the budget, the new library and the roads. " * 6,
-        "Protein folding is one of the central problems of biology; " * 9)
+LONG = (
+    "The committee met on Tuesday to discuss the budget, the new library and the roads. " * 6,
+    "Protein folding is one of the central problems of biology; " * 9,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def _ref_long(hf, text: str, max_length: int) -> np.ndarray:
     room = max_length - 2
     vecs, weights = [], []
     for s in range(0, max(len(body), 1), room):
-        ids = [tok.cls_token_id, *body[s:s + room], tok.sep_token_id]
+        ids = [tok.cls_token_id, *body[s : s + room], tok.sep_token_id]
         vecs.append(_states(hf, ids).mean(0).numpy())
         weights.append(len(ids))
     return _unit(np.average(np.stack(vecs), axis=0, weights=weights))
@@ -92,13 +94,13 @@ def _ref_chunks(hf, doc: str, chunk_tokens: int, max_length: int, overlap: int |
     starts = list(range(0, max(len(body) - room, 0) + 1, stride))
     if starts[-1] + room < len(body):
         starts.append(len(body) - room)
-    states = [_states(hf, [tok.cls_token_id, *body[s:s + room], tok.sep_token_id]) for s in starts]
+    states = [_states(hf, [tok.cls_token_id, *body[s : s + room], tok.sep_token_id]) for s in starts]
     vecs, cuts = [], []
     for a in range(0, len(body), chunk_tokens):
         b = min(a + chunk_tokens, len(body))
         best = max((min(a - s, s + room - b), -k) for k, s in enumerate(starts) if s <= a and b <= s + room)
         k = -best[1]
-        vecs.append(states[k][1 + a - starts[k]:1 + b - starts[k]].mean(0).numpy())
+        vecs.append(states[k][1 + a - starts[k] : 1 + b - starts[k]].mean(0).numpy())
         cuts.append(offs[a][0] if a else 0)  # WordPiece tokens never share a character: a chunk starts at its token
     spans = list(zip(cuts, [*cuts[1:], len(doc)]))  # ... and runs to the next chunk (the last to the end)
     return _unit(np.stack(vecs)), spans
@@ -134,10 +136,14 @@ def test_window_errors_leave_the_engine_as_it_was(minilm_engine):
     eng = minilm_engine
     before = (dict(eng.knobs), eng.stats)
     room = eng.resolved.max_length - 2  # [CLS] ... [SEP]
-    for kwargs, words in [({"chunk_tokens": 0}, "chunk_tokens"), ({"chunk_tokens": 400}, "chunk_tokens"),
-                          ({"chunk_tokens": room}, f"chunk_tokens must be an int from 1 to {room - 1} "),
-                          ({"chunk_tokens": 8, "overlap": 4}, "overlap"), ({"chunk_tokens": True}, "chunk_tokens"),
-                          ({"chunk_tokens": 1, "overlap": True}, "overlap must be an int")]:
+    for kwargs, words in [
+        ({"chunk_tokens": 0}, "chunk_tokens"),
+        ({"chunk_tokens": 400}, "chunk_tokens"),
+        ({"chunk_tokens": room}, f"chunk_tokens must be an int from 1 to {room - 1} "),
+        ({"chunk_tokens": 8, "overlap": 4}, "overlap"),
+        ({"chunk_tokens": True}, "chunk_tokens"),
+        ({"chunk_tokens": 1, "overlap": True}, "overlap must be an int"),
+    ]:
         with pytest.raises(ValueError, match=words):
             eng.embed_chunks(["some document text"], **kwargs)
     with pytest.raises(ValueError, match="long_inputs"):
@@ -152,8 +158,14 @@ def test_no_documents_give_no_chunks(minilm_engine):
         for late in (True, False):
             emb, chunks = minilm_engine.embed_chunks(docs, late=late)
             assert emb.shape == (0, 384) and emb.dtype == np.float32
-            assert chunks.empty and list(chunks.columns) == ["doc", "chunk", "char_start", "char_end", "n_tokens",
-                                                              "text"]
+            assert chunks.empty and list(chunks.columns) == [
+                "doc",
+                "chunk",
+                "char_start",
+                "char_end",
+                "n_tokens",
+                "text",
+            ]
 
 
 def test_long_inputs_chunk_with_cls_weighs_windows_by_length(minilm_path, hf):
@@ -167,8 +179,10 @@ def test_long_inputs_chunk_with_cls_weighs_windows_by_length(minilm_path, hf):
         ours = eng.embed(list(LONG))
     for text, row in zip(LONG, ours, strict=True):
         body = tok(text, add_special_tokens=False)["input_ids"]
-        wins = [[tok.cls_token_id, *body[s:s + max_length - 2], tok.sep_token_id]
-                for s in range(0, len(body), max_length - 2)]
+        wins = [
+            [tok.cls_token_id, *body[s : s + max_length - 2], tok.sep_token_id]
+            for s in range(0, len(body), max_length - 2)
+        ]
         assert len(wins) > 2 and len(wins[-1]) < max_length  # a short last window, so the weighting shows
         vecs = np.stack([_states(hf, w)[0].numpy() for w in wins])
         assert cosine_rows(row[None], _unit(np.average(vecs, axis=0, weights=[len(w) for w in wins]))[None]) >= COS
@@ -176,8 +190,14 @@ def test_long_inputs_chunk_with_cls_weighs_windows_by_length(minilm_path, hf):
 
 
 # texts byte-level BPE splits inside characters: a ZWJ emoji family, combining acute accents, CJK, a flag
-HARD = ["👩\u200d👩\u200d👧 family", "cafe\u0301 and re\u0301sume\u0301 e\u0301\u0301",
-        "漢字とカタカナ、한국어 텍스트。", "  padded 🇫🇷 flag  ", "👩" * 5, "x"]
+HARD = [
+    "👩\u200d👩\u200d👧 family",
+    "cafe\u0301 and re\u0301sume\u0301 e\u0301\u0301",
+    "漢字とカタカナ、한국어 텍스트。",
+    "  padded 🇫🇷 flag  ",
+    "👩" * 5,
+    "x",
+]
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +242,10 @@ def test_pooling_module_outside_the_model_folder_is_refused(minilm_path, tmp_pat
             (model / f.name).symlink_to(f)
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "../elsewhere", "type": f"sentence_transformers.models.{kind}"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "../elsewhere", "type": f"sentence_transformers.models.{kind}"},
+    ]
     (model / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match=r"modules.json: module path '../elsewhere' is outside the model folder"):
         read_folder(model)

@@ -58,8 +58,13 @@ def main(job_file: str) -> int:
         settings = {"enable_bidirectional": job["bidirectional"]} if "bidirectional" in job else {}
         if job.get("merge_peft"):
             settings["merge_peft"] = True
-        l2v = LLM2Vec.from_pretrained(job["model"], peft_model_name_or_path=job.get("peft"),
-                                      torch_dtype=torch.float32, **settings, **job.get("encoder", {}))
+        l2v = LLM2Vec.from_pretrained(
+            job["model"],
+            peft_model_name_or_path=job.get("peft"),
+            torch_dtype=torch.float32,
+            **settings,
+            **job.get("encoder", {}),
+        )
     load_s = time.perf_counter() - t0
     # a log record can reach the handler twice (on a logger and its parent): those are counted once; two warnings
     # with one text (each adapter's missing keys) are two
@@ -67,19 +72,35 @@ def main(job_file: str) -> int:
     about_keys = [m for m in messages if KEY_WORDS.search(m)]
     t0 = time.perf_counter()
     with torch.no_grad():
-        emb = l2v.encode(job["inputs"], batch_size=job.get("batch_size", 32), show_progress_bar=False,
-                         convert_to_tensor=True, device="cpu")
+        emb = l2v.encode(
+            job["inputs"],
+            batch_size=job.get("batch_size", 32),
+            show_progress_bar=False,
+            convert_to_tensor=True,
+            device="cpu",
+        )
     encode_s = time.perf_counter() - t0
     np.save(job["out"], emb.float().numpy())
     report = {
-        "load_seconds": load_s, "encode_seconds": encode_s, "key_messages": about_keys,
+        "load_seconds": load_s,
+        "encode_seconds": encode_s,
+        "key_messages": about_keys,
         "missing_adapter_keys": sum(len(re.findall(r"lora_[AB]", m)) for m in about_keys if "missing" in m.lower()),
-        "versions": {"llm2vec": version("llm2vec"), "transformers": transformers.__version__,
-                     "peft": peft.__version__, "torch": torch.__version__},
-        "config": {"pooling_mode": l2v.pooling_mode, "max_length": l2v.max_length,
-                   "doc_max_length": l2v.doc_max_length, "skip_instruction": l2v.skip_instruction,
-                   # the name its chat template is chosen by, and the model class (bidirectional or not)
-                   "name_or_path": l2v.model.config._name_or_path, "model_class": type(l2v.model).__name__},
+        "versions": {
+            "llm2vec": version("llm2vec"),
+            "transformers": transformers.__version__,
+            "peft": peft.__version__,
+            "torch": torch.__version__,
+        },
+        "config": {
+            "pooling_mode": l2v.pooling_mode,
+            "max_length": l2v.max_length,
+            "doc_max_length": l2v.doc_max_length,
+            "skip_instruction": l2v.skip_instruction,
+            # the name its chat template is chosen by, and the model class (bidirectional or not)
+            "name_or_path": l2v.model.config._name_or_path,
+            "model_class": type(l2v.model).__name__,
+        },
     }
     with open(job["report"], "w") as f:
         json.dump(report, f, indent=2)

@@ -62,28 +62,36 @@ def is_current(folder: Path, key: str) -> bool:
     return stamp.is_file() and stamp.read_text(encoding="utf-8").strip() == key
 
 
-def ensure_venv(requirements: Path = REQUIREMENTS, root: Path | None = None, *, base_python: str | None = None,
-                log=sys.stderr) -> Path:
+def ensure_venv(
+    requirements: Path = REQUIREMENTS, root: Path | None = None, *, base_python: str | None = None, log=sys.stderr
+) -> Path:
     """The peers' venv python, building ``<root>/peers-venv`` from ``requirements`` unless it is current."""
     requirements = Path(requirements)
     venv = Path(root or cache_root()) / "peers-venv"
     key = requirements_key(requirements)
     if is_current(venv, key) and venv_python(venv).exists():
         return venv_python(venv)
-    print(f"building the peers' virtual environment in {venv} from {requirements} (a few minutes, once)", file=log,
-          flush=True)
+    print(
+        f"building the peers' virtual environment in {venv} from {requirements} (a few minutes, once)",
+        file=log,
+        flush=True,
+    )
     if venv.exists():
         shutil.rmtree(venv)
     venv.parent.mkdir(parents=True, exist_ok=True)
     base = base_python or getattr(sys, "_base_executable", None) or sys.executable
-    steps = [[base, "-m", "venv", str(venv)],
-             [str(venv_python(venv)), "-m", "pip", "install", "-q", torch_requirement(requirements)],
-             [str(venv_python(venv)), "-m", "pip", "install", "-q", "-r", str(requirements)]]
+    steps = [
+        [base, "-m", "venv", str(venv)],
+        [str(venv_python(venv)), "-m", "pip", "install", "-q", torch_requirement(requirements)],
+        [str(venv_python(venv)), "-m", "pip", "install", "-q", "-r", str(requirements)],
+    ]
     for cmd in steps:
         done = subprocess.run(cmd, check=False, stdout=log, stderr=log)
         if done.returncode:
-            raise RuntimeError(f"building the peers' venv failed at `{' '.join(cmd)}` (exit {done.returncode}); "
-                               f"fix {requirements} or remove {venv} and run again")
+            raise RuntimeError(
+                f"building the peers' venv failed at `{' '.join(cmd)}` (exit {done.returncode}); "
+                f"fix {requirements} or remove {venv} and run again"
+            )
     (venv / STAMP).write_text(key + "\n", encoding="utf-8")
     return venv_python(venv)
 
@@ -98,8 +106,9 @@ def model_key(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_export(python: Path, model_dir: str | Path, root: Path | None = None, *,
-                  requirements: Path = REQUIREMENTS, log=sys.stderr) -> Path:
+def ensure_export(
+    python: Path, model_dir: str | Path, root: Path | None = None, *, requirements: Path = REQUIREMENTS, log=sys.stderr
+) -> Path:
     """The model folder with ``onnx/`` and ``openvino/`` exports added, in
     ``<root>/peers-models/<folder name>-<model_key>``; exported (offline) unless present for this requirements key."""
     model_dir = Path(model_dir)
@@ -111,8 +120,9 @@ def ensure_export(python: Path, model_dir: str | Path, root: Path | None = None,
     if out.exists():
         shutil.rmtree(out)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run([str(python), str(WORKER), "export", str(model_dir), str(out)], check=False,
-                          stdout=log, stderr=log, env=env)
+    done = subprocess.run(
+        [str(python), str(WORKER), "export", str(model_dir), str(out)], check=False, stdout=log, stderr=log, env=env
+    )
     if done.returncode:
         raise RuntimeError(f"exporting {model_dir} for the peers failed (exit {done.returncode}); see the log above")
     (out / STAMP).write_text(key + "\n", encoding="utf-8")

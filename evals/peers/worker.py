@@ -109,8 +109,11 @@ class StTorch:
         from lab.eval.bench import SentenceTransformerBaseline
 
         self.base = SentenceTransformerBaseline(model, batch_size=BATCH_SIZE, dtype=dtype, device=device)
-        self.info = {"precision": dtype, "packages": versions("sentence-transformers", "transformers", "torch"),
-                     "settings": f"batch_size={BATCH_SIZE} device={device}"}
+        self.info = {
+            "precision": dtype,
+            "packages": versions("sentence-transformers", "transformers", "torch"),
+            "settings": f"batch_size={BATCH_SIZE} device={device}",
+        }
 
     def encode(self, texts):
         return self.base(texts)
@@ -126,14 +129,20 @@ class StOnnx:
     def __init__(self, model: str):
         from sentence_transformers import SentenceTransformer
 
-        self.model = SentenceTransformer(model, backend="onnx", device="cpu",
-                                         model_kwargs={"file_name": "onnx/model.onnx",
-                                                       "provider": "CPUExecutionProvider"})
-        self.info = {"precision": "float32",
-                     "packages": versions("sentence-transformers", "transformers", "optimum", "optimum-onnx",
-                                          "onnxruntime", "torch"),
-                     "settings": f"batch_size={BATCH_SIZE} provider=CPUExecutionProvider "
-                                 "intra_op_threads=onnxruntime default (physical cores)"}
+        self.model = SentenceTransformer(
+            model,
+            backend="onnx",
+            device="cpu",
+            model_kwargs={"file_name": "onnx/model.onnx", "provider": "CPUExecutionProvider"},
+        )
+        self.info = {
+            "precision": "float32",
+            "packages": versions(
+                "sentence-transformers", "transformers", "optimum", "optimum-onnx", "onnxruntime", "torch"
+            ),
+            "settings": f"batch_size={BATCH_SIZE} provider=CPUExecutionProvider "
+            "intra_op_threads=onnxruntime default (physical cores)",
+        }
 
     def encode(self, texts):
         return self.model.encode(texts, batch_size=BATCH_SIZE, convert_to_numpy=True)
@@ -162,11 +171,14 @@ class StOpenVINO:
         hint = compiled.get_property("INFERENCE_PRECISION_HINT")
         hint = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)  # an openvino.Type: "bf16"
         threads = compiled.get_property("INFERENCE_NUM_THREADS")
-        self.info = {"precision": OV_PRECISIONS.get(hint, hint),
-                     "packages": versions("sentence-transformers", "transformers", "optimum", "optimum-intel",
-                                          "openvino", "torch"),
-                     "settings": f"batch_size={BATCH_SIZE} INFERENCE_PRECISION_HINT={hint} ({precision}) "
-                                 f"INFERENCE_NUM_THREADS={threads}"}
+        self.info = {
+            "precision": OV_PRECISIONS.get(hint, hint),
+            "packages": versions(
+                "sentence-transformers", "transformers", "optimum", "optimum-intel", "openvino", "torch"
+            ),
+            "settings": f"batch_size={BATCH_SIZE} INFERENCE_PRECISION_HINT={hint} ({precision}) "
+            f"INFERENCE_NUM_THREADS={threads}",
+        }
 
     def encode(self, texts):
         return self.model.encode(texts, batch_size=BATCH_SIZE, convert_to_numpy=True)
@@ -189,20 +201,30 @@ class FastEmbed:
         # sentence-transformers writes {"pooling_mode": "mean", "embedding_dimension": d} from 5.x on, before that
         # {"pooling_mode_mean_tokens": true, "word_embedding_dimension": d}
         if not (pooling.get("pooling_mode") == "mean" or pooling.get("pooling_mode_mean_tokens")):
-            raise ValueError(f"{folder}/1_Pooling/config.json pools {pooling}; fastembed's custom model here is "
-                             "registered with mean pooling")
+            raise ValueError(
+                f"{folder}/1_Pooling/config.json pools {pooling}; fastembed's custom model here is "
+                "registered with mean pooling"
+            )
         dim = pooling.get("embedding_dimension") or pooling["word_embedding_dimension"]
         modules = json.loads((folder / "modules.json").read_text(encoding="utf-8"))
         normalize = any(m["type"].endswith("Normalize") for m in modules)
         name = f"{self.NAME}-{folder.name}"
         if not any(d.model == name for d in TextEmbedding._list_supported_models()):
-            TextEmbedding.add_custom_model(model=name, pooling=PoolingType.MEAN, normalization=normalize,
-                                           sources=ModelSource(hf=name), dim=dim,
-                                           model_file="onnx/model.onnx")
+            TextEmbedding.add_custom_model(
+                model=name,
+                pooling=PoolingType.MEAN,
+                normalization=normalize,
+                sources=ModelSource(hf=name),
+                dim=dim,
+                model_file="onnx/model.onnx",
+            )
         self.model = TextEmbedding(model_name=name, specific_model_path=str(folder), local_files_only=True)
-        self.info = {"precision": "float32", "packages": versions("fastembed", "onnxruntime", "tokenizers"),
-                     "settings": f"batch_size={BATCH_SIZE} normalization={normalize} pooling=mean "
-                                 "threads=onnxruntime default (physical cores)"}
+        self.info = {
+            "precision": "float32",
+            "packages": versions("fastembed", "onnxruntime", "tokenizers"),
+            "settings": f"batch_size={BATCH_SIZE} normalization={normalize} pooling=mean "
+            "threads=onnxruntime default (physical cores)",
+        }
 
     def encode(self, texts):
         return np.stack(list(self.model.embed(texts, batch_size=BATCH_SIZE)))
@@ -215,8 +237,14 @@ class EngineSystem:
     ``info`` also carries the GEMM roofline for its dtype (``lab.eval.bench.gemm_roofline`` under its plan), the
     weights' size and the size of the copies its plan derives from them (``weights_mb``, ``derived_weights_mb``)."""
 
-    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", attention_backend: str = "auto",
-                 compile: bool | None = False):
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        attention_backend: str = "auto",
+        compile: bool | None = False,
+    ):
         _on_repo_path()
         import torch
 
@@ -224,18 +252,32 @@ class EngineSystem:
 
         cpu = device == "cpu"
         # compile: False unless the system asks for the compiled forward (True), so the plain rows stay eager
-        self.engine = Engine(model, dtype=dtype, device=device, attention_backend=attention_backend,
-                             tune_allocator=True if cpu else None, compile=compile)
+        self.engine = Engine(
+            model,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention_backend,
+            tune_allocator=True if cpu else None,
+            compile=compile,
+        )
         paths = ";".join(f"{k}={v}" for k, v in self.engine.cpu_paths.items()) if cpu else ""
-        self.info = {"precision": dtype, "packages": versions("prefill-lab", "torch", "tokenizers"),
-                     "settings": f"device={device} attention_backend={attention_backend} "
-                                 f"malloc_tuning={self.engine.resolved['malloc_tuning']} cpu_paths=[{paths}]"}
+        self.info = {
+            "precision": dtype,
+            "packages": versions("prefill-lab", "torch", "tokenizers"),
+            "settings": f"device={device} attention_backend={attention_backend} "
+            f"malloc_tuning={self.engine.resolved['malloc_tuning']} cpu_paths=[{paths}]",
+        }
         if cpu:
             from lab.eval.bench import gemm_roofline
 
             cfg = self.engine.spec.config
-            roof = gemm_roofline(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
-                                 dtype=getattr(torch, dtype), plan=self.engine.runner.plan)
+            roof = gemm_roofline(
+                cfg["hidden_size"],
+                cfg["intermediate_size"],
+                cfg["num_hidden_layers"],
+                dtype=getattr(torch, dtype),
+                plan=self.engine.runner.plan,
+            )
             self.info["roofline_tokens_per_s"] = roof["roofline_tokens_per_s"]
             # the packed / widened weight copies the plan keeps, against the weights themselves (one warm-up call
             # makes every copy the first call would)
@@ -251,8 +293,13 @@ class EngineSystem:
         return self.engine.embed(texts)
 
 
-KINDS = {"st-torch": StTorch, "st-onnx": StOnnx, "st-openvino": StOpenVINO, "fastembed": FastEmbed,
-         "engine": EngineSystem}
+KINDS = {
+    "st-torch": StTorch,
+    "st-onnx": StOnnx,
+    "st-openvino": StOpenVINO,
+    "fastembed": FastEmbed,
+    "engine": EngineSystem,
+}
 
 
 def handle(state: dict, req: dict) -> dict:
@@ -268,8 +315,11 @@ def handle(state: dict, req: dict) -> dict:
         state["system"] = system
         after = memory()["rss_mb"]
         info = {"torch_threads": torch_threads(), **system.info}
-        return {"info": info, "load_seconds": load_seconds,
-                "rss_load_delta_mb": None if before is None else after - before}
+        return {
+            "info": info,
+            "load_seconds": load_seconds,
+            "rss_load_delta_mb": None if before is None else after - before,
+        }
     if op == "texts":
         state.setdefault("texts", {})[req["key"]] = list(req["texts"])
         return {"count": len(req["texts"])}

@@ -15,5 +15,10 @@ from __future__ import annotations
 from lab._lazy import exports
 
 __all__ = ["AdaptRun", "LoraSpec", "mntp", "rescope", "simcse"]
-__getattr__ = exports(globals(), {**{name: "lab.adapt.train" for name in ("AdaptRun", "LoraSpec", "mntp", "simcse")},
-                                  "rescope": "lab.adapt.adapters"})
+__getattr__ = exports(
+    globals(),
+    {
+        **{name: "lab.adapt.train" for name in ("AdaptRun", "LoraSpec", "mntp", "simcse")},
+        "rescope": "lab.adapt.adapters",
+    },
+)

@@ -67,8 +67,10 @@ _UNSUPPORTED_FLAGS = (  # adapter_config.json keys whose non-default values chan
     ("use_bdlora", "block-diagonal LoRA (use_bdlora)"),
     ("monteclora_config", "MonteCLoRA (monteclora_config)"),
 )
-_MERGE_HINT = ("merge it with peft instead (PeftModel.from_pretrained(base, folder).merge_and_unload()."
-               "save_pretrained(out)) and load the merged folder as the model")
+_MERGE_HINT = (
+    "merge it with peft instead (PeftModel.from_pretrained(base, folder).merge_and_unload()."
+    "save_pretrained(out)) and load the merged folder as the model"
+)
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,10 @@ def split_adapter_model(model: str, adapters: tuple[str, ...]) -> tuple[str, tup
     while is_adapter_folder(model):
         p = Path(model).expanduser().resolve()
         if p in seen:
-            raise ValueError(f"{str(model)!r}: the adapters' base_model_name_or_path entries form a cycle "
-                             f"({', '.join(str(s) for s in seen)}); point one of them at the base model folder")
+            raise ValueError(
+                f"{str(model)!r}: the adapters' base_model_name_or_path entries form a cycle "
+                f"({', '.join(str(s) for s in seen)}); point one of them at the base model folder"
+            )
         seen.add(p)
         base = resolve_base(model)
         _check_same_family(Path(model).expanduser(), base)
@@ -150,8 +154,10 @@ def resolve_base(adapter: str | os.PathLike) -> Path:
     base = config.get("base_model_name_or_path")
     fix = f"Engine(base_folder, adapters=[{str(adapter)!r}])"
     if not base or not isinstance(base, str):
-        raise ValueError(f"{str(adapter)!r} holds only a LoRA adapter and its adapter_config.json names no base model "
-                         f"(base_model_name_or_path); pass the base model folder with the adapter: {fix}")
+        raise ValueError(
+            f"{str(adapter)!r} holds only a LoRA adapter and its adapter_config.json names no base model "
+            f"(base_model_name_or_path); pass the base model folder with the adapter: {fix}"
+        )
     b = Path(base).expanduser()
     tried = [b] if b.is_absolute() else [p / b, Path.cwd() / b]
     for cand in tried:
@@ -182,9 +188,11 @@ def _check_same_family(adapter: Path, base: Path) -> None:
     except (ValueError, AttributeError):
         return
     if mine and theirs and mine != theirs:
-        raise ValueError(f"{str(adapter)!r} describes a {mine!r} model (config.json) but its base {str(base)!r} is a "
-                         f"{theirs!r} model; point base_model_name_or_path in {adapter / ADAPTER_CONFIG} at the base "
-                         "model it was trained on")
+        raise ValueError(
+            f"{str(adapter)!r} describes a {mine!r} model (config.json) but its base {str(base)!r} is a "
+            f"{theirs!r} model; point base_model_name_or_path in {adapter / ADAPTER_CONFIG} at the base "
+            "model it was trained on"
+        )
 
 
 # ------------------------------------------------------------------------------------------ key scope, rescope
@@ -200,7 +208,7 @@ def bare_module_name(module: str) -> str:
     (names already in that scope come back unchanged)."""
     for prefix in HEAD_PREFIXES:
         if module.startswith(prefix) and len(module) > len(prefix):
-            return module[len(prefix):]
+            return module[len(prefix) :]
     return module
 
 
@@ -208,7 +216,7 @@ def bare_key(key: str) -> str:
     """A PEFT state-dict key in the bare model's scope (``base_model.model.`` kept, the head class's prefix gone)."""
     if not key.startswith(PEFT_PREFIX):
         return key
-    return PEFT_PREFIX + bare_module_name(key[len(PEFT_PREFIX):])
+    return PEFT_PREFIX + bare_module_name(key[len(PEFT_PREFIX) :])
 
 
 def bare_config(config: dict) -> dict:
@@ -261,8 +269,10 @@ def rescope(src: str | os.PathLike, dst: str | os.PathLike | None = None) -> Pat
     sd, _ = _read_weights(s)
     renamed = {bare_key(k): v for k, v in sd.items()}
     if len(renamed) != len(sd):
-        raise ValueError(f"{str(s)!r} holds keys in both scopes for one module (e.g. both "
-                         "base_model.model.model.layers... and base_model.model.layers...); it cannot be rescoped")
+        raise ValueError(
+            f"{str(s)!r} holds keys in both scopes for one module (e.g. both "
+            "base_model.model.model.layers... and base_model.model.layers...); it cannot be rescoped"
+        )
     out = s if dst is None else Path(dst).expanduser()
     if out != s:
         if (out / ADAPTER_CONFIG).exists():
@@ -291,25 +301,34 @@ def read_adapter(path: str | os.PathLike) -> LoraAdapter:
     ``ValueError`` naming what is wrong and how to fix it."""
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise FileNotFoundError(f"adapter folder {str(p)!r} does not exist; adapters are PEFT LoRA folders "
-                                "(peft's save_pretrained writes adapter_config.json + adapter_model.safetensors)")
+        raise FileNotFoundError(
+            f"adapter folder {str(p)!r} does not exist; adapters are PEFT LoRA folders "
+            "(peft's save_pretrained writes adapter_config.json + adapter_model.safetensors)"
+        )
     config = _read_config(p)
     where = f"adapter {str(p)!r}"
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
-        raise ValueError(f"{where} is a {peft_type} adapter (peft_type); only LORA adapters are supported "
-                         "(merged as W += scale * B @ A)")
+        raise ValueError(
+            f"{where} is a {peft_type} adapter (peft_type); only LORA adapters are supported "
+            "(merged as W += scale * B @ A)"
+        )
     for key, what in _UNSUPPORTED_FLAGS:
         if config.get(key):
             raise ValueError(f"{where} uses {what}, which is not supported (plain LoRA only); {_MERGE_HINT}")
     bias = config.get("bias", "none")
     if bias not in ("none", None):
-        raise ValueError(f"{where} trains biases (bias={bias!r}), which is not supported: only LoRA A/B weights are "
-                         f"merged (bias='none'); {_MERGE_HINT}")
+        raise ValueError(
+            f"{where} trains biases (bias={bias!r}), which is not supported: only LoRA A/B weights are "
+            f"merged (bias='none'); {_MERGE_HINT}"
+        )
     if config.get("fan_in_fan_out"):
         # peft resets it to False for torch.nn.Linear targets (all of ours) and warns; do the same
-        warnings.warn(f"{where}: fan_in_fan_out is set to True but the target modules are torch.nn.Linear; "
-                      "setting fan_in_fan_out to False (as peft does)", stacklevel=3)
+        warnings.warn(
+            f"{where}: fan_in_fan_out is set to True but the target modules are torch.nn.Linear; "
+            "setting fan_in_fan_out to False (as peft does)",
+            stacklevel=3,
+        )
     sd, digest = _read_weights(p)
     return LoraAdapter(path=p, config=config, digest=digest, modules=_lora_modules(sd, config, where))
 
@@ -323,8 +342,10 @@ def _read_config(p: Path) -> dict:
                 "adapters the folders PEFT LoRA adapters were saved to (adapter_config.json + "
                 "adapter_model.safetensors)"
             )
-        raise FileNotFoundError(f"no {ADAPTER_CONFIG} in {str(p)!r}: adapters are PEFT LoRA folders (peft's "
-                                "save_pretrained writes adapter_config.json + adapter_model.safetensors)")
+        raise FileNotFoundError(
+            f"no {ADAPTER_CONFIG} in {str(p)!r}: adapters are PEFT LoRA folders (peft's "
+            "save_pretrained writes adapter_config.json + adapter_model.safetensors)"
+        )
     try:
         config = json.loads(cfg.read_text())
     except ValueError as e:
@@ -346,38 +367,47 @@ def _check_config(config, cfg: Path) -> None:
     integer; ``lora_alpha`` a finite number; ``rank_pattern`` / ``alpha_pattern`` objects mapping module patterns
     to such values; ``use_rslora`` true or false. ``ValueError`` naming the file and the key otherwise."""
     if not isinstance(config, dict):
-        raise ValueError(f"{cfg} should hold a JSON object of LoRA settings (peft's LoraConfig), got a "  # noqa: TRY004
-                         f"{type(config).__name__}")
+        raise ValueError(  # noqa: TRY004 (a malformed file, not a wrong argument type)
+            f"{cfg} should hold a JSON object of LoRA settings (peft's LoraConfig), got a {type(config).__name__}"
+        )
     if "r" in config and not _positive_int(config["r"]):
         raise ValueError(f"{cfg}: r (the LoRA rank) must be a positive integer, got {config['r']!r}")
     if "lora_alpha" in config and not _finite_number(config["lora_alpha"]):
-        raise ValueError(f"{cfg}: lora_alpha must be a finite number (the merge scales B @ A by lora_alpha / r), got "
-                         f"{config['lora_alpha']!r}")
-    for key, valid, what in (("rank_pattern", _positive_int, "a positive integer rank"),
-                             ("alpha_pattern", _finite_number, "a finite lora_alpha")):
+        raise ValueError(
+            f"{cfg}: lora_alpha must be a finite number (the merge scales B @ A by lora_alpha / r), got "
+            f"{config['lora_alpha']!r}"
+        )
+    for key, valid, what in (
+        ("rank_pattern", _positive_int, "a positive integer rank"),
+        ("alpha_pattern", _finite_number, "a finite lora_alpha"),
+    ):
         pattern = config.get(key)
         if pattern is None:
             continue
         if not isinstance(pattern, dict):
-            raise ValueError(f"{cfg}: {key} must be an object mapping module names / patterns to {what}, "  # noqa: TRY004
-                             f"got {pattern!r}")
+            raise ValueError(  # noqa: TRY004 (a malformed file, not a wrong argument type)
+                f"{cfg}: {key} must be an object mapping module names / patterns to {what}, got {pattern!r}"
+            )
         for name, value in pattern.items():
             if not valid(value):
                 raise ValueError(f"{cfg}: {key}[{name!r}] must be {what}, got {value!r}")
             try:
                 re.compile(_pattern_regex(name))
             except re.error as e:
-                raise ValueError(f"{cfg}: {key} has the key {name!r}, which is not a valid regular expression ({e}); "
-                                 "peft matches these keys as regular expressions against the end of module names: "
-                                 "fix the pattern, or escape its special characters (re.escape) to match a name "
-                                 "literally") from None
+                raise ValueError(
+                    f"{cfg}: {key} has the key {name!r}, which is not a valid regular expression ({e}); "
+                    "peft matches these keys as regular expressions against the end of module names: "
+                    "fix the pattern, or escape its special characters (re.escape) to match a name "
+                    "literally"
+                ) from None
     if not isinstance(config.get("use_rslora", False), bool):
         raise ValueError(f"{cfg}: use_rslora must be true or false, got {config['use_rslora']!r}")  # noqa: TRY004
 
 
 def _bad_weights(f: Path, size: int, e: Exception) -> ValueError:
-    return ValueError(f"{f} is not a valid safetensors file ({size} bytes; {e}): it is truncated or corrupt. Save the "
-                      "adapter again")
+    return ValueError(
+        f"{f} is not a valid safetensors file ({size} bytes; {e}): it is truncated or corrupt. Save the adapter again"
+    )
 
 
 def _read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -399,14 +429,21 @@ def _read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
                 except SafetensorError as e:
                     raise _bad_weights(f, len(data), e) from None
             else:
-                sd = load_pickle_weights(f, "a state dict of LoRA tensors", data=data, convert=(
-                    "save the adapter again with peft's save_pretrained(out, safe_serialization=True) "
-                    "(adapter_model.safetensors)"))
+                sd = load_pickle_weights(
+                    f,
+                    "a state dict of LoRA tensors",
+                    data=data,
+                    convert=(
+                        "save the adapter again with peft's save_pretrained(out, safe_serialization=True) "
+                        "(adapter_model.safetensors)"
+                    ),
+                )
             for key, t in sd.items():
                 check_finite(t, f"tensor {key!r} of {f}")
             return sd, h.hexdigest()
-    raise FileNotFoundError(f"no adapter weights in {str(p)!r}: expected {' or '.join(WEIGHT_FILES)} next to "
-                            f"{ADAPTER_CONFIG}")
+    raise FileNotFoundError(
+        f"no adapter weights in {str(p)!r}: expected {' or '.join(WEIGHT_FILES)} next to {ADAPTER_CONFIG}"
+    )
 
 
 def _lora_modules(sd: dict[str, torch.Tensor], config: dict, where: str) -> list[LoraModule]:
@@ -422,8 +459,10 @@ def _lora_modules(sd: dict[str, torch.Tensor], config: dict, where: str) -> list
     if extras:  # name the most telling one (a LoRA-on-embedding key rather than the embedding peft saved with it)
         ranked = [_describe_extra(k) for k in sorted(extras, key=_natural)]
         described = min(ranked, key=lambda d: d[0])[1]
-        raise ValueError(f"{where} holds {described}, which is not supported: only LoRA A/B weights of Linear "
-                         f"layers are merged; {_MERGE_HINT}")
+        raise ValueError(
+            f"{where} holds {described}, which is not supported: only LoRA A/B weights of Linear "
+            f"layers are merged; {_MERGE_HINT}"
+        )
     if not pairs:
         raise ValueError(f"{where} holds no LoRA weights (no *.lora_A.weight / *.lora_B.weight keys)")
     r0, alpha0 = config.get("r", 8), config.get("lora_alpha", 8)
@@ -432,19 +471,25 @@ def _lora_modules(sd: dict[str, torch.Tensor], config: dict, where: str) -> list
     out = []
     for module, ab in sorted(pairs.items(), key=lambda kv: _natural(kv[0])):
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"{where}: module {module!r} has lora_{'A' if 'A' in ab else 'B'} but no "
-                             f"lora_{'B' if 'A' in ab else 'A'} weights; the adapter file is incomplete")
+            raise ValueError(
+                f"{where}: module {module!r} has lora_{'A' if 'A' in ab else 'B'} but no "
+                f"lora_{'B' if 'A' in ab else 'A'} weights; the adapter file is incomplete"
+            )
         a, b = ab["A"].float(), ab["B"].float()
         r = rank_pattern.get(pattern_key(rank_pattern, module), r0)
         alpha = alpha_pattern.get(pattern_key(alpha_pattern, module), alpha0)
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
-            raise ValueError(f"{where}: module {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
-                             f"which do not fit rank r={r} from adapter_config.json (expected lora_A (r, in) and "
-                             "lora_B (out, r))")
+            raise ValueError(
+                f"{where}: module {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                f"which do not fit rank r={r} from adapter_config.json (expected lora_A (r, in) and "
+                "lora_B (out, r))"
+            )
         scale = alpha / math.sqrt(r) if rslora else alpha / r
         if not math.isfinite(scale):
-            raise ValueError(f"{where}: module {module!r} has the scale lora_alpha / r = {alpha} / {r}, which is not "
-                             "finite; fix lora_alpha / r in adapter_config.json")
+            raise ValueError(
+                f"{where}: module {module!r} has the scale lora_alpha / r = {alpha} / {r}, which is not "
+                "finite; fix lora_alpha / r in adapter_config.json"
+            )
         out.append(LoraModule(module=module, A=a, B=b, scale=scale))
     return out
 
@@ -474,8 +519,10 @@ def _describe_extra(key: str) -> tuple[int, str]:
     if "trainable_tokens" in key:
         return 0, f"trainable token embeddings ({key})"
     if any(n in key for n in ("lm_head", "embed_tokens", "word_embeddings", "wte")):
-        return 1, (f"weights of the embeddings / lm_head ({key}: peft saves them with LoRA on embeddings / lm_head "
-                   "or a resized vocabulary)")
+        return 1, (
+            f"weights of the embeddings / lm_head ({key}: peft saves them with LoRA on embeddings / lm_head "
+            "or a resized vocabulary)"
+        )
     if key.endswith(".bias"):
         return 2, f"a trained bias ({key})"
     return 3, f"full weights of a module ({key}: modules_to_save, or a saved embedding / lm_head)"
@@ -507,8 +554,11 @@ def merged_weights(model, base: Mapping[str, torch.Tensor], adapters: list[LoraA
                 )
             target = table[name]
             if target is None:  # a module our forward never runs (BERT's pooler without a classification head)
-                warnings.warn(f"{where}: LoRA on {m.module!r} is ignored: this model never runs that module "
-                              "(embeddings do not use it)", stacklevel=3)
+                warnings.warn(
+                    f"{where}: LoRA on {m.module!r} is ignored: this model never runs that module "
+                    "(embeddings do not use it)",
+                    stacklevel=3,
+                )
                 continue
             param, rows = target
             w = base[param][rows]
@@ -530,9 +580,12 @@ def merged_weights(model, base: Mapping[str, torch.Tensor], adapters: list[LoraA
             merged[param][rows] += delta
         for param, weight in merged.items():  # finite inputs can still overflow float32
             modules = ", ".join(sorted({f"{m.module!r}" for p, _, m in plan if p == param}))
-            check_finite(weight, f"the merged weight {param!r} (LoRA modules {modules} of "
-                                 f"{', '.join(repr(str(ad.path)) for ad in adapters)})",
-                         "The adapters' lora_alpha / r or weights are too large for float32; nothing was changed")
+            check_finite(
+                weight,
+                f"the merged weight {param!r} (LoRA modules {modules} of "
+                f"{', '.join(repr(str(ad.path)) for ad in adapters)})",
+                "The adapters' lora_alpha / r or weights are too large for float32; nothing was changed",
+            )
     return merged
 
 

@@ -57,15 +57,16 @@ CHECKPOINT = "checkpoint"
 LOG_FILE = "train_log.csv"
 RUN_FILES = {"train_config.json", LOG_FILE, ".adapter.tmp", CHECKPOINT + ".tmp", CHECKPOINT + ".old"}  # not results
 # what to do when the adapter folder cannot be written (a full disk, a size limit)
-RESUME_FIX = (f"{NO_ROOM}, then run again with resume=True (it continues from the last checkpoint); or pass another "
-              "out_dir")
+RESUME_FIX = (
+    f"{NO_ROOM}, then run again with resume=True (it continues from the last checkpoint); or pass another out_dir"
+)
 
 
 @dataclass
 class LoraSpec:
     """The LoRA that is trained: rank, alpha, dropout, target modules, and the dtype the adapter is stored in.
 
-        >>> run = mntp(base, texts, "runs/mntp", steps=200, lora=LoraSpec(r=16, alpha=32.0, save_dtype="bfloat16"))
+    >>> run = mntp(base, texts, "runs/mntp", steps=200, lora=LoraSpec(r=16, alpha=32.0, save_dtype="bfloat16"))
     """
 
     r: int = 8
@@ -79,7 +80,7 @@ class LoraSpec:
 class AdaptRun:
     """What one ``mntp`` / ``simcse`` call did. ``log`` has one row per step (step, loss, lr, tokens, seconds).
 
-        >>> run = simcse(base, texts, "runs/simcse", steps=250); run.final_loss, run.path, run.log.loss.iloc[-1]
+    >>> run = simcse(base, texts, "runs/simcse", steps=250); run.final_loss, run.path, run.log.loss.iloc[-1]
     """
 
     path: Path
@@ -99,11 +100,26 @@ class AdaptRun:
 
 
 # ----------------------------------------------------------------------------------------------------- public
-def mntp(base: str | os.PathLike, texts: Sequence[str], out_dir: str | os.PathLike, *, steps: int,
-         batch_size: int = 32, lr: float = 5e-4, mask_rate: float = 0.2, max_length: int = 128,
-         adapters: Sequence[str | os.PathLike] = (), lora: LoraSpec | None = None, warmup: float = 0.1,
-         seed: int = 0, save_every: int = 50, resume: bool = False, device: str = "auto", dtype: str = "auto",
-         show_progress: bool = True) -> AdaptRun:
+def mntp(
+    base: str | os.PathLike,
+    texts: Sequence[str],
+    out_dir: str | os.PathLike,
+    *,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 5e-4,
+    mask_rate: float = 0.2,
+    max_length: int = 128,
+    adapters: Sequence[str | os.PathLike] = (),
+    lora: LoraSpec | None = None,
+    warmup: float = 0.1,
+    seed: int = 0,
+    save_every: int = 50,
+    resume: bool = False,
+    device: str = "auto",
+    dtype: str = "auto",
+    show_progress: bool = True,
+) -> AdaptRun:
     """Masked next-token prediction with bidirectional attention; writes a PEFT LoRA folder to ``out_dir``.
 
         >>> run = mntp("models/smollm2", texts, "runs/mntp", steps=200)     # then Engine(..., adapters=[run.path])
@@ -123,17 +139,51 @@ def mntp(base: str | os.PathLike, texts: Sequence[str], out_dir: str | os.PathLi
         device / dtype: ``auto`` (CUDA when present, else CPU; bfloat16 autocast where a short probe finds it
             faster than float32 on this machine), or ``cpu``/``cuda`` and ``float32``/``bfloat16``.
     """
-    return _train("mntp", base, texts, out_dir, steps=steps, batch_size=batch_size, lr=lr, max_length=max_length,
-                  adapters=adapters, lora=lora, warmup=warmup, seed=seed, save_every=save_every, resume=resume,
-                  device=device, dtype=dtype, show_progress=show_progress, bidirectional=True,
-                  extra={"mask_rate": mask_rate})
+    return _train(
+        "mntp",
+        base,
+        texts,
+        out_dir,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        max_length=max_length,
+        adapters=adapters,
+        lora=lora,
+        warmup=warmup,
+        seed=seed,
+        save_every=save_every,
+        resume=resume,
+        device=device,
+        dtype=dtype,
+        show_progress=show_progress,
+        bidirectional=True,
+        extra={"mask_rate": mask_rate},
+    )
 
 
-def simcse(base: str | os.PathLike, texts: Sequence[str], out_dir: str | os.PathLike, *, steps: int,
-           adapters: Sequence[str | os.PathLike] = (), bidirectional: bool = True, batch_size: int = 32,
-           lr: float = 3e-4, temperature: float = 0.05, attention_dropout: float = 0.3, max_length: int = 64,
-           lora: LoraSpec | None = None, warmup: float = 0.1, seed: int = 0, save_every: int = 50,
-           resume: bool = False, device: str = "auto", dtype: str = "auto", show_progress: bool = True) -> AdaptRun:
+def simcse(
+    base: str | os.PathLike,
+    texts: Sequence[str],
+    out_dir: str | os.PathLike,
+    *,
+    steps: int,
+    adapters: Sequence[str | os.PathLike] = (),
+    bidirectional: bool = True,
+    batch_size: int = 32,
+    lr: float = 3e-4,
+    temperature: float = 0.05,
+    attention_dropout: float = 0.3,
+    max_length: int = 64,
+    lora: LoraSpec | None = None,
+    warmup: float = 0.1,
+    seed: int = 0,
+    save_every: int = 50,
+    resume: bool = False,
+    device: str = "auto",
+    dtype: str = "auto",
+    show_progress: bool = True,
+) -> AdaptRun:
     """Unsupervised SimCSE with mean pooling on top of the merged ``adapters``; writes a PEFT LoRA folder.
 
     Two dropout passes of each batch (``attention_dropout`` in every attention, plus the LoRA dropout) give two
@@ -142,15 +192,52 @@ def simcse(base: str | os.PathLike, texts: Sequence[str], out_dir: str | os.Path
 
         >>> run = simcse("models/smollm2", texts, "runs/simcse", adapters=["runs/mntp"], steps=250)
     """
-    return _train("simcse", base, texts, out_dir, steps=steps, batch_size=batch_size, lr=lr, max_length=max_length,
-                  adapters=adapters, lora=lora, warmup=warmup, seed=seed, save_every=save_every, resume=resume,
-                  device=device, dtype=dtype, show_progress=show_progress, bidirectional=bidirectional,
-                  extra={"temperature": temperature, "attention_dropout": attention_dropout})
+    return _train(
+        "simcse",
+        base,
+        texts,
+        out_dir,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        max_length=max_length,
+        adapters=adapters,
+        lora=lora,
+        warmup=warmup,
+        seed=seed,
+        save_every=save_every,
+        resume=resume,
+        device=device,
+        dtype=dtype,
+        show_progress=show_progress,
+        bidirectional=bidirectional,
+        extra={"temperature": temperature, "attention_dropout": attention_dropout},
+    )
 
 
 # ------------------------------------------------------------------------------------------------- training
-def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_length, adapters, lora, warmup,
-           seed, save_every, resume, device, dtype, show_progress, bidirectional, extra) -> AdaptRun:
+def _train(
+    objective: str,
+    base,
+    texts,
+    out_dir,
+    *,
+    steps,
+    batch_size,
+    lr,
+    max_length,
+    adapters,
+    lora,
+    warmup,
+    seed,
+    save_every,
+    resume,
+    device,
+    dtype,
+    show_progress,
+    bidirectional,
+    extra,
+) -> AdaptRun:
     import pandas as pd
 
     lora = lora or LoraSpec()
@@ -159,8 +246,9 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
     source = hub.resolve(base, what="base model")  # a hub id: its snapshot, fetched when the hub can be reached
     base = source.folder
     if not (base / "config.json").exists():
-        raise FileNotFoundError(f"{str(base)!r} is not a model folder (no config.json); pass a base model folder or "
-                                "its hub id")
+        raise FileNotFoundError(
+            f"{str(base)!r} is not a model folder (no config.json); pass a base model folder or its hub id"
+        )
     adapters = [str(hub.resolve(a, what="adapter").folder) for a in adapters]
     out = Path(out_dir).expanduser()
     ckpt = out / CHECKPOINT
@@ -169,14 +257,28 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
     if out.exists() and any(out.iterdir()) and not (resume and ckpt.exists()) and not restart:
         if (out / "adapter_config.json").exists() and resume:
             raise FileExistsError(f"{str(out)!r} already holds a finished adapter; nothing to resume")
-        raise FileExistsError(f"{str(out)!r} is not empty; pass resume=True to continue its checkpoint, or a new "
-                              "out_dir")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
-    config = dict(objective=objective, base=str(base.resolve()), adapters=[str(Path(a).resolve()) for a in adapters],
-                  bidirectional=bidirectional, steps=steps, batch_size=batch_size, lr=lr, max_length=max_length,
-                  warmup=warmup, seed=seed, lora=asdict(lora), texts=len(texts), texts_sha1=_texts_hash(texts),
-                  **extra)
+        raise FileExistsError(
+            f"{str(out)!r} is not empty; pass resume=True to continue its checkpoint, or a new out_dir"
+        )
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
+    config = dict(
+        objective=objective,
+        base=str(base.resolve()),
+        adapters=[str(Path(a).resolve()) for a in adapters],
+        bidirectional=bidirectional,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        max_length=max_length,
+        warmup=warmup,
+        seed=seed,
+        lora=asdict(lora),
+        texts=len(texts),
+        texts_sha1=_texts_hash(texts),
+        **extra,
+    )
     config = json.loads(json.dumps(config))  # as train_config.json holds it (tuples become lists)
     if resume and ckpt.exists():
         saved = json.loads((out / "train_config.json").read_text())
@@ -188,13 +290,17 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
     model, tok = _load(base, adapters, bidirectional, lora, dev, extra.get("attention_dropout", 0.0))
     ids = _tokenize(tok, texts, max_length)
     order = _batch_order(ids, batch_size, steps, seed)
-    loss_fn = (_mntp_loss(model, tok, ids, extra["mask_rate"], seed) if objective == "mntp"
-               else _simcse_loss(model, tok, ids, extra["temperature"]))
+    loss_fn = (
+        _mntp_loss(model, tok, ids, extra["mask_rate"], seed)
+        if objective == "mntp"
+        else _simcse_loss(model, tok, ids, extra["temperature"])
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     warm = max(1, round(warmup * steps))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (steps - s) / max(1, steps - warm)))
+        opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (steps - s) / max(1, steps - warm))
+    )
     amp = _choose_dtype(dtype, dev, lambda: loss_fn(order[0], 0)[0], params)
 
     start, rows = 0, []
@@ -202,8 +308,9 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
         start, rows = _load_checkpoint(ckpt, model, opt, sched)
     else:
         make_folder(out, f"the {objective} adapter", "pass an out_dir that can be written")
-        atomic_write(out / "train_config.json", json.dumps({**config, "machine": machine_info()}, indent=2).encode(),
-                     RESUME_FIX)
+        atomic_write(
+            out / "train_config.json", json.dumps({**config, "machine": machine_info()}, indent=2).encode(), RESUME_FIX
+        )
     bar = None
     if show_progress:
         from tqdm.auto import tqdm
@@ -220,8 +327,15 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-            rows.append({"step": step + 1, "loss": loss.item(), "lr": sched.get_last_lr()[0], "tokens": tokens,
-                             "seconds": time.perf_counter() - ts})
+            rows.append(
+                {
+                    "step": step + 1,
+                    "loss": loss.item(),
+                    "lr": sched.get_last_lr()[0],
+                    "tokens": tokens,
+                    "seconds": time.perf_counter() - ts,
+                }
+            )
             sched.step()
             if bar is not None:
                 bar.update(1)
@@ -244,8 +358,16 @@ def _train(objective: str, base, texts, out_dir, *, steps, batch_size, lr, max_l
     gc.collect()  # peft's wrappers hold reference cycles: free this run's model before the next one loads
     log = pd.DataFrame(rows)
     _plot_loss(log, out / "loss.png", objective)
-    return AdaptRun(path=out, objective=objective, steps=steps, resumed_from=start, seconds=time.perf_counter() - t0,
-                    dtype=str(amp).removeprefix("torch."), device=str(dev), log=log)
+    return AdaptRun(
+        path=out,
+        objective=objective,
+        steps=steps,
+        resumed_from=start,
+        seconds=time.perf_counter() - t0,
+        dtype=str(amp).removeprefix("torch."),
+        device=str(dev),
+        log=log,
+    )
 
 
 def _check_args(texts, steps, batch_size, lr, max_length, save_every, lora: LoraSpec, extra) -> None:
@@ -256,8 +378,13 @@ def _check_args(texts, steps, batch_size, lr, max_length, save_every, lora: Lora
         raise TypeError(f"texts[{bad}] is {type(texts[bad]).__name__}, not a string")
     if sum(bool(t.strip()) for t in texts) < 2:
         raise ValueError("texts needs at least two non-empty texts to train on")
-    for name, v in (("steps", steps), ("batch_size", batch_size), ("max_length", max_length),
-                    ("save_every", save_every), ("r", lora.r)):
+    for name, v in (
+        ("steps", steps),
+        ("batch_size", batch_size),
+        ("max_length", max_length),
+        ("save_every", save_every),
+        ("r", lora.r),
+    ):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if batch_size < 2 and "temperature" in extra:
@@ -282,8 +409,13 @@ def _load(base: Path, adapters, bidirectional: bool, lora: LoraSpec, dev: torch.
     lib = peft()
 
     tok = AutoTokenizer.from_pretrained(str(base), local_files_only=True, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, local_files_only=True,
-                                                 attention_dropout=attention_dropout, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(base),
+        dtype=torch.float32,
+        local_files_only=True,
+        attention_dropout=attention_dropout,
+        trust_remote_code=False,
+    )
     for a in adapters:
         if not (Path(a) / "adapter_config.json").exists():
             raise FileNotFoundError(f"{str(a)!r} holds no PEFT adapter (no adapter_config.json)")
@@ -292,8 +424,13 @@ def _load(base: Path, adapters, bidirectional: bool, lora: LoraSpec, dev: torch.
         else:  # saved from the *ForCausalLM (keys base_model.model.model.layers...)
             model = lib.PeftModel.from_pretrained(model, str(a)).merge_and_unload()
     set_bidirectional(model, bidirectional)
-    cfg = lib.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                     target_modules=list(lora.target_modules), bias="none")
+    cfg = lib.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+    )
     model = lib.get_peft_model(model, cfg).to(dev)
     return model, tok
 
@@ -315,8 +452,10 @@ def _tokenize(tok, texts: Sequence[str], max_length: int) -> list[np.ndarray]:
     enc = tok(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
     cut = sum(len(e) > max_length for e in enc)
     if cut:
-        warnings.warn(f"{cut} of {len(enc)} training texts were longer than max_length={max_length} tokens and "
-                      "were cut", stacklevel=4)
+        warnings.warn(
+            f"{cut} of {len(enc)} training texts were longer than max_length={max_length} tokens and were cut",
+            stacklevel=4,
+        )
     return [np.asarray(e[:max_length], dtype=np.int64) for e in enc if len(e)]
 
 
@@ -479,8 +618,11 @@ def _write_adapter(model, tmp: Path, out: Path, lora: LoraSpec, *, bare: bool, b
     sd = peft().get_peft_model_state_dict(model)
     dt = getattr(torch, lora.save_dtype)
     rename = bare_key if bare else str
-    save_file({rename(k): v.detach().to("cpu", dt).contiguous() for k, v in sd.items()},
-              str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {rename(k): v.detach().to("cpu", dt).contiguous() for k, v in sd.items()},
+        str(tmp / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     if bare:
         cfg = tmp / "adapter_config.json"
         written = bare_config(json.loads(cfg.read_text()))
@@ -503,11 +645,24 @@ def _save_checkpoint(ckpt: Path, model, opt, sched, step: int, rows: list[dict],
     with staged(tmp, lambda e: write_failed(e, ckpt, None, RESUME_FIX)):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        _write_adapter(model, tmp / ".adapter.tmp", tmp, LoraSpec(**{**asdict(lora), "save_dtype": "float32"}),
-                       bare=False, base=None)
+        _write_adapter(
+            model,
+            tmp / ".adapter.tmp",
+            tmp,
+            LoraSpec(**{**asdict(lora), "save_dtype": "float32"}),
+            bare=False,
+            base=None,
+        )
         state = io.BytesIO()  # torch.save reports a failed file write as a RuntimeError: the file is written here
-        torch.save({"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    "torch_rng": torch.get_rng_state()}, state)
+        torch.save(
+            {
+                "step": step,
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+            },
+            state,
+        )
         (tmp / "trainer_state.pt").write_bytes(state.getvalue())
         pd.DataFrame(rows).to_csv(tmp / LOG_FILE, index=False)
     old = ckpt.with_name(CHECKPOINT + ".old")
@@ -576,5 +731,10 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }

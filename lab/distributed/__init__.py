@@ -9,6 +9,11 @@ from __future__ import annotations
 from lab._lazy import exports
 
 __all__ = ["ChunkResult", "RayEngine", "RayStats", "embed_dataset", "read_embeddings", "split_by_tokens"]
-__getattr__ = exports(globals(), {**{name: "lab.distributed.ray_engine" for name in __all__},
-                                  "embed_dataset": "lab.distributed.dataset",
-                                  "read_embeddings": "lab.distributed.shards"})
+__getattr__ = exports(
+    globals(),
+    {
+        **{name: "lab.distributed.ray_engine" for name in __all__},
+        "embed_dataset": "lab.distributed.dataset",
+        "read_embeddings": "lab.distributed.shards",
+    },
+)

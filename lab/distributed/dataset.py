@@ -36,9 +36,19 @@ from lab.engine.knobs import Knobs
 __all__ = ["embed_dataset"]
 
 
-def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_texts: int = 2048,
-                  knobs: dict | None = None, threads_per_actor: int = 1, address: str | None = None,
-                  show_progress: bool = True, on_shard: Callable[[dict], object] | None = None) -> pd.DataFrame:
+def embed_dataset(
+    model_path,
+    source,
+    out_dir,
+    *,
+    num_actors: int = 2,
+    shard_texts: int = 2048,
+    knobs: dict | None = None,
+    threads_per_actor: int = 1,
+    address: str | None = None,
+    show_progress: bool = True,
+    on_shard: Callable[[dict], object] | None = None,
+) -> pd.DataFrame:
     """Embed a corpus into Parquet shards of ``(id, embedding)`` on Ray actors; resumable.
 
         >>> summary = embed_dataset(path, "corpus.jsonl", "out/", num_actors=2, knobs={"dtype": "bfloat16"})
@@ -74,8 +84,10 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
         raise ValueError(f"shard_texts must be a positive int, got {shard_texts!r}")
     given = isinstance(model_path, RayEngine)
     if given and knobs:
-        raise ValueError("knobs= is for the actors embed_dataset starts; this RayEngine has its own: "
-                         "reng.configure(...) before calling embed_dataset(reng, ...)")
+        raise ValueError(
+            "knobs= is for the actors embed_dataset starts; this RayEngine has its own: "
+            "reng.configure(...) before calling embed_dataset(reng, ...)"
+        )
     src = read_source(source)
     result_knobs(dict(knobs or {}))  # a bad knob is named before any actor starts or any model is looked up
     out = make_folder(Path(out_dir), "embed_dataset's shards", "point out_dir at a folder that can be written")
@@ -93,14 +105,17 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
         else:  # a folder the actors' nodes hold and this one does not: they hash it
             reng = RayEngine(model, num_actors, threads_per_actor, address, **knobs)
             digest = reng.model_digest()
-        manifest = Manifest.open(out, job_record(src, shard_texts=shard_texts, model=model, digest=digest,
-                                                 knobs=knobs))
+        manifest = Manifest.open(
+            out, job_record(src, shard_texts=shard_texts, model=model, digest=digest, knobs=knobs)
+        )
         manifest.save()
         in_flight: dict[int, list] = {}  # shard -> its ids, while an actor embeds its texts
         from tqdm.auto import tqdm
 
-        with tqdm(total=math.ceil(len(src) / shard_texts), desc="embed_dataset", unit="shard",
-                  disable=not show_progress) as bar:
+        with tqdm(
+            total=math.ceil(len(src) / shard_texts), desc="embed_dataset", unit="shard", disable=not show_progress
+        ) as bar:
+
             def unfinished():  # the shards to compute, read from the source as the actors take them
                 for k, ids, texts in src.shards(shard_texts):
                     if manifest.finished(k, ids):
@@ -115,9 +130,15 @@ def embed_dataset(model_path, source, out_dir, *, num_actors: int = 2, shard_tex
                 if reng is None:
                     reng = RayEngine(model, num_actors, threads_per_actor, address, **knobs)
                 for res in reng.map_chunks(itertools.chain([first], todo)):
-                    row = {**write_shard(out, res.key, in_flight.pop(res.key), res.embeddings),
-                           "tokens": res.stats.tokens, "seconds": round(res.seconds, 4), "actor": res.actor,
-                           "pid": res.pid, "node": res.node, "finished": round(time.time(), 3)}
+                    row = {
+                        **write_shard(out, res.key, in_flight.pop(res.key), res.embeddings),
+                        "tokens": res.stats.tokens,
+                        "seconds": round(res.seconds, 4),
+                        "actor": res.actor,
+                        "pid": res.pid,
+                        "node": res.node,
+                        "finished": round(time.time(), 3),
+                    }
                     manifest.record(res.key, row)
                     computed.add(res.key)
                     bar.update(1)

@@ -35,8 +35,10 @@ import pandas as pd
 try:
     import ray
 except ImportError as e:  # the core engine does not need Ray; only this module does
-    raise ImportError('lab.distributed needs Ray, which prefill-lab installs with its "ray" extra: '
-                      'pip install -e ".[ray]"  (or: pip install "ray[data]>=2.9")') from e
+    raise ImportError(
+        'lab.distributed needs Ray, which prefill-lab installs with its "ray" extra: '
+        'pip install -e ".[ray]"  (or: pip install "ray[data]>=2.9")'
+    ) from e
 
 from lab.distributed.shards import model_digest
 from lab.engine.call import Stats
@@ -51,8 +53,16 @@ IN_FLIGHT = 2  # calls queued per actor: the next one is there when the last ret
 CHUNK_TEXTS = WAVE_SIZE  # texts per call in RayEngine.embed (progress, and what a restart redoes)
 # Environment the actors get from the driver: offline flags, where the Hugging Face cache and hub are and the token
 # (models by hub id), and the engine's own LAB_* settings.
-FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME", "HF_HUB_CACHE",
-                 "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_PROGRESS_BARS")
+FORWARDED_ENV = (
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "TOKENIZERS_PARALLELISM",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_ENDPOINT",
+    "HF_TOKEN",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+)
 PER_ACTOR = ["actor", "pid", "node", "calls", *Stats.COUNTS, "seconds", "tokens_per_s"]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 PLACE_WAIT = 5.0  # seconds to wait for free CPUs / GPUs before starting actors (a closed RayEngine frees them soon)
@@ -85,9 +95,19 @@ class EngineActor:
         if knobs is not None:
             self.sync(knobs)
         e = self.engine
-        return {"actor": self.index, "pid": self.pid, "node": self.node, "model_name": e.model_name,
-                "embedding_dim": e.embedding_dim, "knobs": e.knobs, "resolved": e.resolved, "num_layers": e.num_layers,
-                "adapter_ids": e.adapter_ids, "is_cross_encoder": e.is_cross_encoder, "revision": e.revision}
+        return {
+            "actor": self.index,
+            "pid": self.pid,
+            "node": self.node,
+            "model_name": e.model_name,
+            "embedding_dim": e.embedding_dim,
+            "knobs": e.knobs,
+            "resolved": e.resolved,
+            "num_layers": e.num_layers,
+            "adapter_ids": e.adapter_ids,
+            "is_cross_encoder": e.is_cross_encoder,
+            "revision": e.revision,
+        }
 
     def validate(self, knobs: dict) -> Knobs:
         return self.engine.validate(**knobs)
@@ -103,8 +123,14 @@ class EngineActor:
         self.sync(knobs)
         t0 = time.perf_counter()
         emb = self.engine.embed(texts, show_progress=False, **call)
-        return {"embeddings": emb, "stats": self.engine.stats.to_dict(), "actor": self.index, "pid": self.pid,
-                "node": self.node, "seconds": time.perf_counter() - t0}
+        return {
+            "embeddings": emb,
+            "stats": self.engine.stats.to_dict(),
+            "actor": self.index,
+            "pid": self.pid,
+            "node": self.node,
+            "seconds": time.perf_counter() - t0,
+        }
 
 
 @dataclass
@@ -117,8 +143,7 @@ class RayStats(Stats):
     """
 
     actors: int = 0
-    per_actor: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PER_ACTOR), repr=False,
-                                    compare=False)
+    per_actor: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PER_ACTOR), repr=False, compare=False)
 
     def __str__(self) -> str:
         return f"{super().__str__()}; over {self.actors} Ray actor(s)"
@@ -169,8 +194,17 @@ class RayEngine:
             ``cuda:0``.
     """
 
-    def __init__(self, model_path, num_actors: int = 2, threads_per_actor: int = 1, address: str | None = None, *,
-                 max_restarts: int = 3, load_timeout: float = 600.0, **knobs):
+    def __init__(
+        self,
+        model_path,
+        num_actors: int = 2,
+        threads_per_actor: int = 1,
+        address: str | None = None,
+        *,
+        max_restarts: int = 3,
+        load_timeout: float = 600.0,
+        **knobs,
+    ):
         for name, v in (("num_actors", num_actors), ("threads_per_actor", threads_per_actor)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -183,15 +217,20 @@ class RayEngine:
         self._stats = RayStats()
         self._actors: list = []
         self._started_ray = connect(address)
-        options = {"num_cpus": threads_per_actor, "num_gpus": 1 if wants_gpu(knobs.get("device", "auto")) else 0,
-                   "max_restarts": max_restarts, "max_task_retries": max_restarts}
+        options = {
+            "num_cpus": threads_per_actor,
+            "num_gpus": 1 if wants_gpu(knobs.get("device", "auto")) else 0,
+            "max_restarts": max_restarts,
+            "max_task_retries": max_restarts,
+        }
         env = {k: v for k, v in os.environ.items() if k in FORWARDED_ENV or k.startswith("LAB_")}
         if env:
             options["runtime_env"] = {"env_vars": env}
         check_room(num_actors, options)
         actor_class = ray.remote(EngineActor).options(**options)
-        self._actors = [actor_class.remote(self.model_path, self._knobs, threads_per_actor, i)
-                        for i in range(num_actors)]
+        self._actors = [
+            actor_class.remote(self.model_path, self._knobs, threads_per_actor, i) for i in range(num_actors)
+        ]
         try:
             self._info = wait_ready([a.info.remote() for a in self._actors], load_timeout, self.model_path, options)[0]
         except BaseException:
@@ -253,8 +292,10 @@ class RayEngine:
 
     def __repr__(self) -> str:
         r = self.resolved
-        return (f"RayEngine({self.model_name!r}, {len(self._actors)} actors x {self.threads_per_actor} thread(s), "
-                f"pooling={r['pooling']}, normalize={r['normalize']}, dtype={r['dtype']}, device={r['device']})")
+        return (
+            f"RayEngine({self.model_name!r}, {len(self._actors)} actors x {self.threads_per_actor} thread(s), "
+            f"pooling={r['pooling']}, normalize={r['normalize']}, dtype={r['dtype']}, device={r['device']})"
+        )
 
     # ------------------------------------------------------------------------------------------------- knobs
     def validate(self, **knobs) -> Knobs:
@@ -299,8 +340,11 @@ class RayEngine:
             self._stats = RayStats(actors=len(self._live()))
             return np.zeros((0, self.embedding_dim), dtype=np.float32)
         ranges = split_by_tokens(self._lengths(texts, call), len(self._actors))
-        chunks = [((a, b), texts[a:b], actor) for actor, (start, stop) in enumerate(ranges)
-                  for a, b in pieces(start, stop, CHUNK_TEXTS)]
+        chunks = [
+            ((a, b), texts[a:b], actor)
+            for actor, (start, stop) in enumerate(ranges)
+            for a, b in pieces(start, stop, CHUNK_TEXTS)
+        ]
         from tqdm.auto import tqdm
 
         show = len(texts) > CHUNK_TEXTS if show_progress is None else bool(show_progress)
@@ -316,8 +360,9 @@ class RayEngine:
         self._stats = summarize(results, time.perf_counter() - t0, len(self._actors))
         return out
 
-    def map_chunks(self, chunks: Iterable[tuple], *, call: dict | None = None,
-                   in_flight: int = IN_FLIGHT) -> Iterator[ChunkResult]:
+    def map_chunks(
+        self, chunks: Iterable[tuple], *, call: dict | None = None, in_flight: int = IN_FLIGHT
+    ) -> Iterator[ChunkResult]:
         """Embed chunks on the actors and yield each ``ChunkResult`` as it comes back (completion order).
 
         ``chunks``: ``(key, texts, actor)``, ``actor`` an index for a fixed actor or ``None`` for whichever is free
@@ -355,8 +400,15 @@ class RayEngine:
                 key, i = pending.pop(ref)
                 res = get(ref)
                 submit(i)
-                yield ChunkResult(key, res["embeddings"], Stats(**res["stats"]), res["actor"], res["pid"], res["node"],
-                                  res["seconds"])
+                yield ChunkResult(
+                    key,
+                    res["embeddings"],
+                    Stats(**res["stats"]),
+                    res["actor"],
+                    res["pid"],
+                    res["node"],
+                    res["seconds"],
+                )
         finally:
             for ref in pending:
                 with contextlib.suppress(Exception):  # best effort: a call that cannot be cancelled just finishes
@@ -367,8 +419,9 @@ class RayEngine:
         """These actors as one mteb 2.x encoder (``lab.eval.mteb_adapter.as_mteb_model``, same keyword arguments): mteb
         hands each task's texts to ``embed``, which spreads them over the actors."""
         if self.is_cross_encoder:
-            raise ValueError("RayEngine distributes embed only; evaluate a cross-encoder with "
-                             "Engine(path).as_mteb_model()")
+            raise ValueError(
+                "RayEngine distributes embed only; evaluate a cross-encoder with Engine(path).as_mteb_model()"
+            )
         from lab.eval.mteb_adapter import as_mteb_model
 
         return as_mteb_model(self, **kwargs)
@@ -426,13 +479,15 @@ def pieces(start: int, stop: int, size: int) -> list[tuple[int, int]]:
 
 def summarize(results: list[ChunkResult], wall: float, actors: int) -> RayStats:
     """One call's ``RayStats`` from its chunks: counters summed, seconds = ``wall``, and per-actor rows."""
-    total = RayStats(actors=actors, path=results[0].stats.path, backend=results[0].stats.backend,
-                     adapters=results[0].stats.adapters)
+    total = RayStats(
+        actors=actors, path=results[0].stats.path, backend=results[0].stats.backend, adapters=results[0].stats.adapters
+    )
     rows: dict[int, dict] = {}
     for r in results:
         total.add(r.stats, concurrent=True)
-        row = rows.setdefault(r.actor, {"actor": r.actor, "calls": 0, "seconds": 0.0,
-                                        **dict.fromkeys(Stats.COUNTS, 0)})
+        row = rows.setdefault(
+            r.actor, {"actor": r.actor, "calls": 0, "seconds": 0.0, **dict.fromkeys(Stats.COUNTS, 0)}
+        )
         row.update(pid=r.pid, node=r.node, calls=row["calls"] + 1, seconds=row["seconds"] + r.seconds)
         for c in Stats.COUNTS:
             row[c] += getattr(r.stats, c)
@@ -493,13 +548,18 @@ def check_room(num_actors: int, options: dict, wait: float = PLACE_WAIT) -> None
     total = ray.cluster_resources()
     have = ", ".join(f"{free.get(r, 0.0):g} of its {total.get(r, 0.0):g} {r}(s) free" for r in short)
     held = [f"{r!r} ({len(r.actors)} actor(s) x {r.threads_per_actor} CPU(s))" for r in list(_LIVE) if r.actors]
-    holders = (f"; held in this process by {', '.join(held)}: close it (reng.close()) or hand it to "
-               "embed_dataset(reng, ...) instead of a model path" if held else
-               "; what holds them is outside this process (other drivers or actors on the cluster)")
+    holders = (
+        f"; held in this process by {', '.join(held)}: close it (reng.close()) or hand it to "
+        "embed_dataset(reng, ...) instead of a model path"
+        if held
+        else "; what holds them is outside this process (other drivers or actors on the cluster)"
+    )
     asks = " and ".join(f"{n:g} {r}(s)" for r, n in need.items() if n)
-    raise RuntimeError(f"{num_actors} Ray actor(s) asking for {options['num_cpus']} CPU(s) and "
-                       f"{options['num_gpus']} GPU(s) each need {asks}, but the cluster has {have}{holders}; or use "
-                       "fewer actors / threads_per_actor")
+    raise RuntimeError(
+        f"{num_actors} Ray actor(s) asking for {options['num_cpus']} CPU(s) and "
+        f"{options['num_gpus']} GPU(s) each need {asks}, but the cluster has {have}{holders}; or use "
+        "fewer actors / threads_per_actor"
+    )
 
 
 def actor_model(model, knobs: dict) -> tuple[str, dict]:
@@ -527,11 +587,13 @@ def wait_ready(refs: list, timeout: float, model_path: str, options: dict) -> li
                 f"{len(pending)} of {len(refs)} Ray actor(s) not ready after {timeout:.0f} s. Each asks for "
                 f"{options['num_cpus']} CPU(s) and {options['num_gpus']} GPU(s); the cluster has "
                 f"{ray.cluster_resources()} ({ray.available_resources()} free). Use fewer actors or "
-                "threads_per_actor, or a larger load_timeout for a slow model")
+                "threads_per_actor, or a larger load_timeout for a slow model"
+            )
         try:
             out[ready[0]] = ray.get(ready[0])
         except ray.exceptions.RayError as e:
             lines = [s.strip() for s in ANSI.sub("", str(e)).splitlines() if s.strip()]
-            raise RuntimeError(f"a Ray actor could not start an Engine on {model_path}: "
-                               f"{lines[-1] if lines else type(e).__name__}") from e
+            raise RuntimeError(
+                f"a Ray actor could not start an Engine on {model_path}: {lines[-1] if lines else type(e).__name__}"
+            ) from e
     return [out[r] for r in refs]

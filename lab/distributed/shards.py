@@ -47,8 +47,10 @@ INT64 = (-(2**63), 2**63 - 1)  # the ids Parquet's int64 column holds
 NOT_READ = (".md", ".h5", ".msgpack", ".ot", ".onnx")
 INFO_KEYS = ("model", "adapters")  # recorded in the job for people to read; a resume compares the content instead
 # what to do when a shard or the manifest cannot be written (a full disk, a size limit, a read-only folder)
-JOB_FIX = (f"{NO_ROOM} and run embed_dataset again: it resumes after the shards already written; or point out_dir at "
-           "a folder with room (the job starts over there)")
+JOB_FIX = (
+    f"{NO_ROOM} and run embed_dataset again: it resumes after the shards already written; or point out_dir at "
+    "a folder with room (the job starts over there)"
+)
 
 
 BATCH_ROWS = 8192  # rows a file or dataset source is read in at a time
@@ -82,7 +84,7 @@ class Source:
             texts += more_texts
             if len(ids) >= size:
                 for start in range(0, len(ids) - size + 1, size):
-                    yield k, ids[start:start + size], texts[start:start + size]
+                    yield k, ids[start : start + size], texts[start : start + size]
                     k += 1
                 cut = len(ids) - len(ids) % size
                 ids, texts = ids[cut:], texts[cut:]
@@ -135,20 +137,26 @@ def read_source(source) -> Source:
         if name.endswith(".parquet"):
             _parquet_columns(path)
             return Source("parquet", functools.partial(_parquet_batches, path), str(path))
-        raise ValueError(f"source {path}: unknown file type; use a .jsonl, .jsonl.gz or .parquet file with an 'id' "
-                         "and a 'text' per row, a list of strings, or a ray.data.Dataset")
+        raise ValueError(
+            f"source {path}: unknown file type; use a .jsonl, .jsonl.gz or .parquet file with an 'id' "
+            "and a 'text' per row, a list of strings, or a ray.data.Dataset"
+        )
     if callable(getattr(source, "iter_batches", None)):
         columns = source.columns()
         missing = [c for c in ("id", "text") if c not in columns]
         if missing:
-            raise ValueError(f"the ray.data.Dataset has no {' or '.join(repr(c) for c in missing)} column (it has "
-                             f"{columns}); every row needs an 'id' and a string 'text'")
+            raise ValueError(
+                f"the ray.data.Dataset has no {' or '.join(repr(c) for c in missing)} column (it has "
+                f"{columns}); every row needs an 'id' and a string 'text'"
+            )
         return Source("ray.data.Dataset", functools.partial(_dataset_batches, source), "the ray.data.Dataset")
     if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
         texts = list(source)
         return Source("list", lambda: iter([(list(range(len(texts))), texts)]), "the source list")
-    raise ValueError(f"source must be a list of strings, a .jsonl / .parquet path or a ray.data.Dataset; got "
-                     f"{type(source).__name__}")
+    raise ValueError(
+        f"source must be a list of strings, a .jsonl / .parquet path or a ray.data.Dataset; got "
+        f"{type(source).__name__}"
+    )
 
 
 def _jsonl_batches(path: Path) -> Iterator[tuple[list, list]]:
@@ -164,12 +172,14 @@ def _jsonl_batches(path: Path) -> Iterator[tuple[list, list]]:
                 raise ValueError(f"{path} line {line_no} is not valid JSON ({e})") from None
             if not isinstance(record, dict):
                 raise ValueError(  # noqa: TRY004 - a bad row of the source is a ValueError, like the others
-                    f"{path} line {line_no} is a JSON {type(record).__name__}, not an object with an 'id' and a "
-                    "'text'")
+                    f"{path} line {line_no} is a JSON {type(record).__name__}, not an object with an 'id' and a 'text'"
+                )
             for key in ("id", "text"):
                 if key not in record:
-                    raise ValueError(f"{path} line {line_no} (row {row}) has no {key!r}; every row needs an "
-                                     f"'id' and a string 'text' (it has {sorted(record)})")
+                    raise ValueError(
+                        f"{path} line {line_no} (row {row}) has no {key!r}; every row needs an "
+                        f"'id' and a string 'text' (it has {sorted(record)})"
+                    )
             ids.append(record["id"])
             texts.append(record["text"])
             row += 1
@@ -186,8 +196,10 @@ def _parquet_columns(path: Path) -> None:
     columns = pq.read_schema(path).names
     missing = [c for c in ("id", "text") if c not in columns]
     if missing:
-        raise ValueError(f"{path} has no {' or '.join(repr(c) for c in missing)} column (it has {columns}); every "
-                         "row needs an 'id' and a string 'text'")
+        raise ValueError(
+            f"{path} has no {' or '.join(repr(c) for c in missing)} column (it has {columns}); every "
+            "row needs an 'id' and a string 'text'"
+        )
 
 
 def _parquet_batches(path: Path) -> Iterator[tuple[list, list]]:
@@ -225,21 +237,27 @@ def _check_rows(batches: Callable[[], Iterator[tuple[list, list]]], where: str) 
             if not isinstance(t, str):
                 raise ValueError(  # noqa: TRY004 - a bad row of the source is a ValueError, like a missing text
                     f"{where}: row {row} (id {i!r}) has a {type(t).__name__} text ({t!r:.40}), not a string; "
-                    "convert or drop it")
+                    "convert or drop it"
+                )
             check_encodable(t, f"{where}: row {row}")
             if i is None:
                 raise ValueError(f"{where}: row {row} has no id")
             if isinstance(i, bool) or not isinstance(i, (int, str)):
                 raise ValueError(  # noqa: TRY004 - a bad row of the source is a ValueError, like a missing id
-                    f"{where}: row {row} has a {type(i).__name__} id ({i!r}); ids must be ints or strings")
+                    f"{where}: row {row} has a {type(i).__name__} id ({i!r}); ids must be ints or strings"
+                )
             if isinstance(i, int) and not INT64[0] <= i <= INT64[1]:
-                raise ValueError(f"{where}: row {row} has the id {i}, outside the 64-bit range the Parquet shards "
-                                 f"store ({INT64[0]} to {INT64[1]}); use smaller ints or string ids")
+                raise ValueError(
+                    f"{where}: row {row} has the id {i}, outside the 64-bit range the Parquet shards "
+                    f"store ({INT64[0]} to {INT64[1]}); use smaller ints or string ids"
+                )
             if kind is None:
                 kind = str if isinstance(i, str) else int
             elif not isinstance(i, kind):
-                raise ValueError(f"{where}: row {row} has a {type(i).__name__} id ({i!r}) but earlier ids are "
-                                 f"{kind.__name__}s; use one type for every id")
+                raise ValueError(
+                    f"{where}: row {row} has a {type(i).__name__} id ({i!r}) but earlier ids are "
+                    f"{kind.__name__}s; use one type for every id"
+                )
             key = id_bytes(i)
             h.update(framed(key))
             h.update(framed(t.encode("utf-8")))
@@ -267,8 +285,10 @@ def _check_unique(hashes: list[bytes], batches, where: str) -> None:
     for r in sorted(found):
         i = found[r]
         if i in first:
-            raise ValueError(f"{where}: id {i!r} appears twice (rows {first[i]} and {r}); ids must be unique, since "
-                             "each is written once")
+            raise ValueError(
+                f"{where}: id {i!r} appears twice (rows {first[i]} and {r}); ids must be unique, since "
+                "each is written once"
+            )
         first[i] = r
 
 
@@ -300,6 +320,7 @@ def folder_files(folder: Path, subfolders: bool) -> list[tuple[str, Path]]:
     """``(name relative to folder, path)`` of the files of ``folder`` a loader may read: every file at its top (but
     docs and other frameworks' weights, ``NOT_READ``) and, with ``subfolders``, those of the sentence-transformers
     module folders its ``modules.json`` names (a Pooling or Dense config, ColBERT's projection)."""
+
     def keep(f: Path) -> bool:
         return f.is_file() and not f.name.startswith(".") and not f.name.lower().endswith(NOT_READ)
 
@@ -350,8 +371,15 @@ def job_record(source: Source, *, shard_texts: int, model: str, digest: str, kno
     paths are recorded too, for people to read (``INFO_KEYS``), and not compared."""
     knobs = result_knobs(knobs)
     adapters = knobs.pop("adapters", [])
-    return {"rows": len(source), "shard_texts": shard_texts, "source": source.fingerprint(), "model_files": digest,
-            "knobs": knobs, "model": model, "adapters": adapters}
+    return {
+        "rows": len(source),
+        "shard_texts": shard_texts,
+        "source": source.fingerprint(),
+        "model_files": digest,
+        "knobs": knobs,
+        "model": model,
+        "adapters": adapters,
+    }
 
 
 def shard_name(shard: int) -> str:
@@ -376,19 +404,24 @@ def read_manifest(out_dir: Path) -> tuple[dict, dict[int, dict]]:
             for field_, kind in (("file", str), ("rows", int), ("ids", str), ("sha256", str)):
                 if not isinstance(v.get(field_), kind):
                     raise ValueError(  # noqa: TRY004 - a bad manifest is a ValueError, as a bad job is
-                        f"shard {k} has no {field_!r} {kind.__name__}")
+                        f"shard {k} has no {field_!r} {kind.__name__}"
+                    )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a manifest this version reads ({e}); use a new out_dir") from None
     extra = sorted(k for k in shards if not 0 <= k < count)
     if extra:
-        raise ValueError(f"{path} lists shard(s) {extra}, but its job has {count} shard(s) (0 to {count - 1}: "
-                         f"{job['rows']} rows, shard_texts={job['shard_texts']}); the manifest was edited or mixed "
-                         "with another's; use a new out_dir")
+        raise ValueError(
+            f"{path} lists shard(s) {extra}, but its job has {count} shard(s) (0 to {count - 1}: "
+            f"{job['rows']} rows, shard_texts={job['shard_texts']}); the manifest was edited or mixed "
+            "with another's; use a new out_dir"
+        )
     for k, v in shards.items():
         name = v["file"]
         if Path(name).name != name or name in ("", ".", "..") or "\\" in name:
-            raise ValueError(f"{path}: shard {k}'s file {name!r} is not a file name inside {out_dir}; refusing to "
-                             "read or trust a path outside the output folder")
+            raise ValueError(
+                f"{path}: shard {k}'s file {name!r} is not a file name inside {out_dir}; refusing to "
+                "read or trust a path outside the output folder"
+            )
     return job, shards
 
 
@@ -410,21 +443,31 @@ class Manifest:
         old, shards = read_manifest(out_dir)
         diff = [k for k in sorted(set(job) | set(old)) if k not in INFO_KEYS and job.get(k) != old.get(k)]
         if diff:
-            named = {"source": "the rows (ids / texts / their order) differ",
-                     "model_files": "the model's files differ (weights, tokenizer, configs or adapters: another "
-                                    "model, or the folder changed since)"}
-            details = "; ".join([named[k] for k in named if k in diff]
-                                + [f"{k}: {old.get(k)!r} there, {job.get(k)!r} now" for k in diff if k not in named])
-            raise ValueError(f"{out_dir} holds another job ({details}); resume with the same source, shard_texts, "
-                             "model and knobs, or use a new out_dir")
+            named = {
+                "source": "the rows (ids / texts / their order) differ",
+                "model_files": "the model's files differ (weights, tokenizer, configs or adapters: another "
+                "model, or the folder changed since)",
+            }
+            details = "; ".join(
+                [named[k] for k in named if k in diff]
+                + [f"{k}: {old.get(k)!r} there, {job.get(k)!r} now" for k in diff if k not in named]
+            )
+            raise ValueError(
+                f"{out_dir} holds another job ({details}); resume with the same source, shard_texts, "
+                "model and knobs, or use a new out_dir"
+            )
         return cls(out_dir, job, shards)
 
     def finished(self, shard: int, ids: list) -> bool:
         """Listed under its own file name, holding exactly ``ids`` (the shard's rows), its SHA-256 as recorded: a
         shard that fails any of these is computed again."""
         record = self.shards.get(shard)
-        if record is None or record["file"] != shard_name(shard) or record["rows"] != len(ids) \
-                or record["ids"] != ids_digest(ids):
+        if (
+            record is None
+            or record["file"] != shard_name(shard)
+            or record["rows"] != len(ids)
+            or record["ids"] != ids_digest(ids)
+        ):
             return False
         try:
             read_shard(self.out_dir, shard, record)
@@ -441,8 +484,7 @@ class Manifest:
     def save(self) -> None:
         """Write the manifest atomically (the job is recorded before the first shard, so a folder is never
         mistaken for another job's)."""
-        data = {"format": FORMAT, "job": self.job,
-                "shards": {str(k): self.shards[k] for k in sorted(self.shards)}}
+        data = {"format": FORMAT, "job": self.job, "shards": {str(k): self.shards[k] for k in sorted(self.shards)}}
         atomic_write(self.out_dir / MANIFEST, json.dumps(data, indent=1).encode("utf-8"), JOB_FIX)
 
     def summary(self) -> pd.DataFrame:
@@ -481,17 +523,22 @@ def read_shard(out_dir: Path, shard: int, record: dict) -> tuple[list, np.ndarra
     path = out_dir / record["file"]
     fix = f"run embed_dataset into {out_dir} again to recompute it"
     if record["file"] != shard_name(shard):
-        raise ValueError(f"{out_dir / MANIFEST} lists {record['file']!r} as shard {shard}'s file, not "
-                         f"{shard_name(shard)!r}; the manifest was edited; {fix}")
+        raise ValueError(
+            f"{out_dir / MANIFEST} lists {record['file']!r} as shard {shard}'s file, not "
+            f"{shard_name(shard)!r}; the manifest was edited; {fix}"
+        )
     data = path.read_bytes()
     if hashlib.sha256(data).hexdigest() != record["sha256"]:
-        raise ValueError(f"{path} is not the file written as shard {shard} (its SHA-256 differs from the manifest's): "
-                         f"it was changed or replaced since; {fix}")
+        raise ValueError(
+            f"{path} is not the file written as shard {shard} (its SHA-256 differs from the manifest's): "
+            f"it was changed or replaced since; {fix}"
+        )
     table = pq.read_table(pa.BufferReader(data))
     ids = table.column("id").to_pylist()
     if len(ids) != record["rows"] or ids_digest(ids) != record["ids"]:
-        raise ValueError(f"{path} does not hold shard {shard}'s ids (the manifest's record and the file disagree); "
-                         f"{fix}")
+        raise ValueError(
+            f"{path} does not hold shard {shard}'s ids (the manifest's record and the file disagree); {fix}"
+        )
     col = table.column("embedding").combine_chunks()
     return ids, col.flatten().to_numpy().reshape(len(col), -1)
 

@@ -17,8 +17,16 @@ from lab.models import hub
 
 
 class AdapterState:
-    def __init__(self, folder: str, *, auto: tuple[str, ...], repo_id: str | None, decoder: bool, base: str,
-                 architecture: str | None = None):
+    def __init__(
+        self,
+        folder: str,
+        *,
+        auto: tuple[str, ...],
+        repo_id: str | None,
+        decoder: bool,
+        base: str,
+        architecture: str | None = None,
+    ):
         self.folder = folder  # the model folder as given: llm2vec's base argument (lab.engine.llm2vec)
         self.auto = auto  # the adapters that came with the folder (an adapter-only folder's own)
         self.repo_id, self.decoder, self.base, self.architecture = repo_id, decoder, base, architecture
@@ -64,6 +72,11 @@ class AdapterState:
         if adapters not in self._layouts:
             auto = len(self.auto) if adapters[: len(self.auto)] == self.auto else 0
             self._layouts[adapters] = llm2vec.layout(
-                self.folder, [self.folder_of(a) for a in adapters], auto=auto, base=self.base, repo_id=self.repo_id,
-                decoder=self.decoder)
+                self.folder,
+                [self.folder_of(a) for a in adapters],
+                auto=auto,
+                base=self.base,
+                repo_id=self.repo_id,
+                decoder=self.decoder,
+            )
         return self._layouts[adapters]

@@ -64,8 +64,9 @@ class Stats:
         for name in self.COUNTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.shared_prefix = max(self.shared_prefix, other.shared_prefix)
-        self.state_bytes = self.state_bytes + other.state_bytes if concurrent else max(self.state_bytes,
-                                                                                       other.state_bytes)
+        self.state_bytes = (
+            self.state_bytes + other.state_bytes if concurrent else max(self.state_bytes, other.state_bytes)
+        )
 
     @classmethod
     def concurrent(cls, deltas: list[Stats]) -> Stats:
@@ -166,8 +167,9 @@ class Call:
     inputs), counts what was served, and on success warns about truncation once per ``max_length`` per engine
     (``warned`` is the engine's own set; the count is always in ``stats.truncated``)."""
 
-    def __init__(self, stats: Stats, *, total: int, desc: str, show_progress: bool | None, warned: set,
-                 max_length: int):
+    def __init__(
+        self, stats: Stats, *, total: int, desc: str, show_progress: bool | None, warned: set, max_length: int
+    ):
         self.stats, self.total, self.desc = stats, total, desc
         self.show = total > WAVE_SIZE if show_progress is None else bool(show_progress)
         self.warned, self.max_length = warned, max_length

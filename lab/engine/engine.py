@@ -88,8 +88,15 @@ class Engine:
     as one call (one ``Stats``, published when every pass finished) and returns their outputs in input order.
     """
 
-    def __init__(self, model: str, *, cpu_paths: dict[str, str] | None = None, tune_allocator: bool | None = None,
-                 compile: bool | None = None, **knobs):
+    def __init__(
+        self,
+        model: str,
+        *,
+        cpu_paths: dict[str, str] | None = None,
+        tune_allocator: bool | None = None,
+        compile: bool | None = None,
+        **knobs,
+    ):
         tune = allocator.malloc_tuning_requested(tune_allocator)  # a bad LAB_MALLOC_TUNING fails before anything loads
         k = Knobs().replace(**knobs)  # an unknown knob or a bad value is named before anything loads
         if not isinstance(model, (str, os.PathLike)):
@@ -115,9 +122,14 @@ class Engine:
         self.executor = Executor(self.runner)
         self._gate = Gate()  # one call at a time, configure between calls (lab.engine.gate)
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
-        self._adapters = AdapterState(folder, auto=auto, repo_id=self._source.repo_id if by_id else None,
-                                      decoder=self.is_decoder, base=self.model_path,
-                                      architecture=self.spec.architecture)
+        self._adapters = AdapterState(
+            folder,
+            auto=auto,
+            repo_id=self._source.repo_id if by_id else None,
+            decoder=self.is_decoder,
+            base=self.model_path,
+            architecture=self.spec.architecture,
+        )
         self._live = LiveState(k, self.runner, self._adapters, self._facts, self.device)  # knobs, weights, plan
         self.stats = Stats()
         llm2vec.notice(self.model_name, self.llm2vec, self.resolved)
@@ -133,10 +145,21 @@ class Engine:
         """What the knobs come to on this model (``lab.engine.knobs.resolve``: a frozen ``Resolved``; ``sources``
         says where each value the model decides came from, ``defaults`` the model's own), with the runtime's dtype,
         device, backend, workers, adapters, CPU paths and ``malloc_tuning``."""
-        return resolve(self._knobs, self._facts, self.llm2vec, {
-            "dtype": str(self.runner.dtype).removeprefix("torch."), "device": str(self.device),
-            "attention_backend": self._live.backend, "cpu_workers": self._live.workers, "adapters": self.adapter_names,
-            "cpu_paths": self.cpu_paths, "malloc_tuning": allocator.in_effect(), "instruction": self._instruction()})
+        return resolve(
+            self._knobs,
+            self._facts,
+            self.llm2vec,
+            {
+                "dtype": str(self.runner.dtype).removeprefix("torch."),
+                "device": str(self.device),
+                "attention_backend": self._live.backend,
+                "cpu_workers": self._live.workers,
+                "adapters": self.adapter_names,
+                "cpu_paths": self.cpu_paths,
+                "malloc_tuning": allocator.in_effect(),
+                "instruction": self._instruction(),
+            },
+        )
 
     @property
     def _knobs(self) -> Knobs:
@@ -222,15 +245,18 @@ class Engine:
         r = self.resolved
         layer = "" if r.layer == self.model.num_layers else f"layer={r.layer}, "
         adapters = f"adapters={r.adapters}, " if r.adapters else ""
-        return (f"Engine({self.model_name!r}, revision={self.revision[:12]!r}, {self.spec.architecture}, pooling="
-                f"{r.pooling}, causal={r.causal}, normalize={r.normalize}, {layer}{adapters}dtype={r.dtype}, "
-                f"device={r.device})")
+        return (
+            f"Engine({self.model_name!r}, revision={self.revision[:12]!r}, {self.spec.architecture}, pooling="
+            f"{r.pooling}, causal={r.causal}, normalize={r.normalize}, {layer}{adapters}dtype={r.dtype}, "
+            f"device={r.device})"
+        )
 
     # ------------------------------------------------------------------------------------------------- embed
     def _instruction(self, instruction=_UNSET, prompt_name: str | None = None) -> str | None:
         """The call's instruction (``lab.engine.st_encode.call_instruction``)."""
-        return st_compat.call_instruction(self.spec, self._knobs.instruction, instruction, prompt_name,
-                                          given=instruction is not _UNSET)
+        return st_compat.call_instruction(
+            self.spec, self._knobs.instruction, instruction, prompt_name, given=instruction is not _UNSET
+        )
 
     @property
     def prompts(self) -> dict[str, str]:
@@ -250,24 +276,51 @@ class Engine:
         """The requests ``embed(texts, instruction=...)`` runs: token ids after truncation, ``pool_start`` (the
         instruction's tokens, attended to but not pooled) and whether each input was cut."""
         texts, instructions = check_inputs(texts)
-        return self.embed_pass(texts, self._instruction(instruction, prompt_name),
-                               instructions=instructions).tokenize(texts, 0)
+        return self.embed_pass(texts, self._instruction(instruction, prompt_name), instructions=instructions).tokenize(
+            texts, 0
+        )
 
-    def embed_pass(self, texts: list[str], instruction: str | None, pooling: str | None = None, *,
-                   head=None, include: bool | None = None, output="dense", task: str | None = None,
-                   instructions: list[str] | None = None) -> Pass:
+    def embed_pass(
+        self,
+        texts: list[str],
+        instruction: str | None,
+        pooling: str | None = None,
+        *,
+        head=None,
+        include: bool | None = None,
+        output="dense",
+        task: str | None = None,
+        instructions: list[str] | None = None,
+    ) -> Pass:
         """The pass ``embed`` runs over ``texts`` with ``instruction`` (a resolved instruction text or ``None``),
         for ``run_passes``. ``pooling``: a method name, default the engine's; ``head``: a
         ``lab.outputs.heads.Head``, default the engine's ``EmbeddingHead``; ``include``: pool the instruction,
         default ``include_instruction``; ``output``: as ``embed``'s, checked here; ``task``: a ColBERT folder's,
         ``lab.outputs.multivector``, which then sets the lengths, the query expansion and pools the prompt;
         ``instructions``: one per text (``[instruction, text]`` inputs), replacing ``instruction``."""
-        return build.embed_pass(self, texts, instruction, pooling, head=head, include=include, output=output,
-                                task=task, instructions=instructions)
+        return build.embed_pass(
+            self,
+            texts,
+            instruction,
+            pooling,
+            head=head,
+            include=include,
+            output=output,
+            task=task,
+            instructions=instructions,
+        )
 
     @gated_call
-    def embed(self, texts: list[str], *, output="dense", instruction=_UNSET, prompt_name: str | None = None,
-              precision: str = "float32", show_progress: bool | None = None):
+    def embed(
+        self,
+        texts: list[str],
+        *,
+        output="dense",
+        instruction=_UNSET,
+        prompt_name: str | None = None,
+        precision: str = "float32",
+        show_progress: bool | None = None,
+    ):
         """Embed ``texts``, in input order. ``output`` (``lab.outputs.kinds``):
 
         - ``"dense"`` (default): ``(len(texts), dim)`` float32;
@@ -290,21 +343,31 @@ class Engine:
         ``show_progress``: a tqdm bar; ``None`` shows one for more than 4096 texts.
         """
         texts, instructions = check_inputs(texts)
-        build.check_embed(len(texts), output, precision, self._knobs.long_inputs,
-                          per_item_instructions=instructions is not None)
+        build.check_embed(
+            len(texts), output, precision, self._knobs.long_inputs, per_item_instructions=instructions is not None
+        )
         instruction = self._instruction(instruction, prompt_name)
         if self._knobs.long_inputs == "chunk":  # windows pooled, averaged per input, then the head
             dense = windows.dense_pass(self, texts, instruction)
             out = dense.finish(self.run_passes([dense.run], "embed", show_progress, split=dense.split)[0])
         else:
-            p = self.embed_pass(texts, instruction, output=output, task=multivector.task_of(prompt_name),
-                                instructions=instructions)
+            p = self.embed_pass(
+                texts, instruction, output=output, task=multivector.task_of(prompt_name), instructions=instructions
+            )
             out = self.run_passes([p], "embed", show_progress)[0]
         return quantize_output(out, precision)
 
     @gated_call
-    def embed_chunks(self, docs: list[str], chunk_tokens: int = 128, *, late: bool = True, overlap: int | None = None,
-                     instruction=_UNSET, show_progress: bool | None = None):
+    def embed_chunks(
+        self,
+        docs: list[str],
+        chunk_tokens: int = 128,
+        *,
+        late: bool = True,
+        overlap: int | None = None,
+        instruction=_UNSET,
+        show_progress: bool | None = None,
+    ):
         """Late chunking: ``(embeddings (M, dim) float32, chunks)``, ``chunks`` a DataFrame with ``doc, chunk,
         char_start, char_end, n_tokens, text``, one row per chunk of ``chunk_tokens`` tokens of each document.
 
@@ -315,15 +378,35 @@ class Engine:
         side. ``late=False`` embeds each chunk's text on its own (the baseline). Empty documents have no chunks (no
         documents: a ``(0, dim)`` matrix and an empty table). The chunks' character spans tile each document
         (``lab.engine.windows.chunk_spans``). See ``lab.engine.windows``."""
-        return windows.embed_chunks(self, check_texts(docs, "docs"), chunk_tokens, late=late, overlap=overlap,
-                                    instruction=self._instruction(instruction), show_progress=show_progress)
+        return windows.embed_chunks(
+            self,
+            check_texts(docs, "docs"),
+            chunk_tokens,
+            late=late,
+            overlap=overlap,
+            instruction=self._instruction(instruction),
+            show_progress=show_progress,
+        )
 
     @gated_call
-    def encode(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,
-               show_progress_bar: bool | None = None, output_value=st_compat.MODEL_DEFAULT,
-               precision: str = "float32", convert_to_numpy: bool | None = None, convert_to_tensor: bool = False,
-               device=None, normalize_embeddings: bool = False, truncate_dim: int | None = None, pool=None,
-               chunk_size: int | None = None, **kwargs):
+    def encode(
+        self,
+        sentences=None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        output_value=st_compat.MODEL_DEFAULT,
+        precision: str = "float32",
+        convert_to_numpy: bool | None = None,
+        convert_to_tensor: bool = False,
+        device=None,
+        normalize_embeddings: bool = False,
+        truncate_dim: int | None = None,
+        pool=None,
+        chunk_size: int | None = None,
+        **kwargs,
+    ):
         """``SentenceTransformer.encode``: same arguments, same results (a single string gives one 1-D vector;
         ``convert_to_numpy=None``: numpy). On a ColBERT folder, ``MultiVectorEncoder.encode`` (with its ``task``):
         a list of per-token tensors. ``inputs=`` (sentence-transformers >= 5's name) is accepted for ``sentences``.
@@ -348,16 +431,25 @@ class Engine:
         another is given), as sentence-transformers; the ``instruction`` knob is the query side's and does not apply
         (``lab.engine.st_encode``)."""
         name = st_compat.document_prompt_name(self.spec.prompts, prompt, prompt_name)
-        return self.encode(sentences, prompt_name=name, prompt=prompt,
-                           **st_compat.task_kw(self.spec, "document", kwargs))
+        return self.encode(
+            sentences, prompt_name=name, prompt=prompt, **st_compat.task_kw(self.spec, "document", kwargs)
+        )
 
     # ------------------------------------------------------------------------------------------- the pipeline
     def _settings(self, items: int = 0) -> ExecSettings:
         k = self._knobs
         r = self.resolved
-        return ExecSettings(causal=r.causal, backend=r.attention_backend, workers=r.cpu_workers, num_layers=r.layer,
-                            max_batch_tokens=k.max_batch_tokens, max_num_seqs=k.max_num_seqs,
-                            chunked_prefill=k.chunked_prefill, prefix_cache=k.prefix_cache, items=items)
+        return ExecSettings(
+            causal=r.causal,
+            backend=r.attention_backend,
+            workers=r.cpu_workers,
+            num_layers=r.layer,
+            max_batch_tokens=k.max_batch_tokens,
+            max_num_seqs=k.max_num_seqs,
+            chunked_prefill=k.chunked_prefill,
+            prefix_cache=k.prefix_cache,
+            items=items,
+        )
 
     @gated_call
     def run_passes(self, passes: list[Pass], desc: str, show_progress: bool | None = None, *, split: int = 0) -> list:
@@ -365,17 +457,32 @@ class Engine:
         ``split``: the inputs cut into windows, for ``stats.split``). ``stats`` are published only when every pass
         finished (a failed or interrupted call leaves the engine, its stats included, as it was)."""
         settings = self._settings(sum(len(p.items) for p in passes))
-        stats = Stats(path="packed" if self.model.packed else "transformers-fallback (padded)",
-                      backend=self._live.backend, adapters=tuple(self.adapter_names), split=split,
-                      model=self.model_name, revision=self.revision)
+        stats = Stats(
+            path="packed" if self.model.packed else "transformers-fallback (padded)",
+            backend=self._live.backend,
+            adapters=tuple(self.adapter_names),
+            split=split,
+            model=self.model_name,
+            revision=self.revision,
+        )
         results = []
-        with Call(stats, total=sum(len(p.items) for p in passes), desc=desc, show_progress=show_progress,
-                  warned=self._warned_lengths, max_length=self.resolved.max_length) as call, torch.inference_mode():
+        with (
+            Call(
+                stats,
+                total=sum(len(p.items) for p in passes),
+                desc=desc,
+                show_progress=show_progress,
+                warned=self._warned_lengths,
+                max_length=self.resolved.max_length,
+            ) as call,
+            torch.inference_mode(),
+        ):
             for p in passes:
                 out = OutputBuffer(len(p.items), p.pooler.shape)
                 for requests in prefetch_waves(p.items, p.tokenize, WAVE_SIZE):
-                    for reqs, rows in self.executor.run(requests, p.pooler, settings, stats,
-                                                        shared_prefix=p.shared_prefix):
+                    for reqs, rows in self.executor.run(
+                        requests, p.pooler, settings, stats, shared_prefix=p.shared_prefix
+                    ):
                         out.place(reqs, rows)
                         call.served(reqs)
                 results.append(out.result())
@@ -403,8 +510,17 @@ class Engine:
         return rerank.default_mode(self)
 
     @gated_call
-    def score(self, pairs, *, mode: str | None = None, activation: str | None = "default", instruction=_UNSET,
-              prompt=None, similarity: str = "cosine", show_progress: bool | None = None) -> np.ndarray:
+    def score(
+        self,
+        pairs,
+        *,
+        mode: str | None = None,
+        activation: str | None = "default",
+        instruction=_UNSET,
+        prompt=None,
+        similarity: str = "cosine",
+        show_progress: bool | None = None,
+    ) -> np.ndarray:
         """Scores of ``(query, document)`` pairs, in input order: ``(N,)`` float32, ``(N, num_labels)`` for a
         multi-label cross-encoder. ``mode``: ``cross-encoder`` | ``llm`` | ``bi-encoder`` (default
         ``score_mode``) | ``late-interaction`` (ColBERT MaxSim) | ``sparse`` (lexical weights) | ``m3`` (bge-m3's
@@ -412,8 +528,15 @@ class Engine:
         similarity), ``None`` (raw), ``sigmoid``, ``softmax``, ``tanh``; ``prompt``: a
         ``lab.engine.rerank.YesNoPrompt`` for ``llm``; ``similarity``: ``cosine`` or ``dot`` for ``bi-encoder``. See
         ``lab.engine.rerank``."""
-        job = rerank.score_job(self, pairs, mode=mode, activation=activation, instruction=self._instruction(
-            instruction), prompt=prompt, similarity=similarity)
+        job = rerank.score_job(
+            self,
+            pairs,
+            mode=mode,
+            activation=activation,
+            instruction=self._instruction(instruction),
+            prompt=prompt,
+            similarity=similarity,
+        )
         return job.combine(self.run_passes(job.passes, "score", show_progress, split=job.split))
 
     @gated_call

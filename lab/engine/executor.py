@@ -53,27 +53,40 @@ class Executor:
             return False
         return s.chunked_prefill is not None or (s.prefix_cache and shared_prefix)
 
-    def run(self, requests: list[Request], pooler: Pooler, s: ExecSettings, stats: Stats, *,
-            shared_prefix: bool) -> Iterator[tuple[list[Request], object]]:
+    def run(
+        self, requests: list[Request], pooler: Pooler, s: ExecSettings, stats: Stats, *, shared_prefix: bool
+    ) -> Iterator[tuple[list[Request], object]]:
         """Yield ``(requests, outputs)`` per step or group, outputs aligned with those requests (after the head);
         every request of ``requests`` exactly once. Counts batches, chunks, computed and padded tokens in
         ``stats`` (the caller counts what was served). Before anything runs, the wave's memory is checked against
         the process's ceiling (``lab.runtime.memory``): steps of fewer tokens where the largest would not fit
         (``stats.memory_budget``), ``MemoryLimitError`` where one input or the outputs would not."""
         if self.uses_kv_path(s, shared_prefix=shared_prefix):
-            s = self.memory_budget(requests, pooler, s, stats, chunked=s.chunked_prefill is not None,
-                                   prefix=shared_prefix and s.prefix_cache)
+            s = self.memory_budget(
+                requests,
+                pooler,
+                s,
+                stats,
+                chunked=s.chunked_prefill is not None,
+                prefix=shared_prefix and s.prefix_cache,
+            )
             for reqs, pooled, delta in KVPath(self.runner, s, pooler.method).run(
-                    requests, shared_prefix=shared_prefix):
+                requests, shared_prefix=shared_prefix
+            ):
                 stats.add(delta)
                 yield reqs, pooler.outputs(pooled, reqs)
             return
         tokens = sum(r.length for r in requests)
-        path = self.runner.forward_path(tokens * max(1, s.items) // max(1, len(requests)), causal=s.causal,
-                                        num_layers=s.num_layers, workers=s.workers)
+        path = self.runner.forward_path(
+            tokens * max(1, s.items) // max(1, len(requests)),
+            causal=s.causal,
+            num_layers=s.num_layers,
+            workers=s.workers,
+        )
         s = self.memory_budget(requests, pooler, s, stats, eager=path == "eager")
         batches = plan_batches(requests, s.max_batch_tokens, s.max_num_seqs)
         if s.workers > 1:  # the steps' shares streamed through the CPU workers, outputs by the head in the workers
+
             def share(reqs):
                 pooled, delta = self._forward_pool(reqs, pooler.method, s, path)
                 return pooler.outputs(pooled, reqs), delta
@@ -89,8 +102,17 @@ class Executor:
             stats.add(delta)
             yield batch, pooler.outputs(pooled, batch)
 
-    def memory_budget(self, requests: list[Request], pooler: Pooler, s: ExecSettings, stats: Stats, *,
-                      eager: bool = True, chunked: bool = False, prefix: bool = False) -> ExecSettings:
+    def memory_budget(
+        self,
+        requests: list[Request],
+        pooler: Pooler,
+        s: ExecSettings,
+        stats: Stats,
+        *,
+        eager: bool = True,
+        chunked: bool = False,
+        prefix: bool = False,
+    ) -> ExecSettings:
         """``s`` with the token budget this wave's steps fit in (``lab.runtime.memory.fit_budget``); a budget cut
         is recorded in ``stats.memory_budget`` and warned about once per call; CPU steps only (a GPU's memory is
         not estimated). ``eager``: the eager forward runs (not the compiled one); ``chunked``: chunked prefill (its
@@ -111,26 +133,35 @@ class Executor:
         def step(tokens: int) -> int:
             run = min(tokens, s.chunked_prefill * seqs) if chunked else tokens
             kept = memory.state_bytes(sh, tokens if chunked else 0, shared, dtype_bytes=width)
-            return memory.step_bytes(sh, run, dtype_bytes=width, sequences=seqs, longest=longest) + kept + head \
+            return (
+                memory.step_bytes(sh, run, dtype_bytes=width, sequences=seqs, longest=longest)
+                + kept
+                + head
                 + per_token * tokens
+            )
 
         need = memory.Need(step=step, kept=memory.kept_bytes(shape, lengths, self.model.hidden_size))
         budget = memory.fit_budget(need, budget=s.max_batch_tokens, tokens=sum(lengths), longest=longest)
         if budget == s.max_batch_tokens:
             return s
         if not stats.memory_budget:
-            warnings.warn(f"max_batch_tokens={s.max_batch_tokens}: a step that large needs more memory than the "
-                          f"process may allocate (lab.runtime.memory.ceiling()); this call runs steps of at most "
-                          f"{budget} tokens (stats.memory_budget). Set max_batch_tokens={budget} or lower to run so "
-                          "without this warning", memory.MemoryNotice, stacklevel=4)
+            warnings.warn(
+                f"max_batch_tokens={s.max_batch_tokens}: a step that large needs more memory than the "
+                f"process may allocate (lab.runtime.memory.ceiling()); this call runs steps of at most "
+                f"{budget} tokens (stats.memory_budget). Set max_batch_tokens={budget} or lower to run so "
+                "without this warning",
+                memory.MemoryNotice,
+                stacklevel=4,
+            )
         stats.memory_budget = min(budget, stats.memory_budget or budget)
         return dataclasses.replace(s, max_batch_tokens=budget)
 
     def packed_step(self, batch: list[Request], method: PoolingMethod, s: ExecSettings, path: str = "eager"):
         """One packed step, shared among the CPU workers: ``(pooled aligned with batch, Stats delta)``; ``path``:
         the forward's (``Runner.forward_path``)."""
-        pooled, deltas = self.runner.pool.run_shared(lambda reqs: self._forward_pool(reqs, method, s, path), batch,
-                                                     s.workers)
+        pooled, deltas = self.runner.pool.run_shared(
+            lambda reqs: self._forward_pool(reqs, method, s, path), batch, s.workers
+        )
         return pooled, Stats.concurrent(deltas)
 
     def _forward_pool(self, requests: list[Request], method: PoolingMethod, s: ExecSettings, path: str):
@@ -142,5 +173,6 @@ class Executor:
         if rows is not None:
             sel = OutputRows.build(batch.meta, rows, self.runner.device)
             return method.from_rows(self.runner.forward(batch, s.num_layers, output_rows=sel, path=path)), delta
-        return pool_spans(method, self.runner.forward(batch, s.num_layers, path=path), batch.meta, batch.pool_start,
-                          batch.pool_end), delta
+        return pool_spans(
+            method, self.runner.forward(batch, s.num_layers, path=path), batch.meta, batch.pool_start, batch.pool_end
+        ), delta

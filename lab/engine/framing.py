@@ -64,8 +64,10 @@ def check_template(template) -> None:
         raise TypeError(f"template must be a string with a {TEXT_FIELD} field, or None; got {type(template).__name__}")
     n = template.count(TEXT_FIELD)
     if n not in (1, 2):
-        raise ValueError(f"template must contain {TEXT_FIELD} once (a prompt) or twice (echo: the text repeated, the "
-                         f"second copy pooled); {template!r} has it {n} times")
+        raise ValueError(
+            f"template must contain {TEXT_FIELD} once (a prompt) or twice (echo: the text repeated, the "
+            f"second copy pooled); {template!r} has it {n} times"
+        )
 
 
 def eos_text(names: list[str], model_type: str | None) -> str:

@@ -102,9 +102,11 @@ class Gate:
         already (a nested call must not wait for its own outer call)."""
         if me in self._calls:
             return False
-        return ((self._changer not in (None, me) and _alive(self._changer))
-                or any(i != me and _alive(i) for i in self._waiting)
-                or any(i != me and _alive(i) for i in self._calls))
+        return (
+            (self._changer not in (None, me) and _alive(self._changer))
+            or any(i != me and _alive(i) for i in self._waiting)
+            or any(i != me and _alive(i) for i in self._calls)
+        )
 
     def _busy(self, me: int) -> bool:
         """Whether another live thread is inside a call or a change (entries of dead threads are dropped); two

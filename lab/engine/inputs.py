@@ -40,18 +40,24 @@ class Request:
         return len(self.ids)
 
 
-def pack(requests: list[Request], *, causal: bool, device, backend: str, skip: int = 0,
-         kv: KVStep | None = None) -> PackedBatch:
+def pack(
+    requests: list[Request], *, causal: bool, device, backend: str, skip: int = 0, kv: KVStep | None = None
+) -> PackedBatch:
     """The flat model inputs of ``requests`` on ``device``, the one packing rule of both execution paths: each
     request's tokens after its first ``skip`` (a shared prefix computed elsewhere, whose positions they continue;
     its keys / values in ``kv``), pooling windows shifted to match (the prefix is never pooled: ``skip <=
     pool_start``), and the attended key length of a request that limits it (``Request.key_len``)."""
     key_lens = [r.key_len for r in requests] if any(r.key_len is not None for r in requests) else None
     return PackedBatch.build(
-        [r.ids[skip:] for r in requests], causal=causal, device=device, backend=backend,
+        [r.ids[skip:] for r in requests],
+        causal=causal,
+        device=device,
+        backend=backend,
         token_type_ids=[None if r.token_type_ids is None else r.token_type_ids[skip:] for r in requests],
         pool_start=[r.pool_start - skip for r in requests],
-        position_offsets=[skip] * len(requests) if skip else None, kv=kv, key_lens=key_lens,
+        position_offsets=[skip] * len(requests) if skip else None,
+        kv=kv,
+        key_lens=key_lens,
         pool_end=[None if r.pool_end is None else r.pool_end - skip for r in requests],
     )
 
@@ -69,11 +75,14 @@ def check_texts(texts, what: str = "texts") -> list[str]:
         raise TypeError(f"{what} must be a list of strings, got {kind}; decode it first: [data.decode('utf-8')]")
     if isinstance(texts, Mapping) or hasattr(texts, "columns"):
         hint = "df[column].tolist()" if hasattr(texts, "columns") else "list(d.values())"
-        raise TypeError(f"{what} must be a list of strings, got a {kind} (iterating it gives its keys / column "
-                        f"names, not the texts); pass {hint}")
+        raise TypeError(
+            f"{what} must be a list of strings, got a {kind} (iterating it gives its keys / column "
+            f"names, not the texts); pass {hint}"
+        )
     if isinstance(texts, (set, frozenset)):
-        raise TypeError(f"{what} must be a list of strings, got a {kind}, which has no order to keep; pass "
-                        "sorted(texts) or a list")
+        raise TypeError(
+            f"{what} must be a list of strings, got a {kind}, which has no order to keep; pass sorted(texts) or a list"
+        )
     if not isinstance(texts, Sequence):
         try:
             texts = list(texts)
@@ -91,19 +100,27 @@ def check_inputs(texts, what: str = "texts") -> tuple[list[str], list[str] | Non
     """``check_texts`` that also takes llm2vec's ``[instruction, text]`` items: ``(texts, instructions)``, the
     second ``None`` for plain strings. Every item is one kind or the other (a mix is refused, naming the first
     odd item)."""
-    if isinstance(texts, Sequence) and not isinstance(texts, (str, bytes)) and texts and all(
-            isinstance(t, (list, tuple)) for t in texts):
+    if (
+        isinstance(texts, Sequence)
+        and not isinstance(texts, (str, bytes))
+        and texts
+        and all(isinstance(t, (list, tuple)) for t in texts)
+    ):
         for i, t in enumerate(texts):
             if len(t) != 2 or not all(isinstance(x, str) for x in t):
-                raise TypeError(f"{what}[{i}] must be an [instruction, text] pair of two strings (llm2vec's input "
-                                f"form), got {type(t).__name__} of {len(t)} item(s)")
+                raise TypeError(
+                    f"{what}[{i}] must be an [instruction, text] pair of two strings (llm2vec's input "
+                    f"form), got {type(t).__name__} of {len(t)} item(s)"
+                )
         instructions = check_texts([t[0] for t in texts], f"{what}' instructions")
         return check_texts([t[1] for t in texts], what), instructions
     if isinstance(texts, Sequence) and not isinstance(texts, (str, bytes)):
         for i, t in enumerate(texts):
             if isinstance(t, (list, tuple)):
-                raise TypeError(f"{what}[{i}] is a {type(t).__name__} while others are strings: pass either strings "
-                                "or [instruction, text] pairs, not both")
+                raise TypeError(
+                    f"{what}[{i}] is a {type(t).__name__} while others are strings: pass either strings "
+                    "or [instruction, text] pairs, not both"
+                )
     return check_texts(texts, what), None
 
 
@@ -112,9 +129,11 @@ def check_encodable(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{where} cannot be encoded as UTF-8 ({e.reason} at character {e.start}: "
-                         f"{text[max(0, e.start - 10) : e.start + 1]!r}); a lone surrogate usually means a "
-                         "wrongly decoded file: re-read it with errors='replace'") from None
+        raise ValueError(
+            f"{where} cannot be encoded as UTF-8 ({e.reason} at character {e.start}: "
+            f"{text[max(0, e.start - 10) : e.start + 1]!r}); a lone surrogate usually means a "
+            "wrongly decoded file: re-read it with errors='replace'"
+        ) from None
 
 
 class InputProcessor:
@@ -162,8 +181,17 @@ class InputProcessor:
             appended = [not (x and x[-1] == eos) for x in ids]
             ids = [x + [eos] if a else x for x, a in zip(ids, appended)]
         if any(not x for x in ids):  # "" with a tokenizer that adds no specials: one EOS token stands in for it
-            filler = next(t for t in (self.tokenizer.eos_token_id, self.tokenizer.bos_token_id,
-                                      self.tokenizer.pad_token_id, self.tokenizer.unk_token_id, 0) if t is not None)
+            filler = next(
+                t
+                for t in (
+                    self.tokenizer.eos_token_id,
+                    self.tokenizer.bos_token_id,
+                    self.tokenizer.pad_token_id,
+                    self.tokenizer.unk_token_id,
+                    0,
+                )
+                if t is not None
+            )
             ids = [x if x else [filler] for x in ids]
         truncated = [False] * len(ids)
         for i in cut:
@@ -212,8 +240,13 @@ class InputProcessor:
         return self._n_prefix
 
     def process(
-        self, texts: list[str], *, first_index: int = 0, instruction: str | None = None,
-        include_instruction: bool = False, pairs: list[str] | None = None,
+        self,
+        texts: list[str],
+        *,
+        first_index: int = 0,
+        instruction: str | None = None,
+        include_instruction: bool = False,
+        pairs: list[str] | None = None,
         instructions: list[str | None] | None = None,
     ) -> list[Request]:
         """Requests for ``texts`` numbered from ``first_index``, framed as ``framing`` says
@@ -246,7 +279,8 @@ class InputProcessor:
                     raise ValueError(
                         f"text {first_index + i} is cut by max_length={self.max_length} inside the template's last "
                         f"copy of the text (it needs {inside[-1] + 1 + n_suffix} tokens): raise max_length, shorten "
-                        "the text, or use a template whose pooled copy comes first")
+                        "the text, or use a template whose pooled copy comes first"
+                    )
                 starts.append(0 if include_instruction else inside[0])
                 ends.append(inside[-1] + 1)
         elif f.rule == "exact":  # per-item instructions, token-exact
@@ -255,16 +289,30 @@ class InputProcessor:
                 ends.append(None)
         else:  # llm2vec: the last n tokens, n = the text part's tokens alone (one batched call for all parts)
             parts = [part for _, part, _ in joined]
-            counts = self.tokenizer(parts, add_special_tokens=False, truncation=True, max_length=self.max_length,
-                                    return_attention_mask=False, verbose=False)["input_ids"] if parts else []
+            counts = (
+                self.tokenizer(
+                    parts,
+                    add_special_tokens=False,
+                    truncation=True,
+                    max_length=self.max_length,
+                    return_attention_mask=False,
+                    verbose=False,
+                )["input_ids"]
+                if parts
+                else []
+            )
             for part_ids, x, a in zip(counts, ids, appended):
                 n = len(part_ids)
                 starts.append(0 if include_instruction or n == 0 else max(len(x) - int(a) - n, 0))
                 ends.append(len(x) - 1 if a else None)  # the EOS appended here is not llm2vec's: not pooled
         return [
-            Request(index=first_index + i, ids=np.asarray(x, dtype=np.int64),
-                    pool_start=min(p, max(len(x) - 1, 0)), truncated=truncated[i],
-                    pool_end=None if e is None or e >= len(x) else e)
+            Request(
+                index=first_index + i,
+                ids=np.asarray(x, dtype=np.int64),
+                pool_start=min(p, max(len(x) - 1, 0)),
+                truncated=truncated[i],
+                pool_end=None if e is None or e >= len(x) else e,
+            )
             for i, (x, p, e) in enumerate(zip(ids, starts, ends))
         ]
 
@@ -276,11 +324,14 @@ class InputProcessor:
     def _offsets(self, fulls: list[str]) -> list[list[tuple[int, int]]]:
         """Character offsets of each token of ``fulls`` tokenized whole (specials ``(0, 0)``)."""
         try:
-            enc = self.tokenizer(fulls, add_special_tokens=True, return_offsets_mapping=True,
-                                 return_attention_mask=False, verbose=False)
+            enc = self.tokenizer(
+                fulls, add_special_tokens=True, return_offsets_mapping=True, return_attention_mask=False, verbose=False
+            )
         except NotImplementedError:
-            raise ValueError("the template knob finds the text's tokens by character offsets, which this (slow) "
-                             "tokenizer cannot give; use a fast tokenizer (tokenizer.json) or template=None") from None
+            raise ValueError(
+                "the template knob finds the text's tokens by character offsets, which this (slow) "
+                "tokenizer cannot give; use a fast tokenizer (tokenizer.json) or template=None"
+            ) from None
         return [[tuple(o) for o in off] for off in enc["offset_mapping"]]
 
     def _process_plain(self, texts, first_index, instruction, include_instruction, pairs) -> list[Request]:

@@ -86,8 +86,10 @@ class Knobs(Mapping):
         for name, knob in knob_registry.KNOBS.items():
             knob.check(self._values.get(name, knob.default))
         if self.template is not None and self.long_inputs == "chunk":
-            raise ValueError("template conflicts with long_inputs='chunk': a window of a split input holds no whole "
-                             "copy of the template; use long_inputs='truncate' (or template=None)")
+            raise ValueError(
+                "template conflicts with long_inputs='chunk': a window of a split input holds no whole "
+                "copy of the template; use long_inputs='truncate' (or template=None)"
+            )
         if self.chunked_prefill is not None and self.bidirectional:
             raise ValueError(
                 "chunked_prefill conflicts with bidirectional=True: bidirectional attention needs the whole "
@@ -135,11 +137,16 @@ class ModelFacts:
         """The facts of a loaded model (``lab.models.base.PackedModel`` or the transformers fallback), its tokenizer
         and its folder's ``spec``."""
         tok_max = getattr(tokenizer, "model_max_length", None)
-        return cls(hidden=model.hidden_size, is_decoder=bool(model.is_decoder), num_layers=model.num_layers,
-                   positions=model.max_positions or spec.config.get("max_position_embeddings"),
-                   default_causal=bool(model.default_causal), spec=spec,
-                   specials=len(tokenizer("", add_special_tokens=True)["input_ids"]),
-                   tokenizer_max=tok_max if tok_max and tok_max < 1_000_000 else None)
+        return cls(
+            hidden=model.hidden_size,
+            is_decoder=bool(model.is_decoder),
+            num_layers=model.num_layers,
+            positions=model.max_positions or spec.config.get("max_position_embeddings"),
+            default_causal=bool(model.default_causal),
+            spec=spec,
+            specials=len(tokenizer("", add_special_tokens=True)["input_ids"]),
+            tokenizer_max=tok_max if tok_max and tok_max < 1_000_000 else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -189,8 +196,13 @@ class Resolved(Mapping):
         return len(_RESOLVED_VALUES)
 
     def __repr__(self) -> str:
-        return "Resolved({" + ", ".join(
-            f"{k!r}: {v!r}" + (f" ({self.sources[k]})" if k in self.sources else "") for k, v in self.items()) + "})"
+        return (
+            "Resolved({"
+            + ", ".join(
+                f"{k!r}: {v!r}" + (f" ({self.sources[k]})" if k in self.sources else "") for k, v in self.items()
+            )
+            + "})"
+        )
 
 
 _RESOLVED_VALUES = tuple(f.name for f in fields(Resolved) if f.name not in ("sources", "defaults"))
@@ -209,17 +221,20 @@ def model_defaults(k: Knobs, lay: Layout, m: ModelFacts) -> dict[str, tuple]:
     elif "include_instruction" in d:
         include = d["include_instruction"]
     else:
-        include = ((bool(spec.include_prompt), ST_POOLING) if spec.include_prompt is not None
-                   else (False, MODEL_DEFAULT))
-    max_length = ((spec.max_seq_length, "sentence-transformers config") if spec.max_seq_length
-                  else (None, MODEL_DEFAULT))
+        include = (
+            (bool(spec.include_prompt), ST_POOLING) if spec.include_prompt is not None else (False, MODEL_DEFAULT)
+        )
+    max_length = (
+        (spec.max_seq_length, "sentence-transformers config") if spec.max_seq_length else (None, MODEL_DEFAULT)
+    )
     return {
         "pooling": d.get("pooling", pooling),
         "include_instruction": include,
         "max_length": d.get("max_length", max_length),
         "doc_max_length": d.get("doc_max_length", (None, MODEL_DEFAULT)),
-        "causal": ((False, LLM2VEC_DEFAULT_SOURCE) if lay.recognized and m.is_decoder
-                   else (m.default_causal, MODEL_DEFAULT)),
+        "causal": (
+            (False, LLM2VEC_DEFAULT_SOURCE) if lay.recognized and m.is_decoder else (m.default_causal, MODEL_DEFAULT)
+        ),
         "instruction_pooling": ("llm2vec", LLM2VEC_DEFAULT_SOURCE) if lay.recognized else ("exact", MODEL_DEFAULT),
         "normalize": (True, "sentence-transformers Normalize") if spec.normalize else (False, MODEL_DEFAULT),
     }
@@ -247,20 +262,41 @@ def resolve(k: Knobs, m: ModelFacts, lay: Layout, runtime: Mapping | None = None
         max_length = min(limits) if limits else 512
     n = m.num_layers
     layer = n if k.layer is None else (n + 1 + k.layer if k.layer < 0 else k.layer)  # -1 = n (the last), -n = 1
-    run = {"dtype": k.dtype, "device": k.device, "attention_backend": k.attention_backend,
-           "cpu_workers": k.cpu_workers, "adapters": list(k.adapters), "cpu_paths": {}, "malloc_tuning": False,
-           "instruction": k.instruction, **(runtime or {})}
-    sources = {name: USER if getattr(k, "bidirectional" if name == "causal" else name) is not None else src
-               for name, (_, src) in found.items()}
+    run = {
+        "dtype": k.dtype,
+        "device": k.device,
+        "attention_backend": k.attention_backend,
+        "cpu_workers": k.cpu_workers,
+        "adapters": list(k.adapters),
+        "cpu_paths": {},
+        "malloc_tuning": False,
+        "instruction": k.instruction,
+        **(runtime or {}),
+    }
+    sources = {
+        name: USER if getattr(k, "bidirectional" if name == "causal" else name) is not None else src
+        for name, (_, src) in found.items()
+    }
     return Resolved(
-        pooling=pooling, normalize=value("normalize"), truncate_dim=k.truncate_dim, max_length=max_length,
-        causal=value("causal"), chunked_prefill=k.chunked_prefill,
+        pooling=pooling,
+        normalize=value("normalize"),
+        truncate_dim=k.truncate_dim,
+        max_length=max_length,
+        causal=value("causal"),
+        chunked_prefill=k.chunked_prefill,
         include_instruction=bool(value("include_instruction")),
-        append_eos=(k.append_eos if k.append_eos is not None
-                    else m.is_decoder and pooling == "lasttoken" and rule == "exact"),
-        instruction_pooling=rule, template=k.template, layer=layer, long_inputs=k.long_inputs,
-        doc_max_length=value("doc_max_length") or None, sources=sources,
-        defaults={name: v for name, (v, _) in found.items()}, **run)
+        append_eos=(
+            k.append_eos if k.append_eos is not None else m.is_decoder and pooling == "lasttoken" and rule == "exact"
+        ),
+        instruction_pooling=rule,
+        template=k.template,
+        layer=layer,
+        long_inputs=k.long_inputs,
+        doc_max_length=value("doc_max_length") or None,
+        sources=sources,
+        defaults={name: v for name, (v, _) in found.items()},
+        **run,
+    )
 
 
 def check_for_model(k: Knobs, m: ModelFacts, causal: bool) -> None:
@@ -273,13 +309,20 @@ def check_for_model(k: Knobs, m: ModelFacts, causal: bool) -> None:
     if k.max_length is not None:
         if m.positions and k.max_length > m.positions:
             if not m.is_decoder:
-                raise ValueError(f"max_length={k.max_length} but this model has {m.positions} positions; valid: "
-                                 f"1..{m.positions} (or None for the model's own limit)")
-            warnings.warn(f"max_length={k.max_length} is past this decoder's max_position_embeddings={m.positions}: "
-                          "RoPE beyond the trained length usually degrades embeddings", stacklevel=5)
+                raise ValueError(
+                    f"max_length={k.max_length} but this model has {m.positions} positions; valid: "
+                    f"1..{m.positions} (or None for the model's own limit)"
+                )
+            warnings.warn(
+                f"max_length={k.max_length} is past this decoder's max_position_embeddings={m.positions}: "
+                "RoPE beyond the trained length usually degrades embeddings",
+                stacklevel=5,
+            )
         if k.max_length <= m.specials:
-            raise ValueError(f"max_length={k.max_length} leaves no room for text: the tokenizer adds {m.specials} "
-                             f"special token(s) to every input; use max_length >= {m.specials + 1}")
+            raise ValueError(
+                f"max_length={k.max_length} leaves no room for text: the tokenizer adds {m.specials} "
+                f"special token(s) to every input; use max_length >= {m.specials + 1}"
+            )
     if k.layer is not None:
         n = m.num_layers
         if n is None:
@@ -287,8 +330,10 @@ def check_for_model(k: Knobs, m: ModelFacts, causal: bool) -> None:
         if not -n <= k.layer <= n:
             raise ValueError(f"layer={k.layer} but this model has {n} layers; valid: 0..{n}, -{n}..-1, or None")
     if k.chunked_prefill is not None and not causal:
-        raise ValueError("chunked_prefill needs causal attention, but this model runs bidirectionally: bidirectional "
-                         "attention needs the whole sequence at once. Set bidirectional=False or chunked_prefill=None")
+        raise ValueError(
+            "chunked_prefill needs causal attention, but this model runs bidirectionally: bidirectional "
+            "attention needs the whole sequence at once. Set bidirectional=False or chunked_prefill=None"
+        )
 
 
 def plain_scalar(value):

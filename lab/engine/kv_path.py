@@ -113,10 +113,13 @@ class KVPath:
         kv = None
         if p:
             n = len(batch)
-            kv = KVStep(num_layers=self.num_layers, prefix_lens=[p] * n,
-                        cu_prefix=torch.arange(0, (n + 1) * p, p, dtype=torch.int32, device=self.runner.device),
-                        prefix_k=_PerLayer(lambda layer: prefix.k[layer].repeat(n, 1, 1)),
-                        prefix_v=_PerLayer(lambda layer: prefix.v[layer].repeat(n, 1, 1)))
+            kv = KVStep(
+                num_layers=self.num_layers,
+                prefix_lens=[p] * n,
+                cu_prefix=torch.arange(0, (n + 1) * p, p, dtype=torch.int32, device=self.runner.device),
+                prefix_k=_PerLayer(lambda layer: prefix.k[layer].repeat(n, 1, 1)),
+                prefix_v=_PerLayer(lambda layer: prefix.v[layer].repeat(n, 1, 1)),
+            )
         packed = self._pack([o.req for o in batch], p, kv)
         hidden = self.runner.forward(packed, self.depth)
         pooled = pool_spans(self.method, hidden, packed.meta, packed.pool_start, packed.pool_end)
@@ -127,8 +130,9 @@ class KVPath:
         pooled, _, stats = self._layerwise(group, prefix, keep=False)
         return pooled, stats
 
-    def _layerwise(self, group: list[_Own], prefix: _Prefix | None, *,
-                   keep: bool) -> tuple[object, _Prefix | None, Stats]:
+    def _layerwise(
+        self, group: list[_Own], prefix: _Prefix | None, *, keep: bool
+    ) -> tuple[object, _Prefix | None, Stats]:
         """Run ``group`` (each after the shared prefix) one layer at a time, in pieces of ``chunk`` tokens.
 
         Returns the pooled rows (or with ``keep``, computing the shared prefix itself, nothing pooled), the group's
@@ -188,8 +192,12 @@ class KVPath:
                 x, residual = model.run_layers(_take(h, rows), packed.positions[rows], meta, range(layer, layer + 1))
                 _put(h, rows, model.finish(x, residual, meta, last=False))
         held = h.numel() * h.element_size() + (0 if kv_k is None else 2 * kv_k.numel() * kv_k.element_size())
-        stats = Stats(batches=len(rounds), chunks=sum(len(m) for m in rounds), tokens_computed=total,
-                      state_bytes=held + (0 if prefix is None else prefix.nbytes))
+        stats = Stats(
+            batches=len(rounds),
+            chunks=sum(len(m) for m in rounds),
+            tokens_computed=total,
+            state_bytes=held + (0 if prefix is None else prefix.nbytes),
+        )
         if keep:
             return None, _Prefix(kv_k, kv_v), stats
         if self.depth == self.num_layers:  # final norm piece by piece, in place (the last layer's output only)

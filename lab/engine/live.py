@@ -59,8 +59,10 @@ class LiveState:
         fixed = [n for n, v in changes.items() if n in registry and not registry[n].live and v != self.knobs[n]]
         if fixed:  # a knob fixed at load (``Knob.live``)
             name = fixed[0]
-            raise ValueError(f"{name} cannot change live{_FIXED_WHY.get(name, '')}; create a new Engine instead: "
-                             f"Engine({model_name!r}, {name}={changes[name]!r})")
+            raise ValueError(
+                f"{name} cannot change live{_FIXED_WHY.get(name, '')}; create a new Engine instead: "
+                f"Engine({model_name!r}, {name}={changes[name]!r})"
+            )
         new = self.knobs.replace(**changes)
         self.check(new)
         resolve_backend(new.attention_backend, self.device)

@@ -66,8 +66,15 @@ class Layout:
     name: str | None = None
 
 
-def layout(model: str | os.PathLike, adapters: list[str], *, auto: int, base: str | os.PathLike,
-           repo_id: str | None, decoder: bool) -> Layout:
+def layout(
+    model: str | os.PathLike,
+    adapters: list[str],
+    *,
+    auto: int,
+    base: str | os.PathLike,
+    repo_id: str | None,
+    decoder: bool,
+) -> Layout:
     """The LLM2Vec reading of an engine's folders: ``model``, the folder as given (llm2vec's base argument);
     ``adapters``, the adapter folders in merge order, of which the first ``auto`` came with ``model`` (an adapter-only
     folder and the ``-mntp`` folders it names: they stand for llm2vec's base); ``base``, the folder whose weights
@@ -144,15 +151,21 @@ def cut_document(text: str, count, doc_max_length: int) -> str:
 def cut_documents(tokenizer, texts: list[str], max_length: int, doc_max_length: int) -> list[str]:
     """``cut_document`` over ``texts`` with ``tokenizer``'s counts (special tokens left out, truncated at
     ``max_length``): one batched call finds the long texts, only those are tokenized again."""
-    kw = {"add_special_tokens": False, "truncation": True, "max_length": max_length, "return_attention_mask": False,
-          "verbose": False}
+    kw = {
+        "add_special_tokens": False,
+        "truncation": True,
+        "max_length": max_length,
+        "return_attention_mask": False,
+        "verbose": False,
+    }
 
     def count(text: str) -> int:
         return len(tokenizer(text, **kw)["input_ids"])
 
     lengths = tokenizer(list(texts), **kw)["input_ids"]
-    return [cut_document(t, count, doc_max_length) if len(ids) > doc_max_length else t
-            for t, ids in zip(texts, lengths)]
+    return [
+        cut_document(t, count, doc_max_length) if len(ids) > doc_max_length else t for t, ids in zip(texts, lengths)
+    ]
 
 
 def notice(model_name: str, lay: Layout, resolved) -> None:
@@ -161,11 +174,18 @@ def notice(model_name: str, lay: Layout, resolved) -> None:
     if not lay.recognized:
         return
     r = resolved
-    brought = [f"{k}={r[k]!r}" for k in ("pooling", "max_length", "doc_max_length", "include_instruction",
-                                        "instruction_pooling") if r.sources.get(k, "").startswith("llm2vec")]
+    brought = [
+        f"{k}={r[k]!r}"
+        for k in ("pooling", "max_length", "doc_max_length", "include_instruction", "instruction_pooling")
+        if r.sources.get(k, "").startswith("llm2vec")
+    ]
     if r.sources.get("causal", "").startswith("llm2vec"):
         brought.insert(0, "bidirectional=True")
     chat = f", the chat template of {lay.name}" if framing.chat_template([lay.name] if lay.name else []) else ""
-    warnings.warn(Llm2VecNotice(
-        f"{model_name}: an LLM2Vec layout ({lay.why}); llm2vec's settings for the knobs left unset: "
-        f"{', '.join(brought) or 'none'}{chat} (eng.resolved.sources says where each value came from)"), stacklevel=4)
+    warnings.warn(
+        Llm2VecNotice(
+            f"{model_name}: an LLM2Vec layout ({lay.why}); llm2vec's settings for the knobs left unset: "
+            f"{', '.join(brought) or 'none'}{chat} (eng.resolved.sources says where each value came from)"
+        ),
+        stacklevel=4,
+    )

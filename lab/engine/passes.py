@@ -33,8 +33,12 @@ def framing_for(engine, r: Resolved) -> framing.Framing:
     name = engine.llm2vec.name
     names = [name] if name else []
     eos = framing.eos_text(names, engine.spec.config.get("model_type")) if r.pooling == "eos_token" else ""
-    return framing.Framing(rule=r.instruction_pooling, template=r.template, eos=eos,
-                           chat=framing.chat_template(names) if r.instruction_pooling == "llm2vec" else None)
+    return framing.Framing(
+        rule=r.instruction_pooling,
+        template=r.template,
+        eos=eos,
+        chat=framing.chat_template(names) if r.instruction_pooling == "llm2vec" else None,
+    )
 
 
 def embedding_head(engine, r: Resolved) -> EmbeddingHead:
@@ -42,31 +46,54 @@ def embedding_head(engine, r: Resolved) -> EmbeddingHead:
     return EmbeddingHead(engine.model.hidden_size, truncate_dim=r.truncate_dim, normalize=r.normalize)
 
 
-def embed_pass(engine, texts: list[str], instruction: str | None, pooling: str | None = None, *, head=None,
-               include: bool | None = None, output="dense", task: str | None = None,
-               instructions: list[str] | None = None) -> Pass:
+def embed_pass(
+    engine,
+    texts: list[str],
+    instruction: str | None,
+    pooling: str | None = None,
+    *,
+    head=None,
+    include: bool | None = None,
+    output="dense",
+    task: str | None = None,
+    instructions: list[str] | None = None,
+) -> Pass:
     """``Engine.embed_pass``: the pass ``embed`` runs over ``texts`` (its docstring has the arguments)."""
     r = engine.resolved
     names = outputs.parse_output(output)[0]
     mv = engine.spec.multi_vector if "colbert" in names else None
-    proc = processor(engine, r, None if mv is None else
-                     multivector.max_length(mv, task, r.max_length, engine.knobs["max_length"]))
+    proc = processor(
+        engine, r, None if mv is None else multivector.max_length(mv, task, r.max_length, engine.knobs["max_length"])
+    )
     include = True if mv is not None else r.include_instruction if include is None else include
     method = pooling_method(framing.kernel_pooling(pooling or r.pooling))
     if r.template is not None and set(names) - {"dense", "tokens"}:
-        raise ValueError(f"the template knob applies to dense and token outputs, not output={output!r}; set "
-                         "template=None for sparse / ColBERT outputs")
+        raise ValueError(
+            f"the template knob applies to dense and token outputs, not output={output!r}; set "
+            "template=None for sparse / ColBERT outputs"
+        )
     proc.framing = framing_for(engine, r)
-    pooler = output_pooler(output, Pooler(method, embedding_head(engine, r) if head is None else head),
-                           model=engine.model, spec=engine.spec, tokenizer=engine.tokenizer, task=task)
+    pooler = output_pooler(
+        output,
+        Pooler(method, embedding_head(engine, r) if head is None else head),
+        model=engine.model,
+        spec=engine.spec,
+        tokenizer=engine.tokenizer,
+        task=task,
+    )
     expand = mv is not None and task == "query" and mv.query_expansion is not None
     if expand:
         fill = multivector.expansion_token_id(mv, engine.tokenizer, causal=r.causal)
 
     def tokenize(chunk: list[str], first: int) -> list[Request]:
         per_item = None if instructions is None else instructions[first : first + len(chunk)]
-        reqs = proc.process(engine.cut_documents(chunk), first_index=first, instruction=instruction,
-                            include_instruction=include, instructions=per_item)
+        reqs = proc.process(
+            engine.cut_documents(chunk),
+            first_index=first,
+            instruction=instruction,
+            include_instruction=include,
+            instructions=per_item,
+        )
         return multivector.expand(reqs, mv, fill) if expand else reqs
 
     prefixed = instruction or instructions is not None or r.template is not None
@@ -79,11 +106,17 @@ def check_embed(rows: int, output, precision: str, long_inputs: str, *, per_item
     names = outputs.parse_output(output)[0]
     check_precision(precision, rows=rows if names == ("dense",) else None)
     if precision != "float32" and "sparse" in names:
-        raise ValueError("precision applies to dense, token and ColBERT vectors, not to sparse weights; ask for "
-                         "output='sparse' separately with precision='float32'")
+        raise ValueError(
+            "precision applies to dense, token and ColBERT vectors, not to sparse weights; ask for "
+            "output='sparse' separately with precision='float32'"
+        )
     if long_inputs == "chunk" and names != ("dense",):
-        raise ValueError(f"long_inputs='chunk' averages one dense vector per window; output={output!r} needs "
-                         "long_inputs='truncate' (or embed_chunks for vectors per span of a long document)")
+        raise ValueError(
+            f"long_inputs='chunk' averages one dense vector per window; output={output!r} needs "
+            "long_inputs='truncate' (or embed_chunks for vectors per span of a long document)"
+        )
     if per_item_instructions and long_inputs == "chunk":
-        raise ValueError("[instruction, text] inputs need long_inputs='truncate' (windows of a split input share "
-                         "one instruction); pass instruction=... with plain texts instead")
+        raise ValueError(
+            "[instruction, text] inputs need long_inputs='truncate' (windows of a split input share "
+            "one instruction); pass instruction=... with plain texts instead"
+        )

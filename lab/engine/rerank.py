@@ -88,8 +88,11 @@ def check_pairs(pairs) -> tuple[list[str], list[str]]:
     queries, documents = [], []
     for i, p in enumerate(pairs):
         if not isinstance(p, (tuple, list, np.ndarray)) or len(p) != 2:
-            what = f"a {type(p).__name__} of length {len(p)}" if isinstance(p, (tuple, list, np.ndarray)) else \
-                f"a {type(p).__name__}"
+            what = (
+                f"a {type(p).__name__} of length {len(p)}"
+                if isinstance(p, (tuple, list, np.ndarray))
+                else f"a {type(p).__name__}"
+            )
             hint = " (to score one pair, wrap it: [(query, document)])" if isinstance(p, str) else ""
             raise TypeError(f"pairs[{i}] must be a (query, document) pair of two strings, got {what}{hint}")
         for j, part in enumerate(("query", "document")):
@@ -132,8 +135,9 @@ def resolve_mode(engine, mode: str | None) -> str:
     if mode is None:
         return default_mode(engine)
     if mode not in SCORE_MODES:
-        raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(map(repr, SCORE_MODES))} (or None for the "
-                         "default)")
+        raise ValueError(
+            f"unknown mode {mode!r}; valid: {', '.join(map(repr, SCORE_MODES))} (or None for the default)"
+        )
     SCORE_MODES[mode].check(engine)
     return mode
 
@@ -142,17 +146,19 @@ def _check_cross_encoder(engine) -> None:
     if not engine.is_cross_encoder:
         raise ValueError(
             f"{engine.model_name} has no sequence-classification head, so it cannot score as a cross-encoder. "
-            "Use mode='bi-encoder' (embedding similarity)" + (" or mode='llm' (yes/no prompt)" if has_lm_head(engine)
-                                                              else "")
+            "Use mode='bi-encoder' (embedding similarity)"
+            + (" or mode='llm' (yes/no prompt)" if has_lm_head(engine) else "")
             + ", or load a *ForSequenceClassification checkpoint (a cross-encoder / reranker)"
         )
 
 
 def _check_llm(engine) -> None:
     if not has_lm_head(engine):
-        why = ("it is not a decoder LLM" if not engine.is_decoder else "this checkpoint has no LM head weights")
-        raise ValueError(f"mode='llm' needs a decoder with LM logits, but {why} ({engine.spec.architecture}); "
-                         f"use mode={default_mode(engine)!r}")
+        why = "it is not a decoder LLM" if not engine.is_decoder else "this checkpoint has no LM head weights"
+        raise ValueError(
+            f"mode='llm' needs a decoder with LM logits, but {why} ({engine.spec.architecture}); "
+            f"use mode={default_mode(engine)!r}"
+        )
 
 
 def _outputs_check(mode: str) -> Callable[[object], None]:
@@ -171,14 +177,19 @@ def cross_encoder_activation(config: dict, num_labels: int) -> str | None:
         name = str(saved).rsplit(".", 1)[-1]
         if name in _ST_ACTIVATIONS:
             return _ST_ACTIVATIONS[name]
-        warnings.warn(f"the checkpoint's activation_fn {saved!r} is not one of {sorted(_ST_ACTIVATIONS)}; using "
-                      "sentence-transformers' default instead (pass activation= to choose)", stacklevel=4)
+        warnings.warn(
+            f"the checkpoint's activation_fn {saved!r} is not one of {sorted(_ST_ACTIVATIONS)}; using "
+            "sentence-transformers' default instead (pass activation= to choose)",
+            stacklevel=4,
+        )
     return "sigmoid" if num_labels == 1 else None
 
 
 # ----------------------------------------------------------------------------------------------------- prompts
-DEFAULT_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
-                  'Note that the answer can only be "yes" or "no".')
+DEFAULT_SYSTEM = (
+    "Judge whether the Document meets the requirements based on the Query and the Instruct provided. "
+    'Note that the answer can only be "yes" or "no".'
+)
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 DEFAULT_TEMPLATE = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
 PLAIN_FRAME = "{system}\n\n{user}\n\nAnswer (yes or no):\n"  # when the tokenizer has no chat template
@@ -242,8 +253,10 @@ def token_id(tokenizer, token: str | int, name: str) -> int:
     ids = tokenizer.encode(token, add_special_tokens=False)
     if len(ids) != 1:
         pieces = tokenizer.convert_ids_to_tokens(ids)
-        raise ValueError(f"{name}={token!r} is not a single token of this tokenizer (it tokenizes to {pieces}); "
-                         "pass a vocabulary entry or a token id")
+        raise ValueError(
+            f"{name}={token!r} is not a single token of this tokenizer (it tokenizes to {pieces}); "
+            "pass a vocabulary entry or a token id"
+        )
     return int(ids[0])
 
 
@@ -282,8 +295,9 @@ class YesNoLayout:
                     pos += len(s)
             texts.append("".join(pieces))
             spans.append(span)
-        enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
-                             return_attention_mask=False, verbose=False)
+        enc = self.tokenizer(
+            texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False, verbose=False
+        )
         out = []
         for i, (ids, offsets, span) in enumerate(zip(enc["input_ids"], enc["offset_mapping"], spans)):
             ids = np.asarray(self.bos + ids, dtype=np.int64)
@@ -305,8 +319,10 @@ class YesNoLayout:
         inside = {slot: np.nonzero((starts >= a) & (starts < b))[0] for slot, (a, b) in span.items()}
         nq, nd = len(inside["query"]), len(inside["document"])
         if over > nq + nd:
-            raise ValueError(f"the prompt without query and document is {len(ids) - nq - nd} tokens, over "
-                             f"max_length={self.max_length}; raise max_length or shorten the YesNoPrompt")
+            raise ValueError(
+                f"the prompt without query and document is {len(ids) - nq - nd} tokens, over "
+                f"max_length={self.max_length}; raise max_length or shorten the YesNoPrompt"
+            )
         total = nq + nd - over  # tokens of query + document that fit
         if nd - over >= nq:
             keep_d, keep_q = nd - over, nq
@@ -331,8 +347,16 @@ class ScoreJob:
     split: int = 0  # inputs cut into windows (long_inputs="chunk"; Engine.run_passes' split=)
 
 
-def score_job(engine, pairs, *, mode: str | None = None, activation="default", instruction: str | None = None,
-              prompt: YesNoPrompt | None = None, similarity: str = "cosine") -> ScoreJob:
+def score_job(
+    engine,
+    pairs,
+    *,
+    mode: str | None = None,
+    activation="default",
+    instruction: str | None = None,
+    prompt: YesNoPrompt | None = None,
+    similarity: str = "cosine",
+) -> ScoreJob:
     """The passes and the combination that score ``pairs`` (``Engine.score``): everything is checked here, before
     any model work. The bi-encoder, late-interaction, sparse and m3 modes embed through the engine's public
     ``Engine.embed_pass``."""
@@ -346,12 +370,21 @@ def score_job(engine, pairs, *, mode: str | None = None, activation="default", i
     if similarity not in SIMILARITIES:
         raise ValueError(f"unknown similarity {similarity!r}; valid: {', '.join(SIMILARITIES)}")
     if similarity != "cosine" and "similarity" not in kind.takes:
-        raise ValueError(f"similarity={similarity!r} is for {_modes_taking('similarity')}; this call scores in "
-                         f"mode={mode!r}")
+        raise ValueError(
+            f"similarity={similarity!r} is for {_modes_taking('similarity')}; this call scores in mode={mode!r}"
+        )
     if activation == "softmax" and "softmax" not in kind.takes:
         raise ValueError(f"activation='softmax' needs several scores per pair; mode={mode!r} gives one")
-    return kind.job(engine, mode, queries, documents, activation=activation, instruction=instruction, prompt=prompt,
-                    similarity=similarity)
+    return kind.job(
+        engine,
+        mode,
+        queries,
+        documents,
+        activation=activation,
+        instruction=instruction,
+        prompt=prompt,
+        similarity=similarity,
+    )
 
 
 def _llm_job(engine, mode, queries, documents, *, activation, instruction, prompt, similarity) -> ScoreJob:
@@ -359,15 +392,27 @@ def _llm_job(engine, mode, queries, documents, *, activation, instruction, promp
     prompt = prompt or YesNoPrompt()
     layout = YesNoLayout(engine.tokenizer, prompt, instruction or prompt.instruction, engine.resolved.max_length)
     # the default is sigmoid(logit_yes - logit_no) == softmax over (yes, no): the yes probability
-    head = YesNoHead(engine.model.lm_logits, layout.yes_id, layout.no_id,
-                     "sigmoid" if activation == "default" else activation)
+    head = YesNoHead(
+        engine.model.lm_logits, layout.yes_id, layout.no_id, "sigmoid" if activation == "default" else activation
+    )
 
     def tokenize(chunk: list[int], first: int) -> list[Request]:
         return layout.requests([queries[i] for i in chunk], [documents[i] for i in chunk], first_index=first)
 
     # every prompt starts with the same template: the prefix cache computes it once under causal attention
-    return ScoreJob([_pair_pass(engine, mode, list(range(len(queries))), tokenize,
-                                Pooler(pooling_method("lasttoken"), head), shared_prefix=True)], lambda outs: outs[0])
+    return ScoreJob(
+        [
+            _pair_pass(
+                engine,
+                mode,
+                list(range(len(queries))),
+                tokenize,
+                Pooler(pooling_method("lasttoken"), head),
+                shared_prefix=True,
+            )
+        ],
+        lambda outs: outs[0],
+    )
 
 
 def _cross_encoder_job(engine, mode, queries, documents, *, activation, instruction, prompt, similarity) -> ScoreJob:
@@ -387,8 +432,9 @@ def _cross_encoder_job(engine, mode, queries, documents, *, activation, instruct
     def combine(outs: list) -> np.ndarray:
         return outs[0][:, 0] if labels == 1 else outs[0]
 
-    return ScoreJob([_pair_pass(engine, "cross-encoder", index, tokenize, Pooler(pooling_method("cls"), head))],
-                    combine)
+    return ScoreJob(
+        [_pair_pass(engine, "cross-encoder", index, tokenize, Pooler(pooling_method("cls"), head))], combine
+    )
 
 
 def _pair_pass(engine, mode: str, index: list[int], tokenize, pooler: Pooler, *, shared_prefix: bool = False) -> Pass:
@@ -403,7 +449,8 @@ def _pair_pass(engine, mode: str, index: list[int], tokenize, pooler: Pooler, *,
             f"long_inputs='chunk' does not apply to mode={mode!r}: a (query, document) pair is scored as one sequence "
             f"and a score is not an average of its windows' scores, but pairs[{long[0]}] ({len(long)} pair(s) in all) "
             f"is longer than max_length={engine.resolved.max_length} tokens. Set long_inputs='truncate' to cut "
-            "such pairs (longest side first), raise max_length, or shorten the document")
+            "such pairs (longest side first), raise max_length, or shorten the document"
+        )
     return Pass(requests, lambda chunk, first: chunk, pooler, shared_prefix=shared_prefix)
 
 
@@ -423,18 +470,23 @@ def _bi_encoder_job(engine, mode, queries, documents, *, activation, instruction
         return activate((a * b).sum(-1), activation).numpy()
 
     sides = [dense_pass(engine, uq, instruction), dense_pass(engine, ud, None)]
-    return ScoreJob([side.run for side in sides], lambda outs: combine([s.finish(o) for s, o in zip(sides, outs)]),
-                    split=sum(side.split for side in sides))
+    return ScoreJob(
+        [side.run for side in sides],
+        lambda outs: combine([s.finish(o) for s, o in zip(sides, outs)]),
+        split=sum(side.split for side in sides),
+    )
 
 
 def _outputs_job(engine, mode, queries, documents, *, activation, instruction, prompt, similarity) -> ScoreJob:
     """``late-interaction`` / ``sparse`` / ``m3``: the outputs the mode reads (``lab.outputs.scoring.SCORE_OUTPUTS``),
     one forward per side over the distinct texts (queries with ``instruction``), scored per pair."""
     if engine.knobs["long_inputs"] == "chunk":
-        raise ValueError(f"long_inputs='chunk' averages one dense vector per window, but mode={mode!r} scores "
-                         f"per-token or lexical outputs ({', '.join(SCORE_OUTPUTS[mode])}), which have no window "
-                         "average; set long_inputs='truncate' for this mode (inputs are then cut at "
-                         f"max_length={engine.resolved.max_length})")
+        raise ValueError(
+            f"long_inputs='chunk' averages one dense vector per window, but mode={mode!r} scores "
+            f"per-token or lexical outputs ({', '.join(SCORE_OUTPUTS[mode])}), which have no window "
+            "average; set long_inputs='truncate' for this mode (inputs are then cut at "
+            f"max_length={engine.resolved.max_length})"
+        )
     activation = None if activation == "default" else activation
     uq, ud = list(dict.fromkeys(queries)), list(dict.fromkeys(documents))
     qi, di = {t: i for i, t in enumerate(uq)}, {t: i for i, t in enumerate(ud)}
@@ -445,8 +497,9 @@ def _outputs_job(engine, mode, queries, documents, *, activation, instruction, p
         scores = pair_scores(mode, q, d, [qi[x] for x in queries], [di[x] for x in documents])
         return activate(torch.from_numpy(scores), activation).numpy()
 
-    return ScoreJob([engine.embed_pass(uq, instruction, output=outputs), engine.embed_pass(ud, None, output=outputs)],
-                    combine)
+    return ScoreJob(
+        [engine.embed_pass(uq, instruction, output=outputs), engine.embed_pass(ud, None, output=outputs)], combine
+    )
 
 
 # ------------------------------------------------------------------------------------------------- the registry
@@ -499,10 +552,18 @@ def rerank(engine, query: str, documents, *, top_k: int | None = None, **score_k
     mode = resolve_mode(engine, score_kwargs.pop("mode", None))
     scores = engine.score([(query, d) for d in documents], mode=mode, **score_kwargs)
     if scores.ndim != 1:
-        raise ValueError(f"rerank needs one score per document, but this model has {scores.shape[1]} labels; use "
-                         "score(...) and choose a label column (or activation='softmax' and a column)")
+        raise ValueError(
+            f"rerank needs one score per document, but this model has {scores.shape[1]} labels; use "
+            "score(...) and choose a label column (or activation='softmax' and a column)"
+        )
     order = np.argsort(-scores, kind="stable")[:top_k]
-    df = pd.DataFrame({"rank": np.arange(1, len(order) + 1), "index": order, "score": scores[order],
-                       "document": [documents[i] for i in order]})
+    df = pd.DataFrame(
+        {
+            "rank": np.arange(1, len(order) + 1),
+            "index": order,
+            "score": scores[order],
+            "document": [documents[i] for i in order],
+        }
+    )
     df.attrs["mode"] = mode
     return df

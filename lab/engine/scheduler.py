@@ -61,7 +61,7 @@ def prefetch_waves(items: list, process: Callable[[list, int], T], wave_size: in
         return
     starts = list(range(0, len(items), wave_size))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lab-tokenize") as pool:
-        pending = pool.submit(process, items[: wave_size], 0)
+        pending = pool.submit(process, items[:wave_size], 0)
         for k, s in enumerate(starts):
             result = pending.result()
             if k + 1 < len(starts):

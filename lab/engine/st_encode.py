@@ -62,8 +62,9 @@ MODEL_DEFAULT = _ModelDefault()
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document's prompt names, first present wins
 
 
-def resolve_prompt(prompts: dict[str, str], default_name: str | None, prompt: str | None,
-                   prompt_name: str | None) -> str | None:
+def resolve_prompt(
+    prompts: dict[str, str], default_name: str | None, prompt: str | None, prompt_name: str | None
+) -> str | None:
     """The prompt text a call uses: ``prompt`` itself, else ``prompts[prompt_name]``, else the default prompt,
     else ``None``. ``prompt`` and ``prompt_name`` together are refused (sentence-transformers warns and drops the
     name; an error is clearer)."""
@@ -76,8 +77,10 @@ def resolve_prompt(prompts: dict[str, str], default_name: str | None, prompt: st
     if prompt_name is not None:
         if prompt_name not in prompts:
             have = f"its prompts are {sorted(prompts)}" if prompts else "it has none"
-            raise ValueError(f"unknown prompt_name {prompt_name!r}: the model folder's "
-                             f"config_sentence_transformers.json names the prompts, and {have}; or pass prompt=")
+            raise ValueError(
+                f"unknown prompt_name {prompt_name!r}: the model folder's "
+                f"config_sentence_transformers.json names the prompts, and {have}; or pass prompt="
+            )
         return prompts[prompt_name]
     return prompts.get(default_name) if default_name is not None else None
 
@@ -89,8 +92,9 @@ def call_instruction(spec, knob: str | None, instruction, prompt_name: str | Non
     sentence-transformers resolves prompts."""
     if prompt_name is not None:
         if given:
-            raise ValueError("pass either instruction= (the text) or prompt_name= (a key of the model's prompts), not "
-                             "both")
+            raise ValueError(
+                "pass either instruction= (the text) or prompt_name= (a key of the model's prompts), not both"
+            )
         return resolve_prompt(spec.prompts, None, None, prompt_name)
     instr = instruction if given else knob
     if instr is not None and not isinstance(instr, str):
@@ -133,29 +137,40 @@ def task_kw(spec, task: str, kwargs: dict) -> dict:
 def _check_long_inputs(engine, what: str) -> None:
     """``long_inputs="chunk"`` averages one vector per window: per-token outputs cannot follow it."""
     if engine.knobs["long_inputs"] == "chunk":
-        raise ValueError(f"long_inputs='chunk' averages one sentence embedding per window of max_length="
-                         f"{engine.resolved.max_length} tokens; {what} are per-token and cannot be averaged: set "
-                         "long_inputs='truncate' (engine.configure(long_inputs='truncate')) for them")
+        raise ValueError(
+            f"long_inputs='chunk' averages one sentence embedding per window of max_length="
+            f"{engine.resolved.max_length} tokens; {what} are per-token and cannot be averaged: set "
+            "long_inputs='truncate' (engine.configure(long_inputs='truncate')) for them"
+        )
 
 
 def _check_options(*, batch_size, output_value, device, engine_device, pool, kwargs, values=OUTPUT_VALUES) -> None:
     if kwargs:
-        raise TypeError(f"encode() got arguments it does not take: {sorted(kwargs)} (the engine's knobs are set with "
-                        "Engine(...) or engine.configure(...))")
+        raise TypeError(
+            f"encode() got arguments it does not take: {sorted(kwargs)} (the engine's knobs are set with "
+            "Engine(...) or engine.configure(...))"
+        )
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r} (it is accepted for "
-                         "compatibility; the engine schedules by max_batch_tokens)")
+        raise ValueError(
+            f"batch_size must be a positive integer, got {batch_size!r} (it is accepted for "
+            "compatibility; the engine schedules by max_batch_tokens)"
+        )
     if output_value not in values:
         raise ValueError(f"output_value must be one of {', '.join(map(repr, values))}, got {output_value!r}")
     if pool is not None or isinstance(device, list | tuple):
-        raise ValueError("multi-process encoding (pool= or a list of devices) is not supported: the engine already "
-                         "shares each packed step among its CPU workers (knob cpu_workers); to spread work over "
-                         "processes or machines use lab.distributed.RayEngine")
+        raise ValueError(
+            "multi-process encoding (pool= or a list of devices) is not supported: the engine already "
+            "shares each packed step among its CPU workers (knob cpu_workers); to spread work over "
+            "processes or machines use lab.distributed.RayEngine"
+        )
     if device is not None:
         want = torch.device(device)
         if want.type != engine_device.type or (want.index is not None and want != engine_device):
-            raise ValueError(f"encode(device={device!r}): this engine runs on {engine_device} (fixed at load); "
-                             f"create Engine(path, device={str(want)!r}) to run there")
+            raise ValueError(
+                f"encode(device={device!r}): this engine runs on {engine_device} (fixed at load); "
+                f"create Engine(path, device={str(want)!r}) to run there"
+            )
+
 
 def _sentences(sentences) -> tuple[list[str], bool]:
     """The checked list of texts, and whether one bare string was given (its result is unwrapped)."""
@@ -164,13 +179,15 @@ def _sentences(sentences) -> tuple[list[str], bool]:
 
 
 def _check_truncate_dim(truncate_dim) -> None:
-    if truncate_dim is not None and (isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int)
-                                     or truncate_dim < 1):
+    if truncate_dim is not None and (
+        isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int) or truncate_dim < 1
+    ):
         raise ValueError(f"truncate_dim must be a positive integer, got {truncate_dim!r}")
 
 
-def forward(engine, texts: list[str], prompt: str | None, kind: str, show_progress: bool | None,
-            task: str | None = None):
+def forward(
+    engine, texts: list[str], prompt: str | None, kind: str, show_progress: bool | None, task: str | None = None
+):
     """``encode``'s forward on ``engine`` (its public seam, ``Engine.embed_pass`` / ``Engine.run_passes``): sentence
     embeddings before truncation (pooled, normalized when the model normalizes; long inputs split as the
     ``long_inputs`` knob says, ``lab.engine.windows.dense_pass``), every token's hidden state (prompt and specials
@@ -181,8 +198,9 @@ def forward(engine, texts: list[str], prompt: str | None, kind: str, show_progre
     elif kind == "token_embeddings":
         p = engine.embed_pass(texts, prompt, "tokens", head=TokensHead(), include=True)
     else:
-        dense = windows.dense_pass(engine, texts, prompt,
-                                   head=EmbeddingHead(engine.model.hidden_size, normalize=engine.resolved.normalize))
+        dense = windows.dense_pass(
+            engine, texts, prompt, head=EmbeddingHead(engine.model.hidden_size, normalize=engine.resolved.normalize)
+        )
         return dense.finish(engine.run_passes([dense.run], "encode", show_progress, split=dense.split)[0])
     return engine.run_passes([p], "encode", show_progress)[0]
 
@@ -223,17 +241,40 @@ def encode(
         if task not in (None, "query", "document"):
             raise ValueError(f"task must be 'query', 'document' or None, got {task!r}")
         if convert_to_tensor or precision != "float32":
-            raise ValueError("a multi-vector (ColBERT) model returns a list of per-token matrices: there is no "
-                             "convert_to_tensor (nothing to stack) and no precision (quantize the matrices with "
-                             "lab.outputs.quantize.quantize_embeddings); drop the argument")
-        _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
-                       pool=pool, kwargs=kwargs, values=("token_embeddings",))
+            raise ValueError(
+                "a multi-vector (ColBERT) model returns a list of per-token matrices: there is no "
+                "convert_to_tensor (nothing to stack) and no precision (quantize the matrices with "
+                "lab.outputs.quantize.quantize_embeddings); drop the argument"
+            )
+        _check_options(
+            batch_size=batch_size,
+            output_value=output_value,
+            device=device,
+            engine_device=engine_device,
+            pool=pool,
+            kwargs=kwargs,
+            values=("token_embeddings",),
+        )
         _check_long_inputs(engine, "a ColBERT folder's vectors")
-        return _encode_colbert(engine, sentences, call_prompt(engine, prompt, prompt_name), task, show_progress_bar,
-                               bool(convert_to_numpy), normalize_embeddings, truncate_dim)
+        return _encode_colbert(
+            engine,
+            sentences,
+            call_prompt(engine, prompt, prompt_name),
+            task,
+            show_progress_bar,
+            bool(convert_to_numpy),
+            normalize_embeddings,
+            truncate_dim,
+        )
     convert_to_numpy = True if convert_to_numpy is None else convert_to_numpy
-    _check_options(batch_size=batch_size, output_value=output_value, device=device, engine_device=engine_device,
-                   pool=pool, kwargs=kwargs)
+    _check_options(
+        batch_size=batch_size,
+        output_value=output_value,
+        device=device,
+        engine_device=engine_device,
+        pool=pool,
+        kwargs=kwargs,
+    )
     text = call_prompt(engine, prompt, prompt_name)
     sentences, single = _sentences(sentences)
     tokens = output_value == "token_embeddings"
@@ -249,8 +290,11 @@ def encode(
     if truncate_dim is not None and truncate_dim > dim:
         raise ValueError(f"truncate_dim={truncate_dim} exceeds the embedding size {dim}")
     if not sentences:  # sentence-transformers' empty results
-        return [] if not (convert_to_numpy or convert_to_tensor) else (
-            torch.tensor([]) if convert_to_tensor else np.array([]))
+        return (
+            []
+            if not (convert_to_numpy or convert_to_tensor)
+            else (torch.tensor([]) if convert_to_tensor else np.array([]))
+        )
     out = forward(engine, sentences, text, output_value, show_progress_bar)
     if tokens:  # tensors, or numpy arrays once quantized (as sentence-transformers returns them)
         mats = [torch.as_tensor(np.asarray(m)) for m in out]
@@ -275,8 +319,11 @@ def _encode_colbert(engine, sentences, prompt, task, show_progress_bar, convert_
     task)``."""
     sentences, single = _sentences(sentences)
     _check_truncate_dim(truncate_dim)
-    mats = ([torch.as_tensor(m) for m in forward(engine, sentences, prompt, "colbert", show_progress_bar, task)]
-            if sentences else [])
+    mats = (
+        [torch.as_tensor(m) for m in forward(engine, sentences, prompt, "colbert", show_progress_bar, task)]
+        if sentences
+        else []
+    )
     if normalize:
         mats = [F.normalize(m, p=2, dim=-1) for m in mats]
     if truncate_dim is not None:

@@ -57,32 +57,39 @@ class Frame:
     def room(self, max_length: int) -> int:
         room = max_length - len(self.prefix) - len(self.suffix)
         if room < 1:
-            raise ValueError(f"max_length={max_length} leaves no room for text after the instruction and special "
-                             f"tokens ({len(self.prefix) + len(self.suffix)} tokens); raise max_length or shorten "
-                             "the instruction")
+            raise ValueError(
+                f"max_length={max_length} leaves no room for text after the instruction and special "
+                f"tokens ({len(self.prefix) + len(self.suffix)} tokens); raise max_length or shorten "
+                "the instruction"
+            )
         return room
 
     def window(self, body: list[int], index: int) -> Request:
-        return Request(index=index, ids=np.asarray(self.prefix + body + self.suffix, dtype=np.int64),
-                       pool_start=min(self.pool_start, len(self.prefix) + len(body) + len(self.suffix) - 1))
+        return Request(
+            index=index,
+            ids=np.asarray(self.prefix + body + self.suffix, dtype=np.int64),
+            pool_start=min(self.pool_start, len(self.prefix) + len(body) + len(self.suffix) - 1),
+        )
 
 
 def frame(proc: InputProcessor, instruction: str | None, include_instruction: bool) -> Frame:
     """The frame ``proc`` puts around a text (its tokenizer's specials, ``append_eos``), with ``instruction``."""
     n_pre, n_suf = proc.special_layout() or (proc.prefix_specials(), 0)
     empty = proc.tokenizer("", add_special_tokens=True)["input_ids"]
-    prefix, suffix = list(empty[:n_pre]), list(empty[len(empty) - n_suf:] if n_suf else [])
+    prefix, suffix = list(empty[:n_pre]), list(empty[len(empty) - n_suf :] if n_suf else [])
     if proc.append_eos and (not suffix or suffix[-1] != proc.tokenizer.eos_token_id):
         suffix.append(proc.tokenizer.eos_token_id)
     instr = proc.tokenizer(instruction, add_special_tokens=False)["input_ids"] if instruction else []
-    return Frame(prefix + list(instr), suffix,
-                 0 if include_instruction or not instruction else len(prefix) + len(instr))
+    return Frame(
+        prefix + list(instr), suffix, 0 if include_instruction or not instruction else len(prefix) + len(instr)
+    )
 
 
 def bodies(proc: InputProcessor, texts: list[str]) -> tuple[list[list[int]], list[np.ndarray]]:
     """Each text's tokens without specials, never truncated, and their ``(n, 2)`` character offsets."""
-    enc = proc.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False,
-                         verbose=False)
+    enc = proc.tokenizer(
+        texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False, verbose=False
+    )
     return enc["input_ids"], [np.asarray(o, dtype=np.int64).reshape(-1, 2) for o in enc["offset_mapping"]]
 
 
@@ -114,8 +121,11 @@ def split_long(proc: InputProcessor, texts: list[str], requests: list[Request], 
     long_bodies = dict(zip(long_ids, bodies(proc, [texts[i] for i in long_ids])[0], strict=True)) if long_ids else {}
     out, owner, weight = [], [], []
     for r in requests:
-        pieces = [r] if not r.truncated else [
-            fr.window(long_bodies[r.index][s:s + room], 0) for s in range(0, len(long_bodies[r.index]), room)]
+        pieces = (
+            [r]
+            if not r.truncated
+            else [fr.window(long_bodies[r.index][s : s + room], 0) for s in range(0, len(long_bodies[r.index]), room)]
+        )
         for w in pieces:
             out.append(Request(index=len(out), ids=w.ids, token_type_ids=w.token_type_ids, pool_start=w.pool_start))
             owner.append(r.index)
@@ -173,22 +183,27 @@ class ChunkPlan:
     chunks: pd.DataFrame
 
 
-def plan_chunks(proc: InputProcessor, docs: list[str], fr: Frame, chunk_tokens: int,
-                overlap: int | None = None) -> ChunkPlan:
+def plan_chunks(
+    proc: InputProcessor, docs: list[str], fr: Frame, chunk_tokens: int, overlap: int | None = None
+) -> ChunkPlan:
     """Chunks of ``chunk_tokens`` body tokens per document, and the macro-windows they are pooled from (one per
     document that fits ``max_length``; else windows ``room`` tokens long that step by ``room - overlap``, overlap
     at least ``chunk_tokens`` (the default) so that every chunk lies whole in one of them). Each chunk's characters
     are ``chunk_spans``'s."""
     chunk_tokens, overlap = plain_scalar(chunk_tokens), plain_scalar(overlap)  # numpy ints from sweeps
     room = fr.room(proc.max_length)
-    valid = (f"an int from 1 to {room - 1} (max_length={proc.max_length} less the {proc.max_length - room} special "
-             "and instruction tokens, less one: windows overlap by at least chunk_tokens and must advance)")
+    valid = (
+        f"an int from 1 to {room - 1} (max_length={proc.max_length} less the {proc.max_length - room} special "
+        "and instruction tokens, less one: windows overlap by at least chunk_tokens and must advance)"
+    )
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or not 1 <= chunk_tokens < room:
         raise ValueError(f"chunk_tokens must be {valid}, got {chunk_tokens!r}")
     overlap = chunk_tokens if overlap is None else overlap
     if not isinstance(overlap, int) or isinstance(overlap, bool) or not chunk_tokens <= overlap < room:
-        raise ValueError(f"overlap must be an int from chunk_tokens={chunk_tokens} to {room - 1} (so that every "
-                         f"chunk lies whole in a window that advances), or None (chunk_tokens), got {overlap!r}")
+        raise ValueError(
+            f"overlap must be an int from chunk_tokens={chunk_tokens} to {room - 1} (so that every "
+            f"chunk lies whole in a window that advances), or None (chunk_tokens), got {overlap!r}"
+        )
     stride = room - overlap
     ids, offsets = bodies(proc, docs) if docs else ([], [])
     windows, rows = [], []
@@ -198,15 +213,25 @@ def plan_chunks(proc: InputProcessor, docs: list[str], fr: Frame, chunk_tokens: 
         if starts[-1] + room < n:
             starts.append(n - room)
         first = len(windows)
-        windows += [fr.window(body[s:s + room], first + k) for k, s in enumerate(starts)]
+        windows += [fr.window(body[s : s + room], first + k) for k, s in enumerate(starts)]
         firsts = list(range(0, n, chunk_tokens))
         for c, (a, (cs, ce)) in enumerate(zip(firsts, chunk_spans(offs, firsts, len(docs[d])), strict=True)):
             b = min(a + chunk_tokens, n)
             holds = [(min(a - s, s + room - b), k) for k, s in enumerate(starts) if s <= a and b <= s + room]
             k = max(holds, key=lambda h: (h[0], -h[1]))[1]  # most context on the narrower side; first on ties
-            rows.append({"doc": d, "chunk": c, "char_start": cs, "char_end": ce, "n_tokens": b - a,
-                         "text": docs[d][cs:ce], "window": first + k,
-                         "row_start": len(fr.prefix) + a - starts[k], "row_end": len(fr.prefix) + b - starts[k]})
+            rows.append(
+                {
+                    "doc": d,
+                    "chunk": c,
+                    "char_start": cs,
+                    "char_end": ce,
+                    "n_tokens": b - a,
+                    "text": docs[d][cs:ce],
+                    "window": first + k,
+                    "row_start": len(fr.prefix) + a - starts[k],
+                    "row_end": len(fr.prefix) + b - starts[k],
+                }
+            )
     cols = ["doc", "chunk", "char_start", "char_end", "n_tokens", "text", "window", "row_start", "row_end"]
     return ChunkPlan(windows, pd.DataFrame(rows, columns=cols))
 
@@ -239,15 +264,24 @@ def pool_chunks(plan: ChunkPlan, token_rows: list[np.ndarray], method: str) -> t
     return segment_pool(torch.from_numpy(np.concatenate(spans)), cu, method)
 
 
-def embed_chunks(engine, docs: list[str], chunk_tokens: int, *, late: bool, overlap: int | None,
-                 instruction: str | None, show_progress: bool | None) -> tuple[np.ndarray, pd.DataFrame]:
+def embed_chunks(
+    engine,
+    docs: list[str],
+    chunk_tokens: int,
+    *,
+    late: bool,
+    overlap: int | None,
+    instruction: str | None,
+    show_progress: bool | None,
+) -> tuple[np.ndarray, pd.DataFrame]:
     """``Engine.embed_chunks`` over checked ``docs`` with ``instruction`` (a resolved text or ``None``): the chunks'
     vectors and their table (``plan_chunks``); ``late`` pools each chunk from its document's forward, else embeds
     each chunk's text alone."""
     r = engine.resolved
     if r.template is not None:
-        raise ValueError("embed_chunks embeds spans of a document, which a template cannot frame; set template=None "
-                         "for it")
+        raise ValueError(
+            "embed_chunks embeds spans of a document, which a template cannot frame; set template=None for it"
+        )
     proc = passes.processor(engine, r)  # embed_pass's
     plan = plan_chunks(proc, docs, frame(proc, instruction, True), chunk_tokens, overlap)
     table = plan.chunks[["doc", "chunk", "char_start", "char_end", "n_tokens", "text"]].copy()

@@ -52,8 +52,10 @@ class SentenceTransformerBaseline:
             reverse=True,
         )
         real = sum(lengths)
-        padded = sum(max(lengths[i : i + self.batch_size]) * len(lengths[i : i + self.batch_size])
-                     for i in range(0, len(lengths), self.batch_size))
+        padded = sum(
+            max(lengths[i : i + self.batch_size]) * len(lengths[i : i + self.batch_size])
+            for i in range(0, len(lengths), self.batch_size)
+        )
         return real, padded - real
 
 
@@ -91,7 +93,12 @@ def interleaved(systems: dict, repeats: int, warmup: int) -> dict:
 
 
 def throughput(
-    systems, texts: list[str], *, sweep: dict[str, list] | None = None, repeats: int = 3, warmup: int = 1,
+    systems,
+    texts: list[str],
+    *,
+    sweep: dict[str, list] | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
     show_progress: bool | None = None,
 ) -> pd.DataFrame:
     """Time each system on ``texts``; Engines also run every combination of ``sweep`` (restored afterwards).
@@ -111,8 +118,10 @@ def throughput(
     from tqdm.auto import tqdm
 
     if not isinstance(systems, dict):
-        systems = {getattr(s, "name", None) or getattr(s, "model_name", None) or f"system{i}": s
-                   for i, s in enumerate(systems)}
+        systems = {
+            getattr(s, "name", None) or getattr(s, "model_name", None) or f"system{i}": s
+            for i, s in enumerate(systems)
+        }
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     sweep = sweep or {}
@@ -131,8 +140,13 @@ def throughput(
                     system.embed(texts)
                 secs = _time(lambda s=system: s.embed(texts), repeats)
                 st = system.stats
-                row.update(tokens=st.tokens, padded_tokens=st.padded_tokens, tokens_computed=st.tokens_computed,
-                           model=system.model_name, revision=system.revision)
+                row.update(
+                    tokens=st.tokens,
+                    padded_tokens=st.padded_tokens,
+                    tokens_computed=st.tokens_computed,
+                    model=system.model_name,
+                    revision=system.revision,
+                )
                 engine_tokens = st.tokens
             finally:
                 system.configure(**saved)
@@ -146,16 +160,31 @@ def throughput(
             else:
                 row.update(tokens=engine_tokens, padded_tokens=None, tokens_computed=None)
         med = statistics.median(secs)
-        row.update(texts=len(texts), seconds_median=med, seconds_min=min(secs), seconds_max=max(secs),
-                   tokens_per_s=(row["tokens"] / med) if row.get("tokens") else None,
-                   threads=torch.get_num_threads(), torch=torch.__version__, machine=platform.machine())
+        row.update(
+            texts=len(texts),
+            seconds_median=med,
+            seconds_min=min(secs),
+            seconds_max=max(secs),
+            tokens_per_s=(row["tokens"] / med) if row.get("tokens") else None,
+            threads=torch.get_num_threads(),
+            torch=torch.__version__,
+            machine=platform.machine(),
+        )
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.dtype = torch.float32,
-                  tokens: int = 4096, repeats: int = 20, shapes: list[tuple[int, int]] | None = None,
-                  plan=None) -> dict:
+def gemm_roofline(
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    tokens: int = 4096,
+    repeats: int = 20,
+    shapes: list[tuple[int, int]] | None = None,
+    plan=None,
+) -> dict:
     """Measured matmul FLOP/s at the model's GEMM shapes and the tokens/s they imply for its FLOPs per token.
 
     ``shapes``: one layer's projections as ``(in, out)`` pairs; the default is a BERT layer's (q/k/v ``h -> 3h``,
@@ -183,12 +212,24 @@ def gemm_roofline(hidden: int, intermediate: int, layers: int, *, dtype: torch.d
     flops_layer = 2 * sum(i * o for i, o in shapes)  # per token
     flops_per_s = flops_layer * tokens / secs
     flops_per_token = layers * flops_layer
-    return {"gemm_gflops": flops_per_s / 1e9, "flops_per_token": flops_per_token,
-            "roofline_tokens_per_s": flops_per_s / flops_per_token}
+    return {
+        "gemm_gflops": flops_per_s / 1e9,
+        "flops_per_token": flops_per_token,
+        "roofline_tokens_per_s": flops_per_s / flops_per_token,
+    }
 
 
-def attention_seconds(lengths: list[int], heads: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
-                      threads: int | None = None, run_cap: int = 16, repeats: int = 3, kernel: str = "sdpa") -> float:
+def attention_seconds(
+    lengths: list[int],
+    heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    threads: int | None = None,
+    run_cap: int = 16,
+    repeats: int = 3,
+    kernel: str = "sdpa",
+) -> float:
     """Seconds one bidirectional attention layer takes over sequences of these ``lengths`` in one of the engine's
     CPU kernels (``kernel``, an engine's ``attention_kernel``: ``sdpa``, torch's fused kernel; ``matmul``, the three-op
     path of ``lab.kernels.reference.varlen_attention``; ``bmm``, ``lab.ops.attention.bmm_attention``, batched GEMMs
@@ -293,8 +334,9 @@ def peak_memory(fn: Callable[[], object]) -> tuple[object, int]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with _without_profiler_banner(), profile(activities=activities, profile_memory=True) as prof:
         result = fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
     current = peak = 0
     for _, nbytes in events:
         current += nbytes
@@ -302,8 +344,9 @@ def peak_memory(fn: Callable[[], object]) -> tuple[object, int]:
     return result, peak
 
 
-def chunked_prefill(engine, texts: list[str], chunk_sizes: list[int | None], *, repeats: int = 1,
-                    show_progress: bool | None = None) -> pd.DataFrame:
+def chunked_prefill(
+    engine, texts: list[str], chunk_sizes: list[int | None], *, repeats: int = 1, show_progress: bool | None = None
+) -> pd.DataFrame:
     """Each text alone, unchunked and at every chunk size: peak tensor memory, time, and the distance from the
     unchunked embedding (the engine's ``chunked_prefill`` knob is restored afterwards).
 
@@ -319,8 +362,11 @@ def chunked_prefill(engine, texts: list[str], chunk_sizes: list[int | None], *, 
     sizes = [None] + [c for c in chunk_sizes if c is not None]
     saved = engine.knobs["chunked_prefill"]
     rows = []
-    bar = tqdm(total=len(texts) * len(sizes), desc="chunked prefill",
-               disable=not (show_progress if show_progress is not None else len(texts) * len(sizes) > 4))
+    bar = tqdm(
+        total=len(texts) * len(sizes),
+        desc="chunked prefill",
+        disable=not (show_progress if show_progress is not None else len(texts) * len(sizes) > 4),
+    )
     try:
         for i, text in enumerate(texts):
             reference = None
@@ -333,11 +379,19 @@ def chunked_prefill(engine, texts: list[str], chunk_sizes: list[int | None], *, 
                 if reference is None:
                     reference = emb
                 cos = float(emb @ reference / (np.linalg.norm(emb) * np.linalg.norm(reference) + 1e-30))
-                rows.append({"text": i, "input_tokens": engine.stats.tokens, "chunked_prefill": chunk,
-                             "chunks": engine.stats.chunks, "seconds": statistics.median(secs),
-                             "peak_mb": peak / 2**20, "state_mb": engine.stats.state_bytes / 2**20,
-                             "max_abs_diff": float(np.abs(emb - reference).max()),
-                             "cosine": cos})
+                rows.append(
+                    {
+                        "text": i,
+                        "input_tokens": engine.stats.tokens,
+                        "chunked_prefill": chunk,
+                        "chunks": engine.stats.chunks,
+                        "seconds": statistics.median(secs),
+                        "peak_mb": peak / 2**20,
+                        "state_mb": engine.stats.state_bytes / 2**20,
+                        "max_abs_diff": float(np.abs(emb - reference).max()),
+                        "cosine": cos,
+                    }
+                )
                 bar.update()
     finally:
         bar.close()

@@ -39,8 +39,9 @@ from typing import Any
 import numpy as np
 
 # Knobs that change speed or memory but not the numbers: kept out of the experiment name.
-SCHEDULING_KNOBS = frozenset({"max_batch_tokens", "max_num_seqs", "prefix_cache", "device", "show_progress",
-                              "cpu_workers"})
+SCHEDULING_KNOBS = frozenset(
+    {"max_batch_tokens", "max_num_seqs", "prefix_cache", "device", "show_progress", "cpu_workers"}
+)
 # Knobs that say which model loaded (already in the results' path and model meta), not how it runs.
 IDENTITY_KNOBS = frozenset({"revision"})
 

@@ -48,34 +48,49 @@ class KnobPanel(widgets.VBox):
         self._knobs = [k for k in knob_registry.KNOBS.values() if k.widget is not None]
         for knob in self._knobs:
             setattr(self, knob.name, _knob_widget(knob, engine))
-        self.sentences = widgets.Textarea(value=DEFAULT_SENTENCES, description="sentences (one a line)",
-                                          style=_STYLE, layout=widgets.Layout(width="620px", height="140px"))
+        self.sentences = widgets.Textarea(
+            value=DEFAULT_SENTENCES,
+            description="sentences (one a line)",
+            style=_STYLE,
+            layout=widgets.Layout(width="620px", height="140px"),
+        )
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
         self.error = widgets.HTML(value="")
         self.stats_view = widgets.HTML(value="")
         self.resolved_view = widgets.HTML(value=_resolved_html(engine))
         self.plot = widgets.Output()
 
-        for name in (*(k.name for k in self._knobs), "sentences", "run_button", "error", "stats_view",
-                     "resolved_view", "plot"):
+        for name in (
+            *(k.name for k in self._knobs),
+            "sentences",
+            "run_button",
+            "error",
+            "stats_view",
+            "resolved_view",
+            "plot",
+        ):
             getattr(self, name).add_class(f"lab-panel-{name.replace('_', '-')}")  # stable selectors in a browser
         self._knob_widgets = tuple(getattr(self, k.name) for k in self._knobs)
         for w in self._knob_widgets:
             w.observe(self._on_knob_change, names="value")
         self.run_button.on_click(self._on_run)
 
-        title = widgets.HTML(f"<b>{html.escape(engine.model_name)}</b> @ <code>{html.escape(engine.revision[:12])}"
-                             f"</code> &nbsp; <code>{html.escape(engine.spec.architecture or '')}</code>")
+        title = widgets.HTML(
+            f"<b>{html.escape(engine.model_name)}</b> @ <code>{html.escape(engine.revision[:12])}"
+            f"</code> &nbsp; <code>{html.escape(engine.spec.architecture or '')}</code>"
+        )
         knobs = widgets.VBox(list(self._knob_widgets))
-        super().__init__([
-            title,
-            widgets.HBox([knobs, self.resolved_view]),
-            self.sentences,
-            self.run_button,
-            self.error,
-            self.stats_view,
-            self.plot,
-        ])
+        super().__init__(
+            [
+                title,
+                widgets.HBox([knobs, self.resolved_view]),
+                self.sentences,
+                self.run_button,
+                self.error,
+                self.stats_view,
+                self.plot,
+            ]
+        )
 
     # --------------------------------------------------------------------------------------------- knobs
     def knob_values(self) -> dict:
@@ -122,8 +137,9 @@ class KnobPanel(widgets.VBox):
 
         self.embeddings, self.similarity = emb, sim
         r = self.engine.resolved
-        self.figure = similarity_heatmap(sim, texts, title=f"Cosine similarity ({r.pooling} pooling, "
-                                         f"{'causal' if r.causal else 'bidirectional'})")
+        self.figure = similarity_heatmap(
+            sim, texts, title=f"Cosine similarity ({r.pooling} pooling, {'causal' if r.causal else 'bidirectional'})"
+        )
         self.stats_view.value = _stats_html(self.engine.stats, emb.shape)
         self.plot.clear_output(wait=True)
         with self.plot:
@@ -135,8 +151,9 @@ class KnobPanel(widgets.VBox):
         self.run()
 
     def _show_error(self, e: Exception) -> None:
-        self.error.value = (f"<div style='color:#b00020;white-space:pre-wrap'><b>{type(e).__name__}:</b> "
-                            f"{html.escape(str(e))}</div>")
+        self.error.value = (
+            f"<div style='color:#b00020;white-space:pre-wrap'><b>{type(e).__name__}:</b> {html.escape(str(e))}</div>"
+        )
 
 
 def build_panel(engine) -> KnobPanel:
@@ -166,8 +183,14 @@ def _knob_widget(knob: Knob, engine) -> widgets.Widget:
             value = (not engine.resolved[w.shows]) if w.invert else engine.resolved[w.shows]
         return widgets.Checkbox(value=bool(value), indent=True, **common)
     if w.kind == "int":
-        return widgets.BoundedIntText(value=(value or 0) if w.zero_is_none else value, min=w.minimum, max=w.maximum,
-                                      step=w.step, tooltip=w.tooltip, **common)
+        return widgets.BoundedIntText(
+            value=(value or 0) if w.zero_is_none else value,
+            min=w.minimum,
+            max=w.maximum,
+            step=w.step,
+            tooltip=w.tooltip,
+            **common,
+        )
     return widgets.Text(value=value or "", placeholder=w.placeholder, **common)
 
 
@@ -186,9 +209,11 @@ def _knob_value(knob: Knob, shown, engine):
 
 
 def _table(rows: dict) -> str:
-    cells = "".join(f"<tr><td style='text-align:left'>{html.escape(str(k))}</td>"
-                    f"<td style='text-align:left'><code>{html.escape(str(v))}</code></td></tr>"
-                    for k, v in rows.items())
+    cells = "".join(
+        f"<tr><td style='text-align:left'>{html.escape(str(k))}</td>"
+        f"<td style='text-align:left'><code>{html.escape(str(v))}</code></td></tr>"
+        for k, v in rows.items()
+    )
     return f"<table>{cells}</table>"
 
 
@@ -201,7 +226,13 @@ def _resolved_html(engine) -> str:
 
 def _stats_html(stats, shape) -> str:
     s = stats.to_dict()
-    rows = {"embeddings": f"{shape[0]} x {shape[1]}", **{k: s[k] for k in ("sequences", "tokens", "batches",
-            "padded_tokens", "truncated", "chunks", "path", "backend")},
-            "seconds": f"{s['seconds']:.4f}", "tokens/s": f"{s['tokens_per_s']:,.0f}"}
+    rows = {
+        "embeddings": f"{shape[0]} x {shape[1]}",
+        **{
+            k: s[k]
+            for k in ("sequences", "tokens", "batches", "padded_tokens", "truncated", "chunks", "path", "backend")
+        },
+        "seconds": f"{s['seconds']:.4f}",
+        "tokens/s": f"{s['tokens_per_s']:,.0f}",
+    }
     return "<b>stats of the last call</b>" + _table(rows)

@@ -36,8 +36,9 @@ def _figure(width: float = 6.4, height: float = 4.0) -> tuple[Figure, object]:
 def _require(df: pd.DataFrame, columns: Sequence[str], what: str) -> None:
     missing = [c for c in columns if c not in df.columns]
     if missing:
-        raise ValueError(f"{what} needs column(s) {', '.join(missing)}; the table has "
-                         f"{', '.join(map(str, df.columns))}")
+        raise ValueError(
+            f"{what} needs column(s) {', '.join(missing)}; the table has {', '.join(map(str, df.columns))}"
+        )
     if df.empty:
         raise ValueError(f"{what}: the table is empty")
 
@@ -162,11 +163,24 @@ def padding_waste(df: pd.DataFrame, *, length: str = "length", title: str | None
             real, pad = float(rows["tokens"].iloc[0]), float(rows["padded_tokens"].iloc[0])
             x = i + (j - (len(systems) - 1) / 2) * width
             ax.bar(x, real, width, color=colors[j], label=system if i == 0 else None)
-            ax.bar(x, pad, width, bottom=real, color="white", edgecolor=colors[j], hatch="//",
-                   label=None if pad_labelled or not pad else "padding")
+            ax.bar(
+                x,
+                pad,
+                width,
+                bottom=real,
+                color="white",
+                edgecolor=colors[j],
+                hatch="//",
+                label=None if pad_labelled or not pad else "padding",
+            )
             pad_labelled = pad_labelled or bool(pad)
-            ax.annotate(f"{100 * pad / real:.0f}% pad" if real else "", (x, real + pad), ha="center", va="bottom",
-                        fontsize="x-small")
+            ax.annotate(
+                f"{100 * pad / real:.0f}% pad" if real else "",
+                (x, real + pad),
+                ha="center",
+                va="bottom",
+                fontsize="x-small",
+            )
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(["all inputs"] if groups == [None] else [f"~{g:.0f} tokens" for g in groups])
     ax.set_ylabel("tokens run through the model")
@@ -177,8 +191,15 @@ def padding_waste(df: pd.DataFrame, *, length: str = "length", title: str | None
 
 
 def grouped_bars(
-    df: pd.DataFrame, *, x: str, hue: str, value: str, title: str | None = None, ylabel: str | None = None,
-    fmt: str = "{:.3f}", ylim: tuple[float, float] | None = None,
+    df: pd.DataFrame,
+    *,
+    x: str,
+    hue: str,
+    value: str,
+    title: str | None = None,
+    ylabel: str | None = None,
+    fmt: str = "{:.3f}",
+    ylim: tuple[float, float] | None = None,
 ) -> Figure:
     """Bars of ``value`` per ``x`` group, one bar per ``hue`` value (the mean where rows repeat), values on top."""
     _require(df, [x, hue, value], "grouped_bars")
@@ -191,11 +212,17 @@ def grouped_bars(
         xs = np.arange(n_x) + (j - (n_hue - 1) / 2) * width
         vals = table[h].to_numpy(dtype=float)
         bars = ax.bar(xs, np.nan_to_num(vals), width, label=str(h))
-        ax.bar_label(bars, labels=["n/a" if np.isnan(v) else fmt.format(v) for v in vals], fontsize="x-small",
-                     rotation=90 if n_hue * n_x > 12 else 0, padding=2)
+        ax.bar_label(
+            bars,
+            labels=["n/a" if np.isnan(v) else fmt.format(v) for v in vals],
+            fontsize="x-small",
+            rotation=90 if n_hue * n_x > 12 else 0,
+            padding=2,
+        )
     ax.set_xticks(range(n_x))
-    ax.set_xticklabels([str(i) for i in table.index], rotation=20 if n_x > 4 else 0,
-                       ha="right" if n_x > 4 else "center")
+    ax.set_xticklabels(
+        [str(i) for i in table.index], rotation=20 if n_x > 4 else 0, ha="right" if n_x > 4 else "center"
+    )
     ax.set_xlabel(x)
     ax.set_ylabel(ylabel or value)
     if ylim is not None:
@@ -209,8 +236,9 @@ def grouped_bars(
     return fig
 
 
-def scores(df: pd.DataFrame, *, metric: str | None = None, split: str | None = None,
-           title: str | None = None) -> Figure:
+def scores(
+    df: pd.DataFrame, *, metric: str | None = None, split: str | None = None, title: str | None = None
+) -> Figure:
     """MTEB results from ``lab.evaluate``: bars of each task's main score (or ``metric``) per variant."""
     _require(df, ["task", "variant", "metric", "score"], "scores")
     rows = df[df["metric"] == metric] if metric is not None else df[df["main"].astype(bool)]
@@ -221,12 +249,14 @@ def scores(df: pd.DataFrame, *, metric: str | None = None, split: str | None = N
     what = metric or "main score"
     top = float(rows["score"].max())
     ylim = (0.0, min(1.0, top * 1.15)) if 0 < top <= 1 else None  # mteb's 0-1 scale, room for the labels
-    return grouped_bars(rows, x="task", hue="variant", value="score", title=title or f"MTEB {what} per variant",
-                        ylabel=what, ylim=ylim)
+    return grouped_bars(
+        rows, x="task", hue="variant", value="score", title=title or f"MTEB {what} per variant", ylabel=what, ylim=ylim
+    )
 
 
-def similarity_heatmap(matrix, labels: Sequence[str] | None = None, *, title: str = "Cosine similarity",
-                       max_label: int = 40) -> Figure:
+def similarity_heatmap(
+    matrix, labels: Sequence[str] | None = None, *, title: str = "Cosine similarity", max_label: int = 40
+) -> Figure:
     """A similarity matrix as a heatmap, values written in the cells when the matrix is small enough to read.
 
     ``labels`` name the rows as ``[i] text`` (cut at ``max_label`` characters); columns are numbered ``[j]``.
@@ -249,8 +279,15 @@ def similarity_heatmap(matrix, labels: Sequence[str] | None = None, *, title: st
     if n_rows * n_cols <= 400:
         for i in range(n_rows):
             for j in range(n_cols):
-                ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", fontsize="x-small",
-                        color="black" if m[i, j] > (lo + 1) / 2 else "white")
+                ax.text(
+                    j,
+                    i,
+                    f"{m[i, j]:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize="x-small",
+                    color="black" if m[i, j] > (lo + 1) / 2 else "white",
+                )
     ax.set_title(title)
     return fig
 
@@ -262,9 +299,14 @@ def _per_chunk(df: pd.DataFrame, value: str, ylabel: str, title: str) -> Figure:
     order = sorted(set(chunk), key=lambda c: (c == "unchunked", c if c != "unchunked" else 0))
     for c in order:
         rows = df[chunk == c].groupby("input_tokens", as_index=False)[value].median().sort_values("input_tokens")
-        ax.plot(rows["input_tokens"], rows[value], marker="o", linestyle="--" if c == "unchunked" else "-",
-                color="black" if c == "unchunked" else None,
-                label="unchunked" if c == "unchunked" else f"chunk {c}")
+        ax.plot(
+            rows["input_tokens"],
+            rows[value],
+            marker="o",
+            linestyle="--" if c == "unchunked" else "-",
+            color="black" if c == "unchunked" else None,
+            label="unchunked" if c == "unchunked" else f"chunk {c}",
+        )
     _log2_x(ax, df["input_tokens"])
     ax.set_xlabel("input length (tokens)")
     ax.set_ylabel(ylabel)

@@ -33,12 +33,21 @@ from lab.eval.mteb_adapter import resolve_tasks
 from lab.outputs.scoring import maxsim_matrix
 
 MODES = ("dense", "sparse", "late-interaction", "tokens-maxsim", "m3", "late-chunking", "chunks")
-MODE_OUTPUTS = {"sparse": ("sparse",), "late-interaction": ("colbert",), "tokens-maxsim": ("tokens",),
-                "m3": ("dense", "sparse", "colbert")}  # what each mode asks embed for (dense: always there)
+MODE_OUTPUTS = {
+    "sparse": ("sparse",),
+    "late-interaction": ("colbert",),
+    "tokens-maxsim": ("tokens",),
+    "m3": ("dense", "sparse", "colbert"),
+}  # what each mode asks embed for (dense: always there)
 
 
-def ndcg(scores: np.ndarray, doc_ids: Sequence[str], query_ids: Sequence[str],
-         qrels: Mapping[str, Mapping[str, int]], k: int = 10) -> np.ndarray:
+def ndcg(
+    scores: np.ndarray,
+    doc_ids: Sequence[str],
+    query_ids: Sequence[str],
+    qrels: Mapping[str, Mapping[str, int]],
+    k: int = 10,
+) -> np.ndarray:
     """Per-query nDCG@k of the score matrix ``(Q, D)`` (NaN for a query without relevant documents)."""
     out = np.full(len(query_ids), np.nan)
     discount = 1.0 / np.log2(np.arange(2, k + 2))
@@ -57,8 +66,9 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
-def score_matrix(engine, mode: str, queries: list[str], docs: list[str], *, chunk_tokens: int = 128,
-                 query_instruction=None) -> np.ndarray:
+def score_matrix(
+    engine, mode: str, queries: list[str], docs: list[str], *, chunk_tokens: int = 128, query_instruction=None
+) -> np.ndarray:
     """``(len(queries), len(docs))`` scores of ``mode`` (module docstring) with ``engine``'s current knobs."""
     q_kw = {} if query_instruction is None else {"instruction": query_instruction}
     if mode == "dense":
@@ -70,16 +80,20 @@ def score_matrix(engine, mode: str, queries: list[str], docs: list[str], *, chun
         mv = getattr(getattr(engine, "spec", None), "multi_vector", None) is not None
         d_kw = {"prompt_name": "document"} if mv else {}
         q_kw = q_kw or ({"prompt_name": "query"} if mv else {})
-        return maxsim_matrix(engine.embed(queries, output="colbert", **q_kw), engine.embed(docs, output="colbert",
-                                                                                       **d_kw))
+        return maxsim_matrix(
+            engine.embed(queries, output="colbert", **q_kw), engine.embed(docs, output="colbert", **d_kw)
+        )
     if mode == "tokens-maxsim":
         q = [_unit(t) for t in engine.embed(queries, output="tokens", **q_kw)]
         return maxsim_matrix(q, [_unit(t) for t in engine.embed(docs, output="tokens")])
     if mode == "m3":
         out = ("dense", "sparse", "colbert")
         q, d = engine.embed(queries, output=out, **q_kw), engine.embed(docs, output=out)
-        return ((q["dense"] @ d["dense"].T) + (q["sparse"] @ d["sparse"].T).toarray()
-                + maxsim_matrix(q["colbert"], d["colbert"])) / 3
+        return (
+            (q["dense"] @ d["dense"].T)
+            + (q["sparse"] @ d["sparse"].T).toarray()
+            + maxsim_matrix(q["colbert"], d["colbert"])
+        ) / 3
     if mode in ("late-chunking", "chunks"):
         emb, chunks = engine.embed_chunks(docs, chunk_tokens=chunk_tokens, late=mode == "late-chunking")
         sims = engine.similarity(engine.embed(queries, **q_kw), emb)  # (Q, chunks)
@@ -89,9 +103,18 @@ def score_matrix(engine, mode: str, queries: list[str], docs: list[str], *, chun
     raise ValueError(f"unknown retrieval mode {mode!r}; valid: {', '.join(MODES)}")
 
 
-def evaluate_retrieval(engine, corpus: Mapping[str, str], queries: Mapping[str, str],
-                       qrels: Mapping[str, Mapping[str, int]], *, modes: Sequence[str] = ("dense",), k: int = 10,
-                       chunk_tokens: int = 128, task: str = "retrieval", query_instruction=None) -> pd.DataFrame:
+def evaluate_retrieval(
+    engine,
+    corpus: Mapping[str, str],
+    queries: Mapping[str, str],
+    qrels: Mapping[str, Mapping[str, int]],
+    *,
+    modes: Sequence[str] = ("dense",),
+    k: int = 10,
+    chunk_tokens: int = 128,
+    task: str = "retrieval",
+    query_instruction=None,
+) -> pd.DataFrame:
     """One tidy row per mode: ``model, variant, task, mode, metric (ndcg_at_k), score, queries, docs, seconds``.
     ``variant`` is the engine's knob values plus the mode, so rows of different modes never share a name."""
     bad = [m for m in modes if m not in MODES]
@@ -106,10 +129,19 @@ def evaluate_retrieval(engine, corpus: Mapping[str, str], queries: Mapping[str, 
         scores = score_matrix(engine, mode, qs, docs, chunk_tokens=chunk_tokens, query_instruction=query_instruction)
         per_query = ndcg(scores, doc_ids, query_ids, qrels, k)
         extra = f", chunk_tokens={chunk_tokens}" if mode in ("late-chunking", "chunks") else ""
-        rows.append({"model": engine.model_name, "variant": f"{knobs}; mode={mode}{extra}", "task": task,
-                     "mode": mode, "metric": f"ndcg_at_{k}", "score": float(np.nanmean(per_query)),
-                     "queries": int(np.isfinite(per_query).sum()), "docs": len(docs),
-                     "seconds": time.perf_counter() - t0})
+        rows.append(
+            {
+                "model": engine.model_name,
+                "variant": f"{knobs}; mode={mode}{extra}",
+                "task": task,
+                "mode": mode,
+                "metric": f"ndcg_at_{k}",
+                "score": float(np.nanmean(per_query)),
+                "queries": int(np.isfinite(per_query).sum()),
+                "docs": len(docs),
+                "seconds": time.perf_counter() - t0,
+            }
+        )
     return pd.DataFrame(rows)
 
 

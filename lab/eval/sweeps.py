@@ -47,8 +47,10 @@ if TYPE_CHECKING:
 
 DEFAULT_CACHE = "default"  # the cache argument meaning default_cache_dir()
 STAGING = ".partial-"  # <cache>/.partial-<pid>/: where mteb writes a result before it is moved into place
-CACHE_FIX = ("point cache= (evals.run --cache, $LAB_MTEB_CACHE) at a folder that can be written; a rerun computes "
-             "only the results the cache lacks")
+CACHE_FIX = (
+    "point cache= (evals.run --cache, $LAB_MTEB_CACHE) at a folder that can be written; a rerun computes "
+    "only the results the cache lacks"
+)
 _NOT_METRICS = frozenset({"hf_subset", "languages", "main_score", "mteb_version"})
 FIXED_COLUMNS = ("model", "variant")
 RESULT_COLUMNS = ("task", "split", "subset", "metric", "score", "main")
@@ -122,17 +124,29 @@ def result_cache_class() -> type:
             finally:
                 shutil.rmtree(root, ignore_errors=True)
 
-        def load_task_result(self, task_name, model_name, model_revision=None, raise_if_not_found=False,
-                             prioritize_remote=False, experiment_name=None):
+        def load_task_result(
+            self,
+            task_name,
+            model_name,
+            model_revision=None,
+            raise_if_not_found=False,
+            prioritize_remote=False,
+            experiment_name=None,
+        ):
             try:
-                return super().load_task_result(task_name, model_name, model_revision, raise_if_not_found,
-                                                prioritize_remote, experiment_name)
+                return super().load_task_result(
+                    task_name, model_name, model_revision, raise_if_not_found, prioritize_remote, experiment_name
+                )
             except (ValueError, KeyError, TypeError) as e:  # json's and pydantic's errors are ValueErrors
-                path = self.get_task_result_path(task_name, model_name, model_revision,
-                                                 experiment_name=experiment_name)
+                path = self.get_task_result_path(
+                    task_name, model_name, model_revision, experiment_name=experiment_name
+                )
                 reason = " ".join(str(e).split())[:200]
-                warnings.warn(f"the cached mteb result {path} is damaged and cannot be read ({type(e).__name__}: "
-                              f"{reason}); {task_name} is computed again and the file replaced", stacklevel=2)
+                warnings.warn(
+                    f"the cached mteb result {path} is damaged and cannot be read ({type(e).__name__}: "
+                    f"{reason}); {task_name} is computed again and the file replaced",
+                    stacklevel=2,
+                )
                 return None
 
     return SafeResultCache
@@ -264,8 +278,14 @@ def evaluate(
                     work = model.take_work()
                     for task_result in result.task_results:
                         rows.extend({**base, **r} for r in score_rows(task_result, task.metadata.main_score))
-                    done.append(_record(record, "computed" if work["calls"] else "cached", work=work,
-                                        score=_main_score(result.task_results)))
+                    done.append(
+                        _record(
+                            record,
+                            "computed" if work["calls"] else "cached",
+                            work=work,
+                            score=_main_score(result.task_results),
+                        )
+                    )
                     if modes and task.metadata.type == "Retrieval":
                         rows.extend({**base, **r} for r in _mode_rows(engine, task, modes, variant_name(combo)))
                     bar.update()
@@ -314,11 +334,19 @@ def _guarded(load_data):
     return load
 
 
-def _record(record: dict[str, Any], status: str, *, work: Mapping[str, Any] | None = None, score=None,
-            reason: str = "") -> dict[str, Any]:
+def _record(
+    record: dict[str, Any], status: str, *, work: Mapping[str, Any] | None = None, score=None, reason: str = ""
+) -> dict[str, Any]:
     tokens, seconds = (int(work["tokens"]), float(work["seconds"])) if work else (0, 0.0)
-    return {**record, "status": status, "score": score, "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds if tokens and seconds > 0 else None, "reason": reason}
+    return {
+        **record,
+        "status": status,
+        "score": score,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if tokens and seconds > 0 else None,
+        "reason": reason,
+    }
 
 
 def _main_score(task_results) -> float | None:
@@ -360,8 +388,18 @@ def _mode_rows(engine, task, modes: tuple[str, ...], variant: str) -> list[dict[
 
     corpus, queries, qrels = load_retrieval(task)
     df = evaluate_retrieval(engine, corpus, queries, qrels, modes=modes, task=task.metadata.name)
-    return [{"variant": f"{variant},mode={r.mode}", "task": r.task, "split": "test", "subset": "default",
-             "metric": r.metric, "score": r.score, "main": True} for r in df.itertuples()]
+    return [
+        {
+            "variant": f"{variant},mode={r.mode}",
+            "task": r.task,
+            "split": "test",
+            "subset": "default",
+            "metric": r.metric,
+            "score": r.score,
+            "main": True,
+        }
+        for r in df.itertuples()
+    ]
 
 
 class _DropSuperseded(logging.Filter):
@@ -421,4 +459,3 @@ def _flatten(entry: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, 
             continue
         elif isinstance(value, (int, float)):
             yield name, float(value)
-

@@ -14,17 +14,32 @@ REGISTRY: dict[str, str] = {
     **{
         a: "lab.models.bert:BertModel"
         for a in (
-            "BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForPreTraining",
-            "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
-            "XLMRobertaModel", "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification",
+            "BertModel",
+            "BertForMaskedLM",
+            "BertForSequenceClassification",
+            "BertForPreTraining",
+            "RobertaModel",
+            "RobertaForMaskedLM",
+            "RobertaForSequenceClassification",
+            "XLMRobertaModel",
+            "XLMRobertaForMaskedLM",
+            "XLMRobertaForSequenceClassification",
         )
     },
     **{
         a: "lab.models.decoder:DecoderModel"
         for a in (
-            "LlamaModel", "LlamaForCausalLM", "MistralModel", "MistralForCausalLM",
-            "Qwen2Model", "Qwen2ForCausalLM", "Qwen3Model", "Qwen3ForCausalLM",
-            "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification", "LlamaForSequenceClassification",
+            "LlamaModel",
+            "LlamaForCausalLM",
+            "MistralModel",
+            "MistralForCausalLM",
+            "Qwen2Model",
+            "Qwen2ForCausalLM",
+            "Qwen3Model",
+            "Qwen3ForCausalLM",
+            "Qwen2ForSequenceClassification",
+            "Qwen3ForSequenceClassification",
+            "LlamaForSequenceClassification",
         )
     },
 }

@@ -92,9 +92,16 @@ class PackedModel(nn.Module):
         return None
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
-                token_type_ids: torch.Tensor | None = None, *, output_rows: OutputRows | None = None,
-                num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMeta,
+        token_type_ids: torch.Tensor | None = None,
+        *,
+        output_rows: OutputRows | None = None,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
         """Hidden states ``(T, hidden)`` after the first ``num_layers`` layers (``None`` = all; 0 = the embedding
         output), or with ``output_rows`` only those rows ``(B, hidden)``, the last computed layer computing no
         others (``computes_output_rows`` models; plain steps only, no cached keys/values)."""
@@ -111,13 +118,20 @@ class PackedModel(nn.Module):
         x, residual = self.run_layers(x, positions, meta, range(depth), None, output_rows)
         return self.finish(x, residual, meta, last=depth == self.num_layers)
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None,
-              meta: AttnMeta) -> torch.Tensor:
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None, meta: AttnMeta
+    ) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not run in stages")
 
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, layers: range,
-                   residual: torch.Tensor | None = None, output_rows: OutputRows | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMeta,
+        layers: range,
+        residual: torch.Tensor | None = None,
+        output_rows: OutputRows | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError(f"{type(self).__name__} does not run in stages")
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMeta, *, last: bool) -> torch.Tensor:

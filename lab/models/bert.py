@@ -64,8 +64,9 @@ def _lab_norm(x: torch.Tensor, norm: nn.LayerNorm, meta: AttnMeta, plan: CpuPlan
     return cpu_norms.chosen(plan.get("add_layer_norm"), meta.backend, x, norm.weight, norm.bias)
 
 
-def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm, eps: float, meta: AttnMeta,
-             plan: CpuPlan) -> torch.Tensor:
+def add_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm, eps: float, meta: AttnMeta, plan: CpuPlan
+) -> torch.Tensor:
     """``norm(x + residual)`` for a fresh ``x`` nothing else reads (a GEMM's output, the embeddings' sum): in
     ``lab.kernels.cpu_norms`` written over ``x`` where the plan chose it, else the backend's ``add_layer_norm``."""
     if _lab_norm(x, norm, meta, plan):
@@ -74,8 +75,7 @@ def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm,
 
 
 class BertLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, index: int,
-                 plan: CpuPlan):
+    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, index: int, plan: CpuPlan):
         super().__init__()
         self.heads, self.head_dim, self.eps, self.index = heads, hidden // heads, eps, index
         self.plan = plan  # the model's CPU plan (``PackedModel.plan``), read on every call
@@ -100,8 +100,10 @@ class BertLayer(nn.Module):
         t = x.shape[0]
         if _cpu_default(x, "bert_qkv", self.plan) == "split":
             n, w, b = self.heads * self.head_dim, self.qkv.weight, self.qkv.bias
-            q, key, v = (linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n], plan=self.plan)
-                         .view(t, self.heads, -1) for j in range(3))
+            q, key, v = (
+                linear(x, w[j * n : (j + 1) * n], b[j * n : (j + 1) * n], plan=self.plan).view(t, self.heads, -1)
+                for j in range(3)
+            )
         else:
             q, key, v = self.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)  # (T, H, D) each
         a = attention(q, key, v, meta, self.index, kernel=self.plan.get("attention_kernel", "sdpa"))
@@ -117,8 +119,14 @@ class BertLayer(nn.Module):
         w, b = self.out_norm.weight, self.out_norm.bias
         for s in range(0, x.shape[0], FFN_ROWS):
             rows = x[s : s + FFN_ROWS]
-            cpu_norms.add_layer_norm(linear(self._up_act(rows), self.down.weight, self.down.bias, plan=self.plan),
-                                     rows, w, b, self.eps, out=rows)
+            cpu_norms.add_layer_norm(
+                linear(self._up_act(rows), self.down.weight, self.down.bias, plan=self.plan),
+                rows,
+                w,
+                b,
+                self.eps,
+                out=rows,
+            )
         return x
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,8 +182,9 @@ class BertModel(PackedModel):
         return cls(config)
 
     # ------------------------------------------------ stages (``PackedModel.forward`` runs them in order)
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None,
-              meta: AttnMeta) -> torch.Tensor:
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None, meta: AttnMeta
+    ) -> torch.Tensor:
         """Input of layer 0: word + position + token-type embeddings, LayerNorm-ed. ``(T, hidden)``."""
         x = self.word_embeddings(input_ids)  # a fresh gather: the sums below go in place
         x += self.position_embeddings(positions + self.position_offset)
@@ -185,9 +194,15 @@ class BertModel(PackedModel):
             x += self.token_type_embeddings(token_type_ids)
         return add_norm(x, None, self.emb_norm, self.eps, meta, self.plan)
 
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, layers: range,
-                   residual: torch.Tensor | None = None, output_rows: OutputRows | None = None,
-                   ) -> tuple[torch.Tensor, None]:
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMeta,
+        layers: range,
+        residual: torch.Tensor | None = None,
+        output_rows: OutputRows | None = None,
+    ) -> tuple[torch.Tensor, None]:
         """Post-norm layers: each layer's output is final (no residual carried apart; transformers'
         ``hidden_states[k]`` is the output of layer k)."""
         if output_rows is not None:
@@ -213,17 +228,28 @@ class BertModel(PackedModel):
         qkv = {c: (lambda c=c: self._probe_qkv(layer, x, c)) for c in ("split", "stacked")}
         ffn = {c: (lambda c=c: self._probe_ffn(layer, x, c)) for c in ("blocks", "fused")}
         narrow = dtype == torch.float32  # the default (the first candidate): the narrow paths in float32
-        yield Probe("bert_qkv", (str(dtype), self.hidden_size), _ordered(qkv, "split" if narrow else "stacked"),
-                    threads)
-        yield Probe("bert_ffn", (str(dtype), self.hidden_size, layer.up.weight.shape[0]),
-                    _ordered(ffn, "blocks" if narrow else "fused"), threads)
+        yield Probe(
+            "bert_qkv", (str(dtype), self.hidden_size), _ordered(qkv, "split" if narrow else "stacked"), threads
+        )
+        yield Probe(
+            "bert_ffn",
+            (str(dtype), self.hidden_size, layer.up.weight.shape[0]),
+            _ordered(ffn, "blocks" if narrow else "fused"),
+            threads,
+        )
         yield attention_probe(dtype, layer.heads, layer.head_dim, threads)
         norm, h = layer.out_norm, torch.randn(t, self.hidden_size, dtype=dtype)
         if cpu_norms.supports(h, norm.weight, norm.bias) and cpu_norms.available():
             w, b, eps = norm.weight, norm.bias, self.eps
-            yield Probe("add_layer_norm", (str(dtype), self.hidden_size),
-                        {"torch": lambda: ops("torch").add_layer_norm(h, x, w, b, eps),
-                         "lab": lambda: cpu_norms.add_layer_norm(h, x, w, b, eps)}, threads)
+            yield Probe(
+                "add_layer_norm",
+                (str(dtype), self.hidden_size),
+                {
+                    "torch": lambda: ops("torch").add_layer_norm(h, x, w, b, eps),
+                    "lab": lambda: cpu_norms.add_layer_norm(h, x, w, b, eps),
+                },
+                threads,
+            )
 
     def _probe_qkv(self, layer: BertLayer, x: torch.Tensor, choice: str):
         self.plan["bert_qkv"] = choice
@@ -253,14 +279,21 @@ class BertModel(PackedModel):
             new[ours] = _take(sd, theirs, shapes[ours])
         tt = sd.get("embeddings.token_type_embeddings.weight")
         if tt is None and self.type_vocab_size > 0:  # transformers would report it MISSING and initialize it randomly
-            raise KeyError(f"weight 'embeddings.token_type_embeddings.weight' missing from the checkpoint, but "
-                           f"config.json has type_vocab_size={self.type_vocab_size}; the folder's weights are "
-                           "incomplete (set type_vocab_size to 0 only if the model was trained without token types)")
+            raise KeyError(
+                f"weight 'embeddings.token_type_embeddings.weight' missing from the checkpoint, but "
+                f"config.json has type_vocab_size={self.type_vocab_size}; the folder's weights are "
+                "incomplete (set type_vocab_size to 0 only if the model was trained without token types)"
+            )
         if tt is not None:
-            check_shape(sd, "embeddings.token_type_embeddings.weight", tt, shapes["token_type_embeddings.weight"],
-                        "type_vocab_size, hidden_size")
-        new["token_type_embeddings.weight"] = tt if tt is not None else torch.zeros_like(
-            self.token_type_embeddings.weight
+            check_shape(
+                sd,
+                "embeddings.token_type_embeddings.weight",
+                tt,
+                shapes["token_type_embeddings.weight"],
+                "type_vocab_size, hidden_size",
+            )
+        new["token_type_embeddings.weight"] = (
+            tt if tt is not None else torch.zeros_like(self.token_type_embeddings.weight)
         )
         h = self.hidden_size
         for i in range(self.num_layers):
@@ -270,9 +303,13 @@ class BertModel(PackedModel):
                 new[f"{o}qkv.{kind}"] = torch.cat(
                     [_take(sd, f"{p}attention.self.{n}.{kind}", part) for n in ("query", "key", "value")]
                 )
-                for ours, theirs in (("attn_out", "attention.output.dense"),
-                                     ("attn_norm", "attention.output.LayerNorm"), ("up", "intermediate.dense"),
-                                     ("down", "output.dense"), ("out_norm", "output.LayerNorm")):
+                for ours, theirs in (
+                    ("attn_out", "attention.output.dense"),
+                    ("attn_norm", "attention.output.LayerNorm"),
+                    ("up", "intermediate.dense"),
+                    ("down", "output.dense"),
+                    ("out_norm", "output.LayerNorm"),
+                ):
                     new[f"{o}{ours}.{kind}"] = _take(sd, f"{p}{theirs}.{kind}", shapes[f"{o}{ours}.{kind}"])
         self.classifier = self.mlm = self.sparse_linear = self.colbert_linear = None
         mlm = MaskedLMHead.from_state_dict(sd, self.config)
@@ -323,8 +360,9 @@ class BertModel(PackedModel):
         bert_head = head is not None and self.model_type not in ROBERTA_TYPES
         out["pooler.dense"] = ("classifier.dense.weight", slice(None)) if bert_head else None
         if head is not None:
-            names = {"classifier.dense": "dense", "classifier.out_proj": "out"} if not bert_head else {
-                "classifier": "out"}
+            names = (
+                {"classifier.dense": "dense", "classifier.out_proj": "out"} if not bert_head else {"classifier": "out"}
+            )
             out.update({k: (f"classifier.{v}.weight", slice(None)) for k, v in names.items()})
         return out
 
@@ -371,14 +409,23 @@ class SequenceClassificationHead(nn.Module):
         else:
             raise KeyError("no classification head (classifier.* weights) in this checkpoint")
         shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
-        self.load_state_dict({f"{ours}.{k}": _take(sd, f"{theirs}.{k}", shapes[f"{ours}.{k}"])
-                              for ours, theirs in names.items() for k in ("weight", "bias")})
+        self.load_state_dict(
+            {
+                f"{ours}.{k}": _take(sd, f"{theirs}.{k}", shapes[f"{ours}.{k}"])
+                for ours, theirs in names.items()
+                for k in ("weight", "bias")
+            }
+        )
 
 
 # transformers' names of a masked-LM head per layout: dense, LayerNorm, bias, decoder
 _MLM_NAMES = {
-    "bert": ("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions",
-             "cls.predictions.decoder"),
+    "bert": (
+        "cls.predictions.transform.dense",
+        "cls.predictions.transform.LayerNorm",
+        "cls.predictions",
+        "cls.predictions.decoder",
+    ),
     "roberta": ("lm_head.dense", "lm_head.layer_norm", "lm_head", "lm_head.decoder"),
 }
 
@@ -412,19 +459,27 @@ class MaskedLMHead(nn.Module):
         tied = config.get("tie_word_embeddings", True)
         own = sd.get(f"{decoder}.weight")  # a tied checkpoint may store a copy of the word embeddings here
         if not tied and own is None:
-            raise KeyError(f"weight '{decoder}.weight' missing from the checkpoint, but config.json unties the "
-                           "word embeddings (tie_word_embeddings=false): the masked-LM head has no decoder")
+            raise KeyError(
+                f"weight '{decoder}.weight' missing from the checkpoint, but config.json unties the "
+                "word embeddings (tie_word_embeddings=false): the masked-LM head has no decoder"
+            )
         act = config.get("hidden_act", "gelu") if layout == "bert" else "gelu"
         head = cls(config["hidden_size"], config["vocab_size"], config.get("layer_norm_eps", 1e-12), act, not tied)
         shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
         b = sd.get(f"{bias}.bias")
         b = _take(sd, f"{decoder}.bias") if b is None else b  # older checkpoints keep it on the decoder
-        weights = {"bias": check_shape(sd, f"{bias}.bias", b, shapes["bias"], "vocab_size"),
-                   **{f"{ours}.{k}": _take(sd, f"{theirs}.{k}", shapes[f"{ours}.{k}"]) for ours, theirs in
-                      (("dense", dense), ("norm", norm)) for k in ("weight", "bias")}}
+        weights = {
+            "bias": check_shape(sd, f"{bias}.bias", b, shapes["bias"], "vocab_size"),
+            **{
+                f"{ours}.{k}": _take(sd, f"{theirs}.{k}", shapes[f"{ours}.{k}"])
+                for ours, theirs in (("dense", dense), ("norm", norm))
+                for k in ("weight", "bias")
+            },
+        }
         if not tied:
-            weights["decoder"] = check_shape(sd, f"{decoder}.weight", own, shapes["decoder"],
-                                             "vocab_size, hidden_size")
+            weights["decoder"] = check_shape(
+                sd, f"{decoder}.weight", own, shapes["decoder"], "vocab_size, hidden_size"
+            )
         head.load_state_dict(weights, strict=True)
         return head
 

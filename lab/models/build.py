@@ -27,15 +27,19 @@ def build_model(spec, device, dtype, forced: dict[str, str]):
             "RoBERTa / XLM-R, Llama / Mistral / Qwen2 / Qwen3) or one transformers implements itself"
         )
     if cls is None:
-        warnings.warn(f"{spec.architecture or 'this architecture'} has no packed implementation here; using "
-                      "transformers AutoModel with padded batches (see stats.path / stats.padded_tokens)",
-                      stacklevel=3)
+        warnings.warn(
+            f"{spec.architecture or 'this architecture'} has no packed implementation here; using "
+            "transformers AutoModel with padded batches (see stats.path / stats.padded_tokens)",
+            stacklevel=3,
+        )
         return HFFallbackModel(str(spec.path), spec.config)
     try:
         model = cls.from_hf_config(spec.config)
     except KeyError as e:
-        raise ValueError(f"{spec.path / 'config.json'} lacks {e.args[0]!r}, which a {spec.architecture} needs; the "
-                         "config is incomplete") from None
+        raise ValueError(
+            f"{spec.path / 'config.json'} lacks {e.args[0]!r}, which a {spec.architecture} needs; the "
+            "config is incomplete"
+        ) from None
     if device.type == "cpu":
         model.choose_layouts(dtype, forced)
     model.load_hf_state_dict(read_state_dict(spec))

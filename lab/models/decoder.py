@@ -129,8 +129,9 @@ def _sliding_window(c: dict, mt: str) -> int | None:
     return None
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, meta: AttnMeta,
-                 plan: CpuPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, meta: AttnMeta, plan: CpuPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(RMSNorm(x + residual) * weight, x + residual)``: in ``lab.kernels.cpu_norms`` (one pass per row) where the
     ``add_rms_norm`` probe chose it, the torch backend runs, the kernel takes ``x`` and nothing records gradients (it
     has no backward); elsewhere, and by default, the backend's ops."""
@@ -169,7 +170,11 @@ class DecoderLayer(nn.Module):
         self.act_inplace = activation_inplace(a.hidden_act)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables, meta: AttnMeta,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeTables,
+        meta: AttnMeta,
         only: OutputRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this block's input delta ``(T, hidden)``, residual: the running sum (``None`` before block 0); rope:
@@ -199,11 +204,19 @@ class DecoderLayer(nn.Module):
         q, k, v = q.view(tq, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         # queries and keys side by side in qkv (no q/k norm, every row): one pass in the pairs layout
         both = qkv[:, : nq + nk].view(t, self.hq + self.hkv, self.d) if only is None and self.q_norm is None else None
-        rotate_qk_(q, k, rope, q_rope, both, apply_halves=k_ops.apply_rotary,
-                   apply_pairs=_rope_kernel(q, meta, self.plan))  # in place
+        rotate_qk_(
+            q, k, rope, q_rope, both, apply_halves=k_ops.apply_rotary, apply_pairs=_rope_kernel(q, meta, self.plan)
+        )  # in place
         if only is None:
-            a = attention(q, k, v, meta, self.index, causal_block=causal_block(self.plan),
-                          kernel=self.plan.get("attention_kernel", "sdpa"))  # (T, Hq, D)
+            a = attention(
+                q,
+                k,
+                v,
+                meta,
+                self.index,
+                causal_block=causal_block(self.plan),
+                kernel=self.plan.get("attention_kernel", "sdpa"),
+            )  # (T, Hq, D)
         else:
             a = attention(q, k[only.rows], v[only.rows], only.step_meta(meta, self.index, k, v), self.index)
         h, residual = add_rms_norm(self.o(a.reshape(tq, nq)), residual, self.ln_mlp, self.eps, meta, self.plan)
@@ -227,9 +240,16 @@ class DecoderLayer(nn.Module):
         gate_w, up_w = w[:i], w[i:]
         gate_b, up_b = (None, None) if b is None else (b[:i], b[i:])
         plan = self.plan
-        return row_blocks(h, self.down.weight, self.down.bias, MLP_ROWS,
-                          lambda rows: self.act_inplace(linear(rows, gate_w, gate_b, plan=plan)).mul_(
-                              linear(rows, up_w, up_b, plan=plan)), plan=plan)
+        return row_blocks(
+            h,
+            self.down.weight,
+            self.down.bias,
+            MLP_ROWS,
+            lambda rows: self.act_inplace(linear(rows, gate_w, gate_b, plan=plan)).mul_(
+                linear(rows, up_w, up_b, plan=plan)
+            ),
+            plan=plan,
+        )
 
 
 class DecoderModel(PackedModel):
@@ -263,14 +283,21 @@ class DecoderModel(PackedModel):
         return cls(config)
 
     # ------------------------------------------------ stages (``PackedModel.forward`` runs them in order)
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None,
-              meta: AttnMeta) -> torch.Tensor:
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None, meta: AttnMeta
+    ) -> torch.Tensor:
         """Input of layer 0: ``(T, hidden)`` (``token_type_ids`` unused)."""
         return self.embed_tokens(input_ids)
 
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, layers: range,
-                   residual: torch.Tensor | None = None, output_rows: OutputRows | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMeta,
+        layers: range,
+        residual: torch.Tensor | None = None,
+        output_rows: OutputRows | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm blocks ``layers`` from ``x`` (a block's output delta, or the hidden states with ``residual``
         ``None``) -> ``(delta, residual)``: the hidden states are their sum, which the next block's norm (or
         ``finish``) adds. ``output_rows``: the last block of ``layers`` computes those rows only."""
@@ -298,8 +325,11 @@ class DecoderModel(PackedModel):
         a = self.args
         q, k, both = self._rotation_inputs(dtype)
         tables = {layout: self._rotation_tables(layout, dtype) for layout in ("halves", "pairs")}
-        yield Probe("rope_layout", (str(dtype), a.num_heads, a.num_kv_heads, a.head_dim),
-                    {layout: (lambda r=rope: rotate_qk_(q, k, r, both=both)) for layout, rope in tables.items()})
+        yield Probe(
+            "rope_layout",
+            (str(dtype), a.num_heads, a.num_kv_heads, a.head_dim),
+            {layout: (lambda r=rope: rotate_qk_(q, k, r, both=both)) for layout, rope in tables.items()},
+        )
 
     def _rotation_inputs(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Queries, keys and their joint view (``rotate_qk_``'s ``both``) over ``PROBE_ROWS`` tokens of a random
@@ -312,8 +342,7 @@ class DecoderModel(PackedModel):
         return q, k, None if a.qk_norm else qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
 
     def _rotation_tables(self, layout: str, dtype: torch.dtype) -> RopeTables:
-        return RopeTables.at(torch.arange(PROBE_ROWS), self.rope.inv_freq, self.rope.attention_scaling, layout,
-                             dtype)
+        return RopeTables.at(torch.arange(PROBE_ROWS), self.rope.inv_freq, self.rope.attention_scaling, layout, dtype)
 
     def cpu_probes(self, dtype: torch.dtype, threads: int) -> Iterator[Probe]:
         """The GEMM implementation (bfloat16: native vs widened; float32: BLAS vs oneDNN; at the gate projection's
@@ -330,37 +359,67 @@ class DecoderModel(PackedModel):
         layer = self.layers[0]
         x = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype)
         b = layer.gate_up.bias
-        yield from gemm_probes(x, layer.gate_up.weight[: layer.inter], None if b is None else b[: layer.inter],
-                               threads, self.plan)
+        yield from gemm_probes(
+            x, layer.gate_up.weight[: layer.inter], None if b is None else b[: layer.inter], threads, self.plan
+        )
 
         def mlp(choice: str):
             self.plan["decoder_mlp"] = choice
             return layer._mlp(x)
 
-        yield Probe("decoder_mlp", (str(dtype), self.hidden_size, layer.inter),
-                    {"blocks": lambda: mlp("blocks"), "stacked": lambda: mlp("stacked")}, threads)
+        yield Probe(
+            "decoder_mlp",
+            (str(dtype), self.hidden_size, layer.inter),
+            {"blocks": lambda: mlp("blocks"), "stacked": lambda: mlp("stacked")},
+            threads,
+        )
 
         meta = AttnMeta.from_lengths([PROBE_ROWS], causal=True)
         q = torch.randn(PROBE_ROWS, layer.hq, layer.d, dtype=dtype)
         k, v = (torch.randn(PROBE_ROWS, layer.hkv, layer.d, dtype=dtype) for _ in range(2))
-        yield Probe("causal_attention", (str(dtype), layer.hq, layer.hkv, layer.d),
-                    {"whole": lambda: attention(q, k, v, meta, 0),
-                     "blocks": lambda: attention(q, k, v, meta, 0, causal_block=CAUSAL_BLOCK)}, threads)
-        yield attention_probe(dtype, layer.hq, layer.d, threads, kv_heads=layer.hkv, causal=True,
-                              causal_block=causal_block(self.plan), kernels=("sdpa", "lab"))
+        yield Probe(
+            "causal_attention",
+            (str(dtype), layer.hq, layer.hkv, layer.d),
+            {
+                "whole": lambda: attention(q, k, v, meta, 0),
+                "blocks": lambda: attention(q, k, v, meta, 0, causal_block=CAUSAL_BLOCK),
+            },
+            threads,
+        )
+        yield attention_probe(
+            dtype,
+            layer.hq,
+            layer.d,
+            threads,
+            kv_heads=layer.hkv,
+            causal=True,
+            causal_block=causal_block(self.plan),
+            kernels=("sdpa", "lab"),
+        )
         h, w, eps = torch.randn(PROBE_ROWS, self.hidden_size, dtype=dtype), layer.ln_mlp, self.eps
         if cpu_norms.supports(h, w) and cpu_norms.available():
-            yield Probe("add_rms_norm", (str(dtype), self.hidden_size),
-                        {"torch": lambda: ops("torch").add_rms_norm(h, x, w, eps),
-                         "lab": lambda: cpu_norms.add_rms_norm(h, x, w, eps)}, threads)
+            yield Probe(
+                "add_rms_norm",
+                (str(dtype), self.hidden_size),
+                {
+                    "torch": lambda: ops("torch").add_rms_norm(h, x, w, eps),
+                    "lab": lambda: cpu_norms.add_rms_norm(h, x, w, eps),
+                },
+                threads,
+            )
         if self.rope_layout == "pairs" and cpu_rope.available():
             q, k, both = self._rotation_inputs(dtype)
             pairs = self._rotation_tables("pairs", dtype)
             if cpu_rope.supports(q, pairs.cis):
-                yield Probe("rope_kernel", (str(dtype), q.shape[1] + k.shape[1], q.shape[2]),
-                            {kernel: (lambda f=f: rotate_qk_(q, k, pairs, both=both, apply_pairs=f))
-                             for kernel, f in (("torch", rotate_pairs_), ("lab", cpu_rope.rotate_pairs_))},
-                            threads)
+                yield Probe(
+                    "rope_kernel",
+                    (str(dtype), q.shape[1] + k.shape[1], q.shape[2]),
+                    {
+                        kernel: (lambda f=f: rotate_qk_(q, k, pairs, both=both, apply_pairs=f))
+                        for kernel, f in (("torch", rotate_pairs_), ("lab", cpu_rope.rotate_pairs_))
+                    },
+                    threads,
+                )
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMeta, *, last: bool) -> torch.Tensor:
         """The final RMSNorm after the last block (transformers' ``last_hidden_state``); below it, the residual
@@ -437,12 +496,14 @@ class DecoderModel(PackedModel):
             if a.qk_norm:
                 new[o + "q_norm"] = take(f"{att}q_norm.weight", (a.head_dim,))
                 new[o + "k_norm"] = take(f"{att}k_norm.weight", (a.head_dim,))
-            new[o + "gate_up.weight"] = _cat([take(f"{mlp}gate_proj.weight", (inter, h)),
-                                              take(f"{mlp}up_proj.weight", (inter, h))])
+            new[o + "gate_up.weight"] = _cat(
+                [take(f"{mlp}gate_proj.weight", (inter, h)), take(f"{mlp}up_proj.weight", (inter, h))]
+            )
             new[o + "down.weight"] = take(f"{mlp}down_proj.weight", (h, inter))
             if a.mlp_bias:
-                new[o + "gate_up.bias"] = _cat([take(f"{mlp}gate_proj.bias", (inter,)),
-                                                take(f"{mlp}up_proj.bias", (inter,))])
+                new[o + "gate_up.bias"] = _cat(
+                    [take(f"{mlp}gate_proj.bias", (inter,)), take(f"{mlp}up_proj.bias", (inter,))]
+                )
                 new[o + "down.bias"] = take(f"{mlp}down_proj.bias", (h,))
         if missing:
             shown = ", ".join(missing[:12]) + (f" ... ({len(missing)} in all)" if len(missing) > 12 else "")
@@ -451,8 +512,13 @@ class DecoderModel(PackedModel):
         warn_unexpected(sd, a.model_type, ignore=("lm_head.weight", "rotary_emb."))
         if self.rope_layout == "pairs":  # each query / key head's features as (i, i + D/2) pairs
             nq, nk = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-            rows = torch.cat([pairs_rows(a.num_heads, a.head_dim), nq + pairs_rows(a.num_kv_heads, a.head_dim),
-                              torch.arange(nq + nk, nq + 2 * nk)])
+            rows = torch.cat(
+                [
+                    pairs_rows(a.num_heads, a.head_dim),
+                    nq + pairs_rows(a.num_kv_heads, a.head_dim),
+                    torch.arange(nq + nk, nq + 2 * nk),
+                ]
+            )
             order = pairs_order(a.head_dim)
             for i in range(a.num_layers):
                 o = f"layers.{i}."

@@ -95,8 +95,9 @@ def read_llm2vec_config(folder: str | os.PathLike) -> dict:
     mode = cfg.get("pooling_mode")
     if mode is not None:
         if mode not in LLM2VEC_POOLING:
-            raise ValueError(f"{f}: pooling_mode {mode!r} is not one llm2vec defines; valid: "
-                             f"{', '.join(LLM2VEC_POOLING)}")
+            raise ValueError(
+                f"{f}: pooling_mode {mode!r} is not one llm2vec defines; valid: {', '.join(LLM2VEC_POOLING)}"
+            )
         out.update(LLM2VEC_POOLING[mode])
     for key in ("max_length", "doc_max_length"):
         length = cfg.get(key)
@@ -111,13 +112,20 @@ def read_llm2vec_config(folder: str | os.PathLike) -> dict:
         out["include_instruction"] = not skip
     unknown = sorted(set(cfg) - {"pooling_mode", "max_length", "doc_max_length", "skip_instruction"})
     if unknown:
-        warnings.warn(f"{f}: key(s) {', '.join(unknown)} are not llm2vec settings this engine reads (pooling_mode, "
-                      "max_length, doc_max_length, skip_instruction); they are ignored", stacklevel=3)
+        warnings.warn(
+            f"{f}: key(s) {', '.join(unknown)} are not llm2vec settings this engine reads (pooling_mode, "
+            "max_length, doc_max_length, skip_instruction); they are ignored",
+            stacklevel=3,
+        )
     return out
 
 
-MODEL_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                      "pytorch_model.bin.index.json")
+MODEL_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def has_model_weights(folder: str | os.PathLike) -> bool:
@@ -145,17 +153,27 @@ def _find_weights(p: Path) -> tuple[list[Path], str]:
         files, fmt = [p / "pytorch_model.bin"], "bin"
     else:
         others = sorted(f.name for f in p.glob("*.safetensors") if f.name not in _OTHER_WEIGHT_FILES)
-        hint = (f"; found {', '.join(others)}, which transformers does not read either: rename the model's weights "
-                "to model.safetensors" if others else "")
-        raise FileNotFoundError(f"no weights in {str(p)!r}: expected model.safetensors (or a sharded index "
-                                f"model.safetensors.index.json, or pytorch_model.bin){hint}")
+        hint = (
+            f"; found {', '.join(others)}, which transformers does not read either: rename the model's weights "
+            "to model.safetensors"
+            if others
+            else ""
+        )
+        raise FileNotFoundError(
+            f"no weights in {str(p)!r}: expected model.safetensors (or a sharded index "
+            f"model.safetensors.index.json, or pytorch_model.bin){hint}"
+        )
     read = {f.resolve() for f in files}
-    unread = sorted(f.name for f in p.glob("*.safetensors")
-                    if f.resolve() not in read and f.name not in _OTHER_WEIGHT_FILES)
+    unread = sorted(
+        f.name for f in p.glob("*.safetensors") if f.resolve() not in read and f.name not in _OTHER_WEIGHT_FILES
+    )
     if unread:
-        warnings.warn(f"{p}: weight file(s) {', '.join(unread)} are not read: the model's weights are "
-                      f"{', '.join(f.name for f in files)}, as transformers reads them (model.safetensors, or the "
-                      "shards model.safetensors.index.json names); remove or move stale weight files", stacklevel=3)
+        warnings.warn(
+            f"{p}: weight file(s) {', '.join(unread)} are not read: the model's weights are "
+            f"{', '.join(f.name for f in files)}, as transformers reads them (model.safetensors, or the "
+            "shards model.safetensors.index.json names); remove or move stale weight files",
+            stacklevel=3,
+        )
     return files, fmt
 
 
@@ -165,20 +183,26 @@ def _shards(p: Path, index: Path) -> list[Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{index} is not a valid shard index (a JSON object with a 'weight_map' of tensor name "
-                         f"-> file): {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"{index} is not a valid shard index (a JSON object with a 'weight_map' of tensor name "
+            f"-> file): {type(e).__name__}: {e}"
+        ) from None
     for f in files:
         # the name as written must stay inside the folder; the file itself may be a symbolic link, as the Hugging
         # Face hub cache links each snapshot's files to ../../blobs (the same rule as an unsharded model.safetensors)
         if not isinstance(f, str) or os.path.isabs(f) or os.path.normpath(f).split(os.sep)[0] == os.pardir:
-            raise ValueError(f"{index} names the shard {f!r}, which is not a file inside {p}; refusing to read "
-                             "weights from outside the model folder")
+            raise ValueError(
+                f"{index} names the shard {f!r}, which is not a file inside {p}; refusing to read "
+                "weights from outside the model folder"
+            )
         if not (p / f).is_file():
             raise FileNotFoundError(f"{index} names the shard {f!r}, which is not in {p}; the download is incomplete")
         target = (p / f).resolve()
         if not any(target.is_relative_to(root) for root in _link_roots(p)):
-            raise ValueError(f"{index} names the shard {f!r}, a link out of the folder (to {target}); refusing to "
-                             f"read weights from outside {p}: put the file itself in the folder")
+            raise ValueError(
+                f"{index} names the shard {f!r}, a link out of the folder (to {target}); refusing to "
+                f"read weights from outside {p}: put the file itself in the folder"
+            )
     return [p / f for f in files]
 
 
@@ -210,8 +234,10 @@ def read_tensor_index(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Pat
 
 def _bad_safetensors(f: Path, e: Exception) -> ValueError:
     size = f.stat().st_size if f.exists() else 0
-    return ValueError(f"{f} is not a valid safetensors file ({size} bytes; {e}): it is truncated or corrupt. "
-                      "Download or save it again")
+    return ValueError(
+        f"{f} is not a valid safetensors file ({size} bytes; {e}): it is truncated or corrupt. "
+        "Download or save it again"
+    )
 
 
 def _describe_files(spec: ModelSpec) -> str:
@@ -289,14 +315,22 @@ def _load_safetensors(f: Path) -> dict[str, torch.Tensor]:
         raise _bad_safetensors(f, e) from None
 
 
-_CONVERT_HINT = ("convert it once, only if you trust its source: load it with transformers "
-                 "(AutoModel.from_pretrained(folder)) and save it with save_pretrained(out, safe_serialization=True), "
-                 "or torch.load(file, weights_only=False) and safetensors.torch.save_file(state_dict, "
-                 "'model.safetensors'); then load the folder with model.safetensors")
+_CONVERT_HINT = (
+    "convert it once, only if you trust its source: load it with transformers "
+    "(AutoModel.from_pretrained(folder)) and save it with save_pretrained(out, safe_serialization=True), "
+    "or torch.load(file, weights_only=False) and safetensors.torch.save_file(state_dict, "
+    "'model.safetensors'); then load the folder with model.safetensors"
+)
 
 
-def load_pickle_weights(f: Path, what: str = "a state dict of tensors", mmap: bool = False, *,
-                        data: bytes | None = None, convert: str = _CONVERT_HINT) -> dict[str, torch.Tensor]:
+def load_pickle_weights(
+    f: Path,
+    what: str = "a state dict of tensors",
+    mmap: bool = False,
+    *,
+    data: bytes | None = None,
+    convert: str = _CONVERT_HINT,
+) -> dict[str, torch.Tensor]:
     """A pickle (``torch.save``) weights file through torch's safe loader (``weights_only=True``): tensors and
     plain containers only. A file that needs anything else is refused for safety, and one torch cannot read at all
     is named as corrupt, each with a ``ValueError`` naming the file (``convert``: how to turn it into safetensors).
@@ -313,9 +347,11 @@ def load_pickle_weights(f: Path, what: str = "a state dict of tensors", mmap: bo
     except pickle.UnpicklingError as e:
         if "weights only load failed" in str(e).lower():
             first = str(e).strip().splitlines()[-1][:200]
-            raise ValueError(f"{f} is refused for safety: it is a pickle file that holds more than tensors "
-                             f"({first}), and unpickling it could run arbitrary code. Prefill-lab reads pickle "
-                             f"weights only through torch's weights_only loader; {convert}") from None
+            raise ValueError(
+                f"{f} is refused for safety: it is a pickle file that holds more than tensors "
+                f"({first}), and unpickling it could run arbitrary code. Prefill-lab reads pickle "
+                f"weights only through torch's weights_only loader; {convert}"
+            ) from None
         raise _bad_pickle(f, e) from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise _bad_pickle(f, e) from None
@@ -325,12 +361,20 @@ def load_pickle_weights(f: Path, what: str = "a state dict of tensors", mmap: bo
 
 
 def _bad_pickle(f: Path, e: Exception) -> ValueError:
-    return ValueError(f"{f} is not a readable PyTorch weights file ({type(e).__name__}: {str(e)[:200]}): it is "
-                      "truncated or corrupt. Download or save it again, preferably as safetensors")
+    return ValueError(
+        f"{f} is not a readable PyTorch weights file ({type(e).__name__}: {str(e)[:200]}): it is "
+        "truncated or corrupt. Download or save it again, preferably as safetensors"
+    )
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "sentencepiece.bpe.model",
-                    "spiece.model")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "sentencepiece.bpe.model",
+    "spiece.model",
+)
 
 
 def _check_tokenizer_files(p: Path) -> None:
@@ -351,8 +395,10 @@ def _check_tokenizer_files(p: Path) -> None:
         if f.is_file():
             with open(f, "rb") as fh:
                 if not fh.read(4096).strip():
-                    raise ValueError(f"{f} is empty ({f.stat().st_size} bytes): the tokenizer has no vocabulary; "
-                                     "download or save the tokenizer again (tokenizer.save_pretrained)")
+                    raise ValueError(
+                        f"{f} is empty ({f.stat().st_size} bytes): the tokenizer has no vocabulary; "
+                        "download or save the tokenizer again (tokenizer.save_pretrained)"
+                    )
 
 
 def load_tokenizer(spec: ModelSpec):
@@ -399,7 +445,9 @@ def warn_unexpected(sd: KeyTracker, family: str, ignore: tuple[str, ...] = ()) -
     extra = sorted(k for k in sd if k not in sd.used and not k.startswith(ignore))
     if extra:
         shown = ", ".join(extra[:6]) + (f" ... ({len(extra)} in all)" if len(extra) > 6 else "")
-        warnings.warn(f"{family} checkpoint has {len(extra)} weight(s) this config.json does not use: {shown}. "
-                      "transformers reports these as UNEXPECTED; check that the config matches the weights "
-                      "(num_hidden_layers, architecture)", stacklevel=4)
-
+        warnings.warn(
+            f"{family} checkpoint has {len(extra)} weight(s) this config.json does not use: {shown}. "
+            "transformers reports these as UNEXPECTED; check that the config matches the weights "
+            "(num_hidden_layers, architecture)",
+            stacklevel=4,
+        )

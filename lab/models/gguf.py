@@ -57,10 +57,10 @@ def _load_with_transformers(path: str | os.PathLike):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(p.parent), p.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True,
-                                                 trust_remote_code=False)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True,
-                                              trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, local_files_only=True, trust_remote_code=False
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
     return model.eval(), tokenizer
 
 
@@ -88,16 +88,21 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
         raise FileNotFoundError(f"GGUF file {str(src)!r} does not exist")
     with open(src, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise ValueError(f"{src} is not a GGUF file (it does not start with the GGUF magic bytes"
-                             f"{'; it is empty' if src.stat().st_size == 0 else ''})")
+            raise ValueError(
+                f"{src} is not a GGUF file (it does not start with the GGUF magic bytes"
+                f"{'; it is empty' if src.stat().st_size == 0 else ''})"
+            )
     fp = gguf_fingerprint(src)
     out = Path(out_dir).expanduser() if out_dir is not None else default_cache_dir() / f"{src.stem}-{fp['id']}"
     if _complete(out, fp):
         damage = _damage(out)
         if damage is None:
             return out
-        warnings.warn(f"the cached conversion {out / 'model.safetensors'} is damaged ({damage}); rebuilding it from "
-                      f"{src}, whose SHA-256 matches the one {out / 'gguf_source.json'} records", stacklevel=2)
+        warnings.warn(
+            f"the cached conversion {out / 'model.safetensors'} is damaged ({damage}); rebuilding it from "
+            f"{src}, whose SHA-256 matches the one {out / 'gguf_source.json'} records",
+            stacklevel=2,
+        )
     require("gguf", extra="gguf", purpose=f"reading GGUF files ({src.name})")  # before anything is written
     make_folder(out.parent, f"the conversion of {src}", "point LAB_CACHE (or out_dir) at a folder that can be written")
     with _locked(out.parent / f".lock-{out.name}"):
@@ -108,8 +113,10 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
         tmp = out.parent / f".{out.name}.partial"
 
         def failed(e: BaseException) -> OSError:  # safetensors reports EFBIG / ENOSPC as a SafetensorError
-            msg = (f"writing the conversion of {src} to {out} failed ({e}); {out} is left as it was. Free space "
-                   "there, or point LAB_CACHE (or out_dir) at another folder")
+            msg = (
+                f"writing the conversion of {src} to {out} failed ({e}); {out} is left as it was. Free space "
+                "there, or point LAB_CACHE (or out_dir) at another folder"
+            )
             return OSError(e.errno, msg) if getattr(e, "errno", None) else OSError(msg)
 
         with staged(tmp, failed):
@@ -173,8 +180,10 @@ def check_gguf(path: Path) -> None:
     try:
         GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 (the reader fails in numpy / struct / its own checks alike)
-        raise ValueError(f"{path} is not a valid GGUF file ({path.stat().st_size} bytes; {type(e).__name__}: "
-                         f"{str(e)[:200]}): it is truncated or corrupt. Download it again") from None
+        raise ValueError(
+            f"{path} is not a valid GGUF file ({path.stat().st_size} bytes; {type(e).__name__}: "
+            f"{str(e)[:200]}): it is truncated or corrupt. Download it again"
+        ) from None
 
 
 def gguf_fingerprint(path: Path, block: int = 1 << 22) -> dict:

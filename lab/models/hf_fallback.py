@@ -38,8 +38,16 @@ class HFFallbackModel(PackedModel):
     def padding(self, meta: AttnMeta) -> int:
         return meta.num_seqs * meta.max_seqlen - meta.num_tokens
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, token_type_ids=None, *,
-                output_rows: OutputRows | None = None, num_layers: int | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMeta,
+        token_type_ids=None,
+        *,
+        output_rows: OutputRows | None = None,
+        num_layers: int | None = None,
+    ):
         """Packed hidden states ``(T, hidden)``: ``last_hidden_state``, or with ``num_layers`` below the model's
         layer count transformers' ``hidden_states[num_layers]`` (0 = the embedding output; the whole model runs)."""
         if meta.causal != self.default_causal:

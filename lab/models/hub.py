@@ -70,11 +70,14 @@ def split_revision(name: str, revision: str | None = None) -> tuple[str, str | N
     if not at:
         return name, revision
     if not repo or not rev:
-        raise ValueError(f"{name!r}: a model name with a revision is written 'org/name@revision' (a branch, a tag or "
-                         "a commit), both parts non-empty")
+        raise ValueError(
+            f"{name!r}: a model name with a revision is written 'org/name@revision' (a branch, a tag or "
+            "a commit), both parts non-empty"
+        )
     if revision is not None and revision != rev:
-        raise ValueError(f"{name!r} names revision {rev!r} but revision={revision!r} was passed too; give the "
-                         "revision once")
+        raise ValueError(
+            f"{name!r} names revision {rev!r} but revision={revision!r} was passed too; give the revision once"
+        )
     return repo, rev
 
 
@@ -110,8 +113,10 @@ def resolve(name: str | os.PathLike, revision: str | None = None, *, what: str =
     local = Path(text).expanduser()
     if local.exists():
         if revision is not None:
-            raise ValueError(f"revision={revision!r} applies to hub ids; {text!r} is a local path, which has no "
-                             "revisions (pass the hub id instead, or leave revision unset)")
+            raise ValueError(
+                f"revision={revision!r} applies to hub ids; {text!r} is a local path, which has no "
+                "revisions (pass the hub id instead, or leave revision unset)"
+            )
         snap = snapshot_of(local)
         if snap is not None:
             return Source(local, snap[0], snap[1], snap[0])
@@ -125,8 +130,10 @@ def _hub_name(text: str, revision: str | None, what: str) -> tuple[str, str | No
     """``(repo id, revision)`` of a name that is no local path, checked: not shaped like a hub id is a missing
     path (``FileNotFoundError``), a malformed id a ``ValueError``."""
     if not looks_like_hub_id(text):
-        raise FileNotFoundError(f"{what} path {text!r} does not exist (and it is not a hub id such as 'org/name'); "
-                                "pass an existing local folder or a Hugging Face hub id")
+        raise FileNotFoundError(
+            f"{what} path {text!r} does not exist (and it is not a hub id such as 'org/name'); "
+            "pass an existing local folder or a Hugging Face hub id"
+        )
     repo_id, rev = split_revision(text, revision)
     _check_id(repo_id, text, what)
     return repo_id, rev
@@ -148,8 +155,10 @@ def _check_id(repo_id: str, given: str, what: str) -> None:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:
-        raise ValueError(f"{what} {given!r} is neither an existing local path nor a valid hub id: {e} Hub ids are "
-                         "'org/name' (letters, digits, '-', '_', '.'), optionally '@revision'") from None
+        raise ValueError(
+            f"{what} {given!r} is neither an existing local path nor a valid hub id: {e} Hub ids are "
+            "'org/name' (letters, digits, '-', '_', '.'), optionally '@revision'"
+        ) from None
 
 
 def _describe(repo_id: str, rev: str | None) -> str:
@@ -195,8 +204,11 @@ def _network_errors(*, any_transport: bool = False) -> tuple[type[BaseException]
     import importlib
 
     found: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    clients = (("httpx2", ("ConnectError", "TimeoutException")), ("httpx", ("ConnectError", "TimeoutException")),
-               ("requests", ("ConnectionError", "Timeout")))
+    clients = (
+        ("httpx2", ("ConnectError", "TimeoutException")),
+        ("httpx", ("ConnectError", "TimeoutException")),
+        ("requests", ("ConnectionError", "Timeout")),
+    )
     if any_transport:
         clients = (("httpx2", ("HTTPError",)), ("httpx", ("HTTPError",)), ("requests", ("RequestException",)))
     for module, names in clients:
@@ -215,27 +227,36 @@ def _asking_hub(repo_id: str, rev: str | None, what: str, ask):
     try:
         return ask()
     except hf_errors.GatedRepoError as e:
-        raise PermissionError(f"{what} {_describe(repo_id, rev)} is gated: accept its conditions on "
-                              f"https://huggingface.co/{repo_id} and log in (hf auth login, or set HF_TOKEN) "
-                              f"({_first_line(e)})") from None
+        raise PermissionError(
+            f"{what} {_describe(repo_id, rev)} is gated: accept its conditions on "
+            f"https://huggingface.co/{repo_id} and log in (hf auth login, or set HF_TOKEN) "
+            f"({_first_line(e)})"
+        ) from None
     except hf_errors.RevisionNotFoundError:
-        raise ValueError(f"{what} {repo_id!r} has no revision {rev!r} (a branch, a tag or a commit of the "
-                         f"repository); see https://huggingface.co/{repo_id}/tree/main for its branches") from None
+        raise ValueError(
+            f"{what} {repo_id!r} has no revision {rev!r} (a branch, a tag or a commit of the "
+            f"repository); see https://huggingface.co/{repo_id}/tree/main for its branches"
+        ) from None
     except hf_errors.RepositoryNotFoundError:
-        raise FileNotFoundError(f"{what} {repo_id!r} is not a repository on the hub, or it is private and no token "
-                                "with access was given (hf auth login, or set HF_TOKEN); a local folder of that "
-                                "name does not exist either") from None
+        raise FileNotFoundError(
+            f"{what} {repo_id!r} is not a repository on the hub, or it is private and no token "
+            "with access was given (hf auth login, or set HF_TOKEN); a local folder of that "
+            "name does not exist either"
+        ) from None
     except _incomplete(hf_errors) as e:  # not reachable, and the cached snapshot lacks files
         raise _incomplete_error(repo_id, rev, what, e) from None
     except hf_errors.LocalEntryNotFoundError as e:  # not reachable and not cached
-        raise FileNotFoundError(_not_cached(repo_id, rev, what, f"the hub could not be reached ({_first_line(e)})")
-                                ) from None
+        raise FileNotFoundError(
+            _not_cached(repo_id, rev, what, f"the hub could not be reached ({_first_line(e)})")
+        ) from None
     except (FileNotFoundError, PermissionError, ConnectionError):  # already ours (the cached snapshot's errors)
         raise
     except (hf_errors.HfHubHTTPError, OSError, *_network_errors(any_transport=True)) as e:
-        raise ConnectionError(f"downloading {what} {_describe(repo_id, rev)} failed: {type(e).__name__}: "
-                              f"{_first_line(e)}. What was fetched stays in the cache ({_cache_dir()}); run the same "
-                              "call again to resume") from e
+        raise ConnectionError(
+            f"downloading {what} {_describe(repo_id, rev)} failed: {type(e).__name__}: "
+            f"{_first_line(e)}. What was fetched stays in the cache ({_cache_dir()}); run the same "
+            "call again to resume"
+        ) from e
 
 
 def _first_line(e: BaseException) -> str:
@@ -264,8 +285,9 @@ def _model_info(repo_id: str, rev: str | None, what: str):
         return HfApi().model_info(repo_id, revision=rev)
     except _network_errors() as e:
         folder = _cached(repo_id, rev, what, why=f"the hub could not be reached ({_first_line(e)})")
-        warnings.warn(f"the hub could not be reached; {what} {repo_id!r} is the cached snapshot {folder.name}",
-                      stacklevel=5)
+        warnings.warn(
+            f"the hub could not be reached; {what} {repo_id!r} is the cached snapshot {folder.name}", stacklevel=5
+        )
         return folder
 
 
@@ -305,8 +327,9 @@ def _incomplete(hf_errors) -> tuple:
 
 
 def _incomplete_error(repo_id: str, rev: str | None, what: str, e: BaseException) -> FileNotFoundError:
-    return FileNotFoundError(f"{what} {_describe(repo_id, rev)}: {_first_line(e)} Fetch it with: "
-                             f"{_fetch_command(repo_id, rev)}")
+    return FileNotFoundError(
+        f"{what} {_describe(repo_id, rev)}: {_first_line(e)} Fetch it with: {_fetch_command(repo_id, rev)}"
+    )
 
 
 def _cache_dir() -> str:
@@ -317,9 +340,11 @@ def _cache_dir() -> str:
 
 def _not_cached(repo_id: str, rev: str | None, what: str, why: str) -> str:
     folder = Path(_cache_dir()) / ("models--" + repo_id.replace("/", "--"))
-    return (f"{what} {_describe(repo_id, rev)} is not in the Hugging Face cache and cannot be downloaded: {why}. "
-            f"Looked in {folder} (the cache: HF_HUB_CACHE, or HF_HOME/hub). Fetch it where the hub can be reached "
-            f"with: {_fetch_command(repo_id, rev)} (then copy the cache here), or pass a local folder")
+    return (
+        f"{what} {_describe(repo_id, rev)} is not in the Hugging Face cache and cannot be downloaded: {why}. "
+        f"Looked in {folder} (the cache: HF_HUB_CACHE, or HF_HOME/hub). Fetch it where the hub can be reached "
+        f"with: {_fetch_command(repo_id, rev)} (then copy the cache here), or pass a local folder"
+    )
 
 
 def files_to_fetch(files: list[str], *, name: str = "the repository") -> list[str]:
@@ -332,8 +357,13 @@ def files_to_fetch(files: list[str], *, name: str = "the repository") -> list[st
     without weights it can read."""
     top = [f for f in files if "/" not in f]
     wanted = {f for f in top if any(fnmatch.fnmatch(f, p) for p in _SMALL_FILES) or f in _HEAD_FILES}
-    wanted |= {f for f in files if "/" in f and _MODULE_FOLDER.fullmatch(PurePosixPath(f).parts[0])
-               and not any(fnmatch.fnmatch(f, p) for p in _FOREIGN)}
+    wanted |= {
+        f
+        for f in files
+        if "/" in f
+        and _MODULE_FOLDER.fullmatch(PurePosixPath(f).parts[0])
+        and not any(fnmatch.fnmatch(f, p) for p in _FOREIGN)
+    }
     weights = _weights(top)
     wanted -= {"model.safetensors.index.json", "pytorch_model.bin.index.json"} - set(weights)  # another format's
     adapter = [f for f in ("adapter_model.safetensors", "adapter_model.bin") if f in top][:1]
@@ -342,20 +372,26 @@ def files_to_fetch(files: list[str], *, name: str = "the repository") -> list[st
         if ggufs:
             return sorted(wanted | {ggufs[0]})
         listed = ", ".join(sorted(files)[:12]) or "none"
-        raise ValueError(f"{name} holds no model: no config.json (a transformers model folder needs one), no "
-                         f"adapter_config.json and no .gguf file; its files: {listed}")
+        raise ValueError(
+            f"{name} holds no model: no config.json (a transformers model folder needs one), no "
+            f"adapter_config.json and no .gguf file; its files: {listed}"
+        )
     if "config.json" in top and not weights and not adapter and not ggufs:
-        raise ValueError(f"{name} has a config.json but no weights the engine reads (model.safetensors or its "
-                         "shards, pytorch_model.bin, a .gguf file) and no adapter; its files: "
-                         f"{', '.join(sorted(files)[:12])}")
+        raise ValueError(
+            f"{name} has a config.json but no weights the engine reads (model.safetensors or its "
+            "shards, pytorch_model.bin, a .gguf file) and no adapter; its files: "
+            f"{', '.join(sorted(files)[:12])}"
+        )
     return sorted(wanted | set(weights) | set(adapter) | ({ggufs[0]} if ggufs and not weights else set()))
 
 
 def _weights(top: list[str]) -> list[str]:
     """The model weight files the loader reads, by name (``lab.models.folder``'s order)."""
     if "model.safetensors.index.json" in top:
-        return ["model.safetensors.index.json",
-                *(f for f in top if f.endswith(".safetensors") and not f.startswith("adapter_model"))]
+        return [
+            "model.safetensors.index.json",
+            *(f for f in top if f.endswith(".safetensors") and not f.startswith("adapter_model")),
+        ]
     if "model.safetensors" in top:
         return ["model.safetensors"]
     if "pytorch_model.bin.index.json" in top:

@@ -157,8 +157,9 @@ class RopeTables:
     cis: torch.Tensor | None = None
 
     @classmethod
-    def at(cls, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, layout: str,
-           dtype: torch.dtype) -> RopeTables:
+    def at(
+        cls, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, layout: str, dtype: torch.dtype
+    ) -> RopeTables:
         if layout == "pairs":
             cos, sin = rotary_cos_sin(positions, inv_freq, attention_scaling)
             if torch.compiler.is_compiling():  # real pairs: inductor generates no code for complex tensors
@@ -197,8 +198,15 @@ def rotate_pairs_(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     return x.copy_(xf)
 
 
-def rotate_qk_(q: torch.Tensor, k: torch.Tensor, rope: RopeTables, q_rope: RopeTables | None = None,
-               both: torch.Tensor | None = None, apply_halves=apply_rotary, apply_pairs=rotate_pairs_) -> None:
+def rotate_qk_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    rope: RopeTables,
+    q_rope: RopeTables | None = None,
+    both: torch.Tensor | None = None,
+    apply_halves=apply_rotary,
+    apply_pairs=rotate_pairs_,
+) -> None:
     """Rotate queries ``q`` ``(Tq, Hq, D)`` and keys ``k`` ``(T, Hkv, D)`` in place, in ``rope``'s layout
     (``q_rope``: the queries' own tables when they are a subset of the rows). ``halves`` goes through
     ``apply_halves`` (the backend's kernel); ``pairs`` through ``apply_pairs`` (torch's ``rotate_pairs_``, or the

@@ -49,7 +49,8 @@ def read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
         for m in entries:
             if not isinstance(m, dict):
                 raise ValueError(  # noqa: TRY004 (a bad file, not a bad argument)
-                    f"{modules}: every entry must be an object with 'type' and 'path', got {m!r}")
+                    f"{modules}: every entry must be an object with 'type' and 'path', got {m!r}"
+                )
             kind = m.get("type", "")
             if kind.endswith("SpladePooling"):
                 spec.splade = _read_splade(_module_folder(p, m) / "config.json")
@@ -81,15 +82,18 @@ def read_sentence_transformers(p: Path, spec: ModelSpec) -> None:
         cfg = read_json(st_cfg, dict, "a JSON object (sentence-transformers' model config)")
         prompts = cfg.get("prompts") or {}
         if not isinstance(prompts, dict) or not all(
-                isinstance(k, str) and isinstance(v, str | None) for k, v in prompts.items()):
+            isinstance(k, str) and isinstance(v, str | None) for k, v in prompts.items()
+        ):
             raise ValueError(f"{st_cfg}: 'prompts' must map prompt names to prompt strings, got {prompts!r}")
         spec.prompts.update({k: v or "" for k, v in prompts.items()})
         if cfg.get("model_type") == "ColBERT" and spec.multi_vector is None:  # a PyLate (<= 3) ColBERT folder
             spec.multi_vector = _read_pylate(p, cfg, spec)
         spec.default_prompt_name = cfg.get("default_prompt_name")
         if spec.default_prompt_name is not None and spec.default_prompt_name not in spec.prompts:
-            raise ValueError(f"{st_cfg}: default_prompt_name {spec.default_prompt_name!r} is not one of its prompts "
-                             f"{sorted(spec.prompts)}; add it to 'prompts' or remove default_prompt_name")
+            raise ValueError(
+                f"{st_cfg}: default_prompt_name {spec.default_prompt_name!r} is not one of its prompts "
+                f"{sorted(spec.prompts)}; add it to 'prompts' or remove default_prompt_name"
+            )
 
 
 _SPLADE_CHOICES = {"pooling_strategy": ("max", "sum"), "activation_function": ("relu", "log1p_relu")}
@@ -113,8 +117,10 @@ def _module_folder(p: Path, entry: dict) -> Path:
     rel = str(entry.get("path", ""))
     norm = os.path.normpath(rel) if rel else "."
     if os.path.isabs(rel) or norm == ".." or norm.startswith(("../", "..\\")):
-        raise ValueError(f"{p / 'modules.json'}: module path {entry.get('path')!r} is outside the model folder; "
-                         "refusing to read from there")
+        raise ValueError(
+            f"{p / 'modules.json'}: module path {entry.get('path')!r} is outside the model folder; "
+            "refusing to read from there"
+        )
     return p / rel
 
 
@@ -129,26 +135,34 @@ def _multi_vector_modules(p: Path, entries: list) -> tuple[Path | None, str, boo
         kind, folder = str(m.get("type", "")), _module_folder(p, m)
         cfg_path = folder / "config.json"
         reads_config = kind.endswith(("Dense", "MultiVectorMask"))  # the Transformer's config.json is read already
-        cfg = read_json(cfg_path, dict, "a JSON object (the module's config)") \
-            if reads_config and cfg_path.exists() else {}
+        cfg = (
+            read_json(cfg_path, dict, "a JSON object (the module's config)")
+            if reads_config and cfg_path.exists()
+            else {}
+        )
         if kind.endswith("Dense"):
             if dense is not None:
                 raise ValueError(f"{p / 'modules.json'}: more than one Dense in a multi-vector model is not supported")
             if cfg.get("module_input_name", "token_embeddings") != "token_embeddings":
-                raise ValueError(f"{cfg_path}: a Dense over {cfg.get('module_input_name')!r} in a multi-vector model "
-                                 "is not supported; only a projection of every token (token_embeddings)")
+                raise ValueError(
+                    f"{cfg_path}: a Dense over {cfg.get('module_input_name')!r} in a multi-vector model "
+                    "is not supported; only a projection of every token (token_embeddings)"
+                )
             name = cfg.get("activation_function", "torch.nn.modules.linear.Identity")
             if name not in _MV_ACTIVATIONS:
-                raise ValueError(f"{cfg_path}: activation_function {name!r} is not supported; valid: "
-                                 f"{', '.join(_MV_ACTIVATIONS)}")
+                raise ValueError(
+                    f"{cfg_path}: activation_function {name!r} is not supported; valid: {', '.join(_MV_ACTIVATIONS)}"
+                )
             dense, activation = folder, _MV_ACTIVATIONS[name]
         elif kind.endswith("Normalize"):
             normalize = True
         elif kind.endswith("MultiVectorMask"):
             mask = cfg
         elif not kind.endswith("Transformer"):
-            raise ValueError(f"{p / 'modules.json'}: module {kind!r} in a multi-vector model is not supported "
-                             "(Transformer, Dense, MultiVectorMask and Normalize are)")
+            raise ValueError(
+                f"{p / 'modules.json'}: module {kind!r} in a multi-vector model is not supported "
+                "(Transformer, Dense, MultiVectorMask and Normalize are)"
+            )
     return dense, activation, normalize, mask
 
 
@@ -157,26 +171,45 @@ def _read_multi_vector(p: Path, entries: list) -> MultiVectorSpec:
     dense, activation, normalize, mask = _multi_vector_modules(p, entries)
     if mask.get("keep_only_token_ids"):
         raise ValueError(f"{p}: MultiVectorMask keep_only_token_ids (image-patch documents) is not supported")
-    tcfg = read_json(p / "sentence_bert_config.json", dict, "a JSON object (the Transformer module's config)") \
-        if (p / "sentence_bert_config.json").exists() else {}
+    tcfg = (
+        read_json(p / "sentence_bert_config.json", dict, "a JSON object (the Transformer module's config)")
+        if (p / "sentence_bert_config.json").exists()
+        else {}
+    )
     qe = _query_expansion(tcfg.get("query_expansion"), p / "sentence_bert_config.json")
     tasks = mask.get("skiplist_tasks") or ["document"]
     return MultiVectorSpec(
-        dense=dense, activation=activation, normalize=normalize,
+        dense=dense,
+        activation=activation,
+        normalize=normalize,
         skiplist_words=tuple(mask.get("skiplist_words") or ()),
         skiplist_tasks=(tasks,) if isinstance(tasks, str) else tuple(tasks),
-        query_expansion=qe, query_length=tcfg.get("query_length"), document_length=tcfg.get("document_length"))
+        query_expansion=qe,
+        query_length=tcfg.get("query_length"),
+        document_length=tcfg.get("document_length"),
+    )
 
 
 def _query_expansion(qe, where: Path) -> dict | None:
     """A checked ``query_expansion`` with sentence-transformers' defaults (``attend`` False, ``token`` None)."""
     if qe is not None:
-        if (not isinstance(qe, dict) or set(qe) - _QUERY_EXPANSION_KEYS or qe.get("strategy") not in ("fixed", "min")
-                or not isinstance(qe.get("length"), int) or qe["length"] < 1):
-            raise ValueError(f"{where}: query_expansion {qe!r} is not valid: expected "
-                             "{'strategy': 'fixed' | 'min', 'attend': bool, 'token': str | None, 'length': int >= 1}")
-        qe = {"strategy": qe["strategy"], "attend": bool(qe.get("attend", False)), "token": qe.get("token"),
-              "length": qe["length"]}
+        if (
+            not isinstance(qe, dict)
+            or set(qe) - _QUERY_EXPANSION_KEYS
+            or qe.get("strategy") not in ("fixed", "min")
+            or not isinstance(qe.get("length"), int)
+            or qe["length"] < 1
+        ):
+            raise ValueError(
+                f"{where}: query_expansion {qe!r} is not valid: expected "
+                "{'strategy': 'fixed' | 'min', 'attend': bool, 'token': str | None, 'length': int >= 1}"
+            )
+        qe = {
+            "strategy": qe["strategy"],
+            "attend": bool(qe.get("attend", False)),
+            "token": qe.get("token"),
+            "length": qe["length"],
+        }
     return qe
 
 
@@ -189,15 +222,19 @@ def _read_pylate(p: Path, cfg: dict, spec: ModelSpec) -> MultiVectorSpec:
     import string
 
     where = p / "config_sentence_transformers.json"
-    entries = read_json(p / "modules.json", list, "a JSON list of sentence-transformers modules") \
-        if (p / "modules.json").exists() else []
+    entries = (
+        read_json(p / "modules.json", list, "a JSON list of sentence-transformers modules")
+        if (p / "modules.json").exists()
+        else []
+    )
     dense, activation, _, _ = _multi_vector_modules(p, entries)
     prefixes = {}
     for key, name in (("query_prefix", "query"), ("document_prefix", "document")):
         if key in cfg:
             prefixes[name] = cfg[key] or ""
             spec.prompts[name] = prefixes[name] + ((cfg.get("prompts") or {}).get(name) or "").removeprefix(
-                prefixes[name])
+                prefixes[name]
+            )
     lengths = {k: cfg[k] for k in ("query_length", "document_length") if cfg.get(k) is not None}
     if "query_expansion" in cfg:
         qe = _query_expansion(cfg["query_expansion"], where)
@@ -205,14 +242,21 @@ def _read_pylate(p: Path, cfg: dict, spec: ModelSpec) -> MultiVectorSpec:
         qe = None
     else:
         attend = cfg.get("attend_to_expansion_tokens", cfg.get("attend_to_mask_tokens"))
-        qe = _query_expansion({"strategy": "fixed", "attend": bool(attend),
-                               "length": lengths.pop("query_length", None) or 32}, where)
+        qe = _query_expansion(
+            {"strategy": "fixed", "attend": bool(attend), "length": lengths.pop("query_length", None) or 32}, where
+        )
     skip = cfg.get("skiplist_words")
     return MultiVectorSpec(
-        dense=dense, activation=activation, normalize=True,
-        skiplist_words=tuple(string.punctuation if skip is None else skip), skiplist_tasks=("document",),
-        query_expansion=qe, query_length=lengths.get("query_length"), document_length=lengths.get("document_length"),
-        prefix_tokens=tuple(v for v in prefixes.values() if v))
+        dense=dense,
+        activation=activation,
+        normalize=True,
+        skiplist_words=tuple(string.punctuation if skip is None else skip),
+        skiplist_tasks=("document",),
+        query_expansion=qe,
+        query_length=lengths.get("query_length"),
+        document_length=lengths.get("document_length"),
+        prefix_tokens=tuple(v for v in prefixes.values() if v),
+    )
 
 
 def register_prefix_tokens(tokenizer, prefixes: tuple[str, ...]) -> None:
@@ -233,4 +277,3 @@ def register_prefix_tokens(tokenizer, prefixes: tuple[str, ...]) -> None:
                 break
     if new:
         tokenizer.add_special_tokens({"additional_special_tokens": new})
-

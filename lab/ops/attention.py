@@ -90,8 +90,16 @@ def ops(meta_or_backend: AttnMeta | str) -> SimpleNamespace:
     return _TRITON_OPS
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, layer: int, *,
-              causal_block: int | None = None, kernel: str = "sdpa") -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttnMeta,
+    layer: int,
+    *,
+    causal_block: int | None = None,
+    kernel: str = "sdpa",
+) -> torch.Tensor:
     """Varlen attention for one layer of one packed step, reading and capturing cached K/V through ``meta.kv``.
 
     q ``(T, Hq, D)``, k/v ``(T, Hkv, D)`` -> ``(T, Hq, D)``. The torch kernels' options, both a CPU probe's choice
@@ -109,8 +117,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     return _attention(q, k, v, meta, layer, causal_block, kernel)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, layer: int,
-               causal_block: int | None, kernel: str) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttnMeta,
+    layer: int,
+    causal_block: int | None,
+    kernel: str,
+) -> torch.Tensor:
     """``attention``'s eager kernels (what the registered op runs, whatever another thread is tracing: dynamo's
     ``is_compiling`` flag is one per process)."""
     if meta.key_lens is not None:
@@ -122,7 +137,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta
             kv.capture(layer, k, v)
         if kv.has_prefix:
             kw = {
-                "k_prefix": kv.prefix_k[layer], "v_prefix": kv.prefix_v[layer], "cu_prefix": kv.cu_prefix,
+                "k_prefix": kv.prefix_k[layer],
+                "v_prefix": kv.prefix_v[layer],
+                "cu_prefix": kv.cu_prefix,
                 "prefix_lens": kv.prefix_lens,
             }
     k_ops = ops(meta)
@@ -141,8 +158,15 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta
 
 
 @torch.library.custom_op("lab::varlen_attention", mutates_args=())
-def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
-                       kernel: str, causal_block: int) -> torch.Tensor:
+def compiled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool,
+    kernel: str,
+    causal_block: int,
+) -> torch.Tensor:
     """``attention`` as one registered op (``torch.ops.lab.varlen_attention``), what the compiled forward
     (``lab.runtime.compiled``) calls: the graph stays whole across it, and at run time it reads the step's lengths
     from ``cu_seqlens`` (one host copy) and runs the kernel the plan chose, eagerly. Plain prefill steps only (no
@@ -157,9 +181,17 @@ def _(q, k, v, cu_seqlens, causal, kernel, causal_block):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool, *,
-                  scale: float | None = None, max_scores: int = BMM_SCORES,
-                  causal_block: int | None = None) -> torch.Tensor:
+def bmm_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqlens: list[int],
+    causal: bool,
+    *,
+    scale: float | None = None,
+    max_scores: int = BMM_SCORES,
+    causal_block: int | None = None,
+) -> torch.Tensor:
     """Varlen attention as two batched GEMMs per group of equal-length sequences (the ``bmm`` kernel): q ``(T, Hq,
     D)``, k/v ``(T, Hkv, D)``, ``seqlens`` the packed sequences' lengths, no cached prefix -> ``(T, Hq, D)``.
 
@@ -195,8 +227,17 @@ def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: li
         if length and hq * length * length > max_scores:
             n = j - i
             cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32)
-            out[s:e] = reference.varlen_attention(q[s:e], k[s:e], v[s:e], cu, length, causal=causal, scale=scale,
-                                                  seqlens=[length] * n, causal_block=causal_block)
+            out[s:e] = reference.varlen_attention(
+                q[s:e],
+                k[s:e],
+                v[s:e],
+                cu,
+                length,
+                causal=causal,
+                scale=scale,
+                seqlens=[length] * n,
+                causal_block=causal_block,
+            )
         elif length:
             bias = None
             if causal:  # (rep * L, L): query row r of a stacked head is position r % L
@@ -210,16 +251,25 @@ def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: li
     return out
 
 
-def _bmm_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, length: int, rep: int,
-               scale: float, bias: torch.Tensor | None) -> None:
+def _bmm_group(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    length: int,
+    rep: int,
+    scale: float,
+    bias: torch.Tensor | None,
+) -> None:
     """``bmm_attention`` on ``n`` packed sequences of ``length`` tokens (q ``(n * L, Hq, D)``, k/v ``(n * L, Hkv,
     D)``), written into ``out`` (like q)."""
     n, hkv, d = q.shape[0] // length, k.shape[1], q.shape[2]
     qh = q.view(n, length, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(n * hkv, rep * length, d)
     kh, vh = (x.view(n, length, hkv, d).transpose(1, 2).reshape(n * hkv, length, d) for x in (k, v))
     if bias is None:
-        scores = torch.baddbmm(qh.new_empty(n * hkv, rep * length, length), qh, kh.transpose(1, 2), beta=0,
-                               alpha=scale)
+        scores = torch.baddbmm(
+            qh.new_empty(n * hkv, rep * length, length), qh, kh.transpose(1, 2), beta=0, alpha=scale
+        )
     else:
         scores = torch.baddbmm(bias, qh, kh.transpose(1, 2), alpha=scale)
     o = torch.bmm(torch.softmax(scores, dim=-1), vh)  # (n * Hkv, rep * L, D)

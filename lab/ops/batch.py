@@ -65,8 +65,14 @@ class AttnMeta:
 
     @classmethod
     def from_lengths(
-        cls, lengths: list[int], *, causal: bool, device: torch.device | str = "cpu", backend: str = "torch",
-        kv: KVStep | None = None, key_lens: list[int] | None = None,
+        cls,
+        lengths: list[int],
+        *,
+        causal: bool,
+        device: torch.device | str = "cpu",
+        backend: str = "torch",
+        kv: KVStep | None = None,
+        key_lens: list[int] | None = None,
     ) -> AttnMeta:
         cu = [0]
         for n in lengths:
@@ -130,10 +136,16 @@ class OutputRows:
     def step_meta(self, meta: AttnMeta, layer: int, k: torch.Tensor, v: torch.Tensor) -> AttnMeta:
         """The selected rows' attention at ``layer``: one query per sequence, ``others``' keys/values (rows of the
         layer's ``(T, Hkv, D)`` ``k`` / ``v``) as its prefix."""
-        kv = KVStep(num_layers=layer + 1, cu_prefix=self.cu_others, prefix_lens=self.others_lens,
-                    prefix_k={layer: k[self.others]}, prefix_v={layer: v[self.others]})
-        return AttnMeta.from_lengths([1] * len(self.others_lens), causal=meta.causal, device=self.rows.device,
-                                     backend=meta.backend, kv=kv)
+        kv = KVStep(
+            num_layers=layer + 1,
+            cu_prefix=self.cu_others,
+            prefix_lens=self.others_lens,
+            prefix_k={layer: k[self.others]},
+            prefix_v={layer: v[self.others]},
+        )
+        return AttnMeta.from_lengths(
+            [1] * len(self.others_lens), causal=meta.causal, device=self.rows.device, backend=meta.backend, kv=kv
+        )
 
 
 @dataclass
@@ -149,9 +161,18 @@ class PackedBatch:
 
     @classmethod
     def build(
-        cls, ids: list, *, causal: bool, device: torch.device, backend: str = "torch", token_type_ids=None,
-        pool_start: list[int] | None = None, position_offsets: list[int] | None = None, kv: KVStep | None = None,
-        key_lens: list[int | None] | None = None, pool_end: list[int | None] | None = None,
+        cls,
+        ids: list,
+        *,
+        causal: bool,
+        device: torch.device,
+        backend: str = "torch",
+        token_type_ids=None,
+        pool_start: list[int] | None = None,
+        position_offsets: list[int] | None = None,
+        kv: KVStep | None = None,
+        key_lens: list[int | None] | None = None,
+        pool_end: list[int | None] | None = None,
     ) -> PackedBatch:
         """Pack per-sequence arrays of token ids (numpy int64) into flat tensors with their metadata (``key_lens``:
         ``AttnMeta``'s, ``None`` entries meaning the whole sequence; ``pool_end``: where each pooled span ends within
@@ -175,9 +196,15 @@ class PackedBatch:
             positions=torch.from_numpy(pos).to(device),
             token_type_ids=types,
             meta=AttnMeta.from_lengths(
-                lengths, causal=causal, device=device, backend=backend, kv=kv,
-                key_lens=None if key_lens is None else [n if k is None else k for n, k in zip(lengths, key_lens)]),
+                lengths,
+                causal=causal,
+                device=device,
+                backend=backend,
+                kv=kv,
+                key_lens=None if key_lens is None else [n if k is None else k for n, k in zip(lengths, key_lens)],
+            ),
             pool_start=ps,
-            pool_end=None if pool_end is None or all(e is None for e in pool_end) else
-            [n if e is None else e for n, e in zip(lengths, pool_end)],
+            pool_end=None
+            if pool_end is None or all(e is None for e in pool_end)
+            else [n if e is None else e for n, e in zip(lengths, pool_end)],
         )

@@ -83,8 +83,15 @@ def activation_inplace(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: torch.ops.aten.gelu_(x, approximate=approximate)
 
 
-def row_blocks(x: torch.Tensor, down_w: torch.Tensor, down_b: torch.Tensor | None, rows: int,
-               inner: Callable[[torch.Tensor], torch.Tensor], *, plan: CpuPlan | None = None) -> torch.Tensor:
+def row_blocks(
+    x: torch.Tensor,
+    down_w: torch.Tensor,
+    down_b: torch.Tensor | None,
+    rows: int,
+    inner: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    plan: CpuPlan | None = None,
+) -> torch.Tensor:
     """``linear(inner(x), down_w, down_b)`` for 2-D ``x``, ``rows`` tokens at a time, each block's result written
     into its rows of the output (module doc)."""
     if torch.compiler.is_compiling():  # the compiled forward: one graph, inductor tiles it
@@ -151,8 +158,13 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, plan: CpuPlan | None) -> bool
     (the op has no backward)."""
     if torch.compiler.is_compiling():
         return False
-    return (onednn_gemms(x.dtype, plan) and x.device.type == "cpu" and weight.dtype == x.dtype
-            and weight.is_contiguous() and not torch.is_grad_enabled())
+    return (
+        onednn_gemms(x.dtype, plan)
+        and x.device.type == "cpu"
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and not torch.is_grad_enabled()
+    )
 
 
 def _widen(x: torch.Tensor, plan: CpuPlan | None) -> bool:
@@ -174,8 +186,12 @@ def wide_weight(w: torch.Tensor, plan: CpuPlan) -> torch.Tensor:
 def packed_weight(w: torch.Tensor, plan: CpuPlan) -> torch.Tensor:
     """``w`` (``(out, in)``, contiguous; a parameter or a row block of one) reordered once into oneDNN's blocked
     layout for its GEMMs at engine-step sizes (``PACK_ROWS``), kept by ``plan`` per base tensor and view."""
-    return plan.derived(w, "packed", (w.storage_offset(), tuple(w.shape)),
-                        lambda v: torch.ops.mkldnn._reorder_linear_weight(v.detach(), PACK_ROWS))
+    return plan.derived(
+        w,
+        "packed",
+        (w.storage_offset(), tuple(w.shape)),
+        lambda v: torch.ops.mkldnn._reorder_linear_weight(v.detach(), PACK_ROWS),
+    )
 
 
 def gemm_weight(x: torch.Tensor, w: torch.Tensor, plan: CpuPlan | None) -> torch.Tensor:
@@ -188,8 +204,14 @@ def _f32(t: torch.Tensor | None, plan: CpuPlan) -> torch.Tensor | None:
     return None if t is None else wide_weight(t, plan)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, plan: CpuPlan | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    plan: CpuPlan | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``F.linear`` under ``plan`` (``None``: every default): CPU bfloat16 runs as a float32 GEMM over the bfloat16
     values when the plan chose ``widened`` and through ``onednn_linear`` when it chose ``native`` (where oneDNN takes
     bfloat16), CPU float32 through ``onednn_linear`` when it chose ``onednn``.
@@ -216,8 +238,16 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, plan=self.plan)
-_ONEDNN_ACT = {"gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"), "gelu_pytorch_tanh": ("gelu", "tanh"),
-               "relu": ("relu", ""), "silu": ("swish", ""), "swish": ("swish", "")}
+
+
+_ONEDNN_ACT = {
+    "gelu": ("gelu", "none"),
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "relu": ("relu", ""),
+    "silu": ("swish", ""),
+    "swish": ("swish", ""),
+}
 
 
 def fusable(x: torch.Tensor, act_name: str, plan: CpuPlan | None = None) -> bool:
@@ -229,15 +259,23 @@ def fusable(x: torch.Tensor, act_name: str, plan: CpuPlan | None = None) -> bool
     return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and (_ONEDNN_BF16 or _widen(x, plan)))
 
 
-def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act_name: str, act, *,
-               plan: CpuPlan | None = None) -> torch.Tensor:
+def linear_act(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    act_name: str,
+    act,
+    *,
+    plan: CpuPlan | None = None,
+) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` under ``plan``; on CPU one oneDNN call with the activation in the GEMM's
     epilogue."""
     if fusable(x, act_name, plan):
         kind, algorithm = _ONEDNN_ACT[act_name]
         if _widen(x, plan):  # activation on the float32 accumulator, rounded once (as oneDNN's bfloat16 epilogue)
-            out = torch.ops.mkldnn._linear_pointwise(x.float(), wide_weight(weight, plan), _f32(bias, plan), kind,
-                                                     [], algorithm)
+            out = torch.ops.mkldnn._linear_pointwise(
+                x.float(), wide_weight(weight, plan), _f32(bias, plan), kind, [], algorithm
+            )
             return out.to(torch.bfloat16)
         w = gemm_weight(x, weight, plan) if weight.is_contiguous() and not torch.is_grad_enabled() else weight
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, kind, [], algorithm)

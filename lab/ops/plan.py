@@ -141,8 +141,9 @@ class CpuPlan:
 
     def derived_bytes(self) -> int:
         """Memory held by the derived copies (for reports: packed copies cost one more copy of each weight)."""
-        return sum(c.numel() * c.element_size() for _, _, _, copies in list(self._derived.values())
-                   for c in copies.values())
+        return sum(
+            c.numel() * c.element_size() for _, _, _, copies in list(self._derived.values()) for c in copies.values()
+        )
 
 
 def _version(t: torch.Tensor) -> int:
@@ -152,6 +153,9 @@ def _version(t: torch.Tensor) -> int:
 
 def _current(entry: tuple | None, base: torch.Tensor) -> bool:
     """Whether ``entry`` (weak ref, held source, its version, copies) was made from ``base``'s present data."""
-    return (entry is not None and entry[0]() is base and entry[1].data_ptr() == base.data_ptr()
-            and entry[2] == _version(base))
-
+    return (
+        entry is not None
+        and entry[0]() is base
+        and entry[1].data_ptr() == base.data_ptr()
+        and entry[2] == _version(base)
+    )

@@ -76,8 +76,9 @@ class Probe:
     def __post_init__(self):
         unknown = set(self.candidates) - set(CANDIDATES.get(self.name, ()))
         if self.name not in CANDIDATES or unknown or not self.candidates:
-            raise ValueError(f"probe {self.name!r} offers {list(self.candidates)}, not registered in "
-                             "lab.ops.probes.CANDIDATES")
+            raise ValueError(
+                f"probe {self.name!r} offers {list(self.candidates)}, not registered in lab.ops.probes.CANDIDATES"
+            )
 
 
 @dataclass
@@ -91,8 +92,10 @@ class Decision:
 
     def __str__(self) -> str:
         timing = ", ".join(f"{c} {s * 1e3:.2f} ms" for c, s in self.seconds.items())
-        return (f"{self.name}{list(self.key)} x{self.threads} thread(s): {self.choice} "
-                f"({self.source}{'; ' + timing if timing else ''})")
+        return (
+            f"{self.name}{list(self.key)} x{self.threads} thread(s): {self.choice} "
+            f"({self.source}{'; ' + timing if timing else ''})"
+        )
 
 
 _MEASURED: dict[tuple, Decision] = {}
@@ -114,8 +117,10 @@ def check_environment() -> None:
     known = {env_name(n) for n in CANDIDATES} | {"LAB_CPU_NATIVE_KERNELS"}
     unknown = sorted(k for k in os.environ if k.startswith("LAB_CPU_") and k not in known)
     if unknown:
-        raise ValueError(f"{', '.join(unknown)}: no such CPU fast path; the LAB_CPU_<NAME> variables are "
-                         f"{', '.join(sorted(known))} (unset the variable, or correct its name)")
+        raise ValueError(
+            f"{', '.join(unknown)}: no such CPU fast path; the LAB_CPU_<NAME> variables are "
+            f"{', '.join(sorted(known))} (unset the variable, or correct its name)"
+        )
 
 
 def check_forced(forced: dict[str, str] | None) -> dict[str, str]:
@@ -154,11 +159,17 @@ def forced_choice(probe: Probe, forced: dict[str, str] | None = None) -> Decisio
     choice = (forced or {}).get(probe.name)
     if choice not in (None, "auto"):
         if choice not in probe.candidates:
-            raise ValueError(f"cpu_paths[{probe.name!r}]={choice!r} is not a {probe.name} choice on this machine at "
-                             f"this shape; valid: {', '.join(probe.candidates)}")
+            raise ValueError(
+                f"cpu_paths[{probe.name!r}]={choice!r} is not a {probe.name} choice on this machine at "
+                f"this shape; valid: {', '.join(probe.candidates)}"
+            )
         return Decision(probe.name, probe.key, choice, "engine", threads=probe.threads)
-    choice = env.choice(env_name(probe.name), (*probe.candidates, "auto"), "auto",
-                        what=f"a {probe.name} choice on this machine at this shape")
+    choice = env.choice(
+        env_name(probe.name),
+        (*probe.candidates, "auto"),
+        "auto",
+        what=f"a {probe.name} choice on this machine at this shape",
+    )
     if choice != "auto":
         return Decision(probe.name, probe.key, choice, "env", threads=probe.threads)
     return None
@@ -212,8 +223,13 @@ def cpu_info() -> dict[str, str]:
                     break
     except OSError:
         pass
-    return {"cpu_model": model, "cpu_flags": " ".join(f for f in FLAGS if f in flags), "isa": isa(flags),
-            "torch": torch.__version__, "threads": str(torch.get_num_threads())}
+    return {
+        "cpu_model": model,
+        "cpu_flags": " ".join(f for f in FLAGS if f in flags),
+        "isa": isa(flags),
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+    }
 
 
 def isa(flags) -> str:
@@ -264,8 +280,9 @@ def machine_slug(info: dict[str, str] | None = None) -> str:
     return slug
 
 
-def gemm_probes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int,
-                plan: CpuPlan) -> Iterator[Probe]:
+def gemm_probes(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int, plan: CpuPlan
+) -> Iterator[Probe]:
     """The GEMM choices for ``x``'s dtype at one of a model's shapes: the implementation (``bf16_gemm_probe`` for
     bfloat16, ``f32_gemm_probe`` for float32), then, where the choice just made sends that dtype's GEMMs to oneDNN,
     the weight layout (``weights_probe``). A generator: the planner puts each choice into ``plan`` before asking for
@@ -281,8 +298,9 @@ def gemm_probes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         yield probe
 
 
-def weights_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int,
-                  plan: CpuPlan) -> Probe | None:
+def weights_probe(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int, plan: CpuPlan
+) -> Probe | None:
     """oneDNN's GEMM on the weight reordered once into its blocked layout (``packed``, the default: the same
     products, faster, most at few rows: ``lab.ops.gemm``) against the weight as stored (``plain``, reordered in
     blocks on every call), at one of a model's shapes, where ``x``'s
@@ -296,7 +314,8 @@ def weights_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     packed = packed_weight(weight, plan)  # made before the timing, as the engine keeps it
     name = "f32_weights" if x.dtype == torch.float32 else "bf16_weights"
     return Probe(
-        name, (str(x.dtype).removeprefix("torch."), x.shape[1], weight.shape[0]),
+        name,
+        (str(x.dtype).removeprefix("torch."), x.shape[1], weight.shape[0]),
         {"packed": lambda: onednn_linear(x, packed, bias), "plain": lambda: onednn_linear(x, weight, bias)},
         threads,
     )
@@ -323,7 +342,8 @@ def bf16_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     native = onednn_linear if onednn_bf16() else F.linear
     w32, b32 = weight.float(), None if bias is None else bias.float()
     return Probe(
-        "bf16_gemm", ("bfloat16", x.shape[1], weight.shape[0]),
+        "bf16_gemm",
+        ("bfloat16", x.shape[1], weight.shape[0]),
         {"native": lambda: native(x, weight, bias), "widened": lambda: F.linear(x.float(), w32, b32).bfloat16()},
         threads,
     )
@@ -334,9 +354,17 @@ def bf16_gemm_probe(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 ATTENTION_PROBE_LENGTHS = (224, 64, 64, 24, 24, 24, 24) + (8,) * 8
 
 
-def attention_probe(dtype: torch.dtype, heads: int, d: int, threads: int, *, kv_heads: int | None = None,
-                    causal: bool = False, causal_block: int | None = None,
-                    kernels: tuple[str, ...] = ("sdpa", "matmul", "lab", "bmm")) -> Probe:
+def attention_probe(
+    dtype: torch.dtype,
+    heads: int,
+    d: int,
+    threads: int,
+    *,
+    kv_heads: int | None = None,
+    causal: bool = False,
+    causal_block: int | None = None,
+    kernels: tuple[str, ...] = ("sdpa", "matmul", "lab", "bmm"),
+) -> Probe:
     """The attention kernel (``lab.ops.attention.KERNELS``) on one step of ``ATTENTION_PROBE_LENGTHS``, through
     ``lab.ops.attention.attention`` as a layer calls it: torch's fused kernel (``sdpa``, the default), scores, softmax
     and weighted sum as three ops (``matmul``: ``lab.kernels.reference._matmul_attention``), prefill-lab's own CPU

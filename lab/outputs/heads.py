@@ -123,8 +123,10 @@ class YesNoHead(Head):
 
     def __init__(self, lm_logits, yes_id: int, no_id: int, activation: str | None = "sigmoid"):
         if activation == "softmax":
-            raise ValueError("activation='softmax' needs several scores per pair; the LLM yes/no score is one "
-                             "(use 'sigmoid' for P(yes))")
+            raise ValueError(
+                "activation='softmax' needs several scores per pair; the LLM yes/no score is one "
+                "(use 'sigmoid' for P(yes))"
+            )
         self.lm_logits, self.ids, self.activation = lm_logits, [yes_id, no_id], activation
 
     def __call__(self, pooled: torch.Tensor, requests: list | None) -> torch.Tensor:
@@ -141,8 +143,10 @@ class Pooler:
 
     def __post_init__(self):
         if not isinstance(self.head, Head):
-            raise TypeError(f"Pooler's head must be a lab.outputs.heads.Head (a subclass with __call__(pooled, "
-                            f"requests) and shape), got {type(self.head).__name__}; subclass Head")
+            raise TypeError(
+                f"Pooler's head must be a lab.outputs.heads.Head (a subclass with __call__(pooled, "
+                f"requests) and shape), got {type(self.head).__name__}; subclass Head"
+            )
 
     @property
     def shape(self):

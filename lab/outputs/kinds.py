@@ -83,8 +83,10 @@ def describe_heads(model, spec) -> str:
     heads = model.token_heads
     has = []
     if "mlm" in heads:
-        has.append("a masked-LM head" + ("" if spec.splade is not None else
-                                         " (no SpladePooling module in modules.json, so not a SPLADE model)"))
+        has.append(
+            "a masked-LM head"
+            + ("" if spec.splade is not None else " (no SpladePooling module in modules.json, so not a SPLADE model)")
+        )
     elif spec.splade is not None:
         has.append("a SpladePooling module but no masked-LM head weights")
     if spec.multi_vector is not None:
@@ -92,8 +94,11 @@ def describe_heads(model, spec) -> str:
     else:
         has += [f"bge-m3's {h} ({h}.pt)" for h in ("sparse_linear", "colbert_linear") if h in heads]
     outputs = ", ".join(available_outputs(model, spec))
-    return (f"{spec.name} ({spec.architecture or 'unknown architecture'}) has "
-            + (", ".join(has) if has else "no per-token heads") + f"; its outputs: {outputs}")
+    return (
+        f"{spec.name} ({spec.architecture or 'unknown architecture'}) has "
+        + (", ".join(has) if has else "no per-token heads")
+        + f"; its outputs: {outputs}"
+    )
 
 
 def check_outputs(names: tuple[str, ...], model, spec, purpose: str | None = None) -> None:
@@ -214,9 +219,15 @@ class LexicalHead(Head):
             indices.append(uniq)
             data.append(best)
             indptr.append(indptr[-1] + len(uniq))
-        return sparse.csr_matrix((np.concatenate(data) if data else np.zeros(0, np.float32),
-                                  np.concatenate(indices) if indices else np.zeros(0, np.int64), indptr),
-                                 shape=(len(requests), self.shape.cols), dtype=np.float32)
+        return sparse.csr_matrix(
+            (
+                np.concatenate(data) if data else np.zeros(0, np.float32),
+                np.concatenate(indices) if indices else np.zeros(0, np.int64),
+                indptr,
+            ),
+            shape=(len(requests), self.shape.cols),
+            dtype=np.float32,
+        )
 
 
 class ColbertHead(Head):
@@ -268,22 +279,33 @@ def output_pooler(output, dense: Pooler, *, model, spec, tokenizer, task: str | 
 def _colbert(dense: Pooler, model, spec, tokenizer, task: str | None) -> Output:
     mv = spec.multi_vector
     if mv is not None:
-        return Output(PerToken(multivector.token_fn(model, mv)),
-                      multivector.ColbertRows(multivector.skip_ids(mv, tokenizer, task), mv.normalize))
-    return Output(PerToken(lambda h: F.normalize(model.token_head("colbert_linear", h).float(), dim=-1)),
-                  ColbertHead())
+        return Output(
+            PerToken(multivector.token_fn(model, mv)),
+            multivector.ColbertRows(multivector.skip_ids(mv, tokenizer, task), mv.normalize),
+        )
+    return Output(
+        PerToken(lambda h: F.normalize(model.token_head("colbert_linear", h).float(), dim=-1)), ColbertHead()
+    )
 
 
 def _sparse(dense: Pooler, model, spec, tokenizer, task: str | None) -> Output:
     vocab = model.config["vocab_size"]  # the width of the MLM logits and of bge-m3's lexical vectors
     if spec.splade is not None and "mlm" in model.token_heads:
-        method = SpladePool(lambda h: model.token_head("mlm", h), vocab, spec.splade["pooling_strategy"],
-                            spec.splade["activation_function"])
+        method = SpladePool(
+            lambda h: model.token_head("mlm", h),
+            vocab,
+            spec.splade["pooling_strategy"],
+            spec.splade["activation_function"],
+        )
         return Output(method, SpladeHead(vocab))
-    drop = {tokenizer.convert_tokens_to_ids(t) for t in (tokenizer.cls_token, tokenizer.eos_token, tokenizer.pad_token,
-                                                           tokenizer.unk_token) if t is not None}
-    return Output(PerToken(lambda h: torch.relu(model.token_head("sparse_linear", h).float())),
-                  LexicalHead(vocab, drop))
+    drop = {
+        tokenizer.convert_tokens_to_ids(t)
+        for t in (tokenizer.cls_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token)
+        if t is not None
+    }
+    return Output(
+        PerToken(lambda h: torch.relu(model.token_head("sparse_linear", h).float())), LexicalHead(vocab, drop)
+    )
 
 
 # ------------------------------------------------------------------------------------------------- the registry
@@ -311,15 +333,29 @@ def register(kind: OutputKind) -> OutputKind:
 
 
 register(OutputKind("dense", lambda model, spec: True, lambda dense, *_: Output(dense.method, dense.head)))
-register(OutputKind("tokens", lambda model, spec: True,
-                    lambda *_: Output(pooling_method("tokens"), TokensHead())))
-register(OutputKind(
-    "sparse", lambda model, spec: ((spec.splade is not None and "mlm" in model.token_heads)
-                                   or "sparse_linear" in model.token_heads), _sparse,
-    needs="a sparse head: SPLADE (a *ForMaskedLM folder whose sentence-transformers modules include SpladePooling) "
-          "or bge-m3 (sparse_linear.pt beside the weights)"))
-register(OutputKind(
-    "colbert", lambda model, spec: ("colbert_linear" in model.token_heads  # a ColBERT folder's Dense loads as one
-                                    or (spec.multi_vector is not None and spec.multi_vector.dense is None)), _colbert,
-    needs="a ColBERT head: bge-m3's colbert_linear.pt beside the weights, or a sentence-transformers "
-          "MultiVectorEncoder folder (a MultiVectorMask module in modules.json)"))
+register(OutputKind("tokens", lambda model, spec: True, lambda *_: Output(pooling_method("tokens"), TokensHead())))
+register(
+    OutputKind(
+        "sparse",
+        lambda model, spec: (
+            (spec.splade is not None and "mlm" in model.token_heads) or "sparse_linear" in model.token_heads
+        ),
+        _sparse,
+        needs=(
+            "a sparse head: SPLADE (a *ForMaskedLM folder whose sentence-transformers modules include SpladePooling) "
+            "or bge-m3 (sparse_linear.pt beside the weights)"
+        ),
+    )
+)
+register(
+    OutputKind(
+        "colbert",
+        lambda model, spec: (
+            "colbert_linear" in model.token_heads  # a ColBERT folder's Dense loads as one
+            or (spec.multi_vector is not None and spec.multi_vector.dense is None)
+        ),
+        _colbert,
+        needs="a ColBERT head: bge-m3's colbert_linear.pt beside the weights, or a sentence-transformers "
+        "MultiVectorEncoder folder (a MultiVectorMask module in modules.json)",
+    )
+)

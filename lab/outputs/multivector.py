@@ -57,16 +57,20 @@ def expansion_token_id(mv, tokenizer, *, causal: bool) -> int:
     """The id that fills expanded queries: the config's token, else ``[MASK]``, else EOS (sentence-transformers'
     order). Expansion without ``attend`` needs bidirectional attention (keys limited per sequence)."""
     if causal and not mv.query_expansion["attend"]:
-        raise ValueError("query expansion with attend=False needs bidirectional attention; this model runs causally "
-                         "(set bidirectional=True, or query_expansion['attend']=true in sentence_bert_config.json)")
+        raise ValueError(
+            "query expansion with attend=False needs bidirectional attention; this model runs causally "
+            "(set bidirectional=True, or query_expansion['attend']=true in sentence_bert_config.json)"
+        )
     token = mv.query_expansion["token"]
     tid = tokenizer.convert_tokens_to_ids(token) if token is not None else tokenizer.mask_token_id
     if tid is None and token is None:
         tid = tokenizer.eos_token_id
     if tid is None or (token is not None and tid == tokenizer.unk_token_id and token != tokenizer.unk_token):
-        raise ValueError(f"query expansion needs a token id: the config names {token!r}, and the tokenizer has "
-                         f"{'no such token' if token is not None else 'no mask or eos token'}; set "
-                         "query_expansion['token'] in sentence_bert_config.json to a token of the vocabulary")
+        raise ValueError(
+            f"query expansion needs a token id: the config names {token!r}, and the tokenizer has "
+            f"{'no such token' if token is not None else 'no mask or eos token'}; set "
+            "query_expansion['token'] in sentence_bert_config.json to a token of the vocabulary"
+        )
     return int(tid)
 
 
@@ -98,17 +102,20 @@ def skip_ids(mv, tokenizer, task: str | None) -> np.ndarray:
         elif tid is not None:
             ids.append(tid)
     if unknown:
-        warnings.warn(f"skiplist words {unknown} are not single tokens of this tokenizer; they are not skipped",
-                      stacklevel=4)
+        warnings.warn(
+            f"skiplist words {unknown} are not single tokens of this tokenizer; they are not skipped", stacklevel=4
+        )
     return np.asarray(sorted(set(ids)), dtype=np.int64)
 
 
 def token_fn(model, mv):
     """Per-token vectors before masking: the Dense projection (and its activation), or the hidden states."""
+
     def fn(h: torch.Tensor) -> torch.Tensor:
         x = model.token_head("colbert_linear", h) if mv.dense is not None else h
         x = x.float()
         return torch.tanh(x) if mv.activation == "tanh" else x
+
     return fn
 
 
@@ -125,7 +132,7 @@ class ColbertRows(Head):
         out = []
         for v, r in zip(vectors, requests):
             if len(self.skip):
-                keep = torch.from_numpy(~np.isin(r.ids[r.pool_start:], self.skip))
+                keep = torch.from_numpy(~np.isin(r.ids[r.pool_start :], self.skip))
                 v = v[keep.to(v.device)]
             out.append(torch.nn.functional.normalize(v, dim=-1) if self.normalize else v)
         return out

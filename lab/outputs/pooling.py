@@ -133,8 +133,13 @@ def pooling_method(name: str) -> PoolingMethod:
     return method
 
 
-def pool_spans(method: PoolingMethod, hidden: torch.Tensor, meta: AttnMeta, pool_start: torch.Tensor | None,
-               pool_end: list[int] | None):
+def pool_spans(
+    method: PoolingMethod,
+    hidden: torch.Tensor,
+    meta: AttnMeta,
+    pool_start: torch.Tensor | None,
+    pool_end: list[int] | None,
+):
     """``method`` over each sequence's pooled span ``[pool_start_i, pool_end_i)``: the span's rows gathered into a
     packed tensor of their own (``pool_end`` ``None``: every span runs to its sequence's end, ``method`` as is).
     ``lasttoken`` always reads each sequence's last token, whatever its span (a prompt's last token,

@@ -40,8 +40,10 @@ def _as_numpy(x) -> np.ndarray:
         x = x.detach().float().cpu().numpy()
     x = np.asarray(x)
     if x.dtype in (np.int8, np.uint8):
-        raise ValueError("embeddings to quantize must be floating point, got already quantized "
-                         f"{x.dtype} values; quantize the float32 embeddings")
+        raise ValueError(
+            "embeddings to quantize must be floating point, got already quantized "
+            f"{x.dtype} values; quantize the float32 embeddings"
+        )
     return x
 
 
@@ -49,14 +51,17 @@ def quantization_ranges(calibration: np.ndarray) -> np.ndarray:
     """``(2, dim)``: each dimension's minimum and maximum over ``calibration`` ``(n, dim)``, n > 1."""
     calibration = _as_numpy(calibration)
     if calibration.ndim != 2 or calibration.shape[0] < 2:
-        raise ValueError(f"int8 / uint8 ranges need several embeddings to take each dimension's min and max from, got "
-                         f"shape {calibration.shape}; pass ranges= or calibration_embeddings= from a representative "
-                         "set (e.g. a sample of the corpus)")
+        raise ValueError(
+            f"int8 / uint8 ranges need several embeddings to take each dimension's min and max from, got "
+            f"shape {calibration.shape}; pass ranges= or calibration_embeddings= from a representative "
+            "set (e.g. a sample of the corpus)"
+        )
     return np.stack([calibration.min(axis=0), calibration.max(axis=0)])
 
 
-def quantize_embeddings(embeddings, precision: str, ranges: np.ndarray | None = None,
-                        calibration_embeddings: np.ndarray | None = None):
+def quantize_embeddings(
+    embeddings, precision: str, ranges: np.ndarray | None = None, calibration_embeddings: np.ndarray | None = None
+):
     """``embeddings`` (``(N, dim)`` array / tensor, or a list of ``(L_i, dim)`` matrices) at ``precision``: an
     array (``float32``, ``int8`` or ``uint8``), or a list of them for a list input. See the module docstring."""
     check_precision(precision)

@@ -66,8 +66,8 @@ def maxsim_matrix(queries: list[np.ndarray], docs: list[np.ndarray], block: int 
     best = np.full((len(qcat), len(docs)), -np.inf, dtype=np.float32)
     flat = np.concatenate(docs).astype(np.float32) if len(docs) else np.zeros((0, qcat.shape[1]), np.float32)
     for s in range(0, len(flat), block):
-        sims = qcat @ flat[s:s + block].T  # (query tokens, block)
-        cols = owner[s:s + block]
+        sims = qcat @ flat[s : s + block].T  # (query tokens, block)
+        cols = owner[s : s + block]
         starts = np.flatnonzero(np.r_[True, cols[1:] != cols[:-1]])
         np.maximum.at(best.T, cols[starts], np.maximum.reduceat(sims, starts, axis=1).T)
     best[~np.isfinite(best)] = 0.0  # an empty document
@@ -82,8 +82,9 @@ def pair_scores(mode: str, q: dict, d: dict, qi: list[int], di: list[int]) -> np
     by their sum, as ``M3Embedder.compute_score``'s ``colbert+sparse+dense``). ``q`` / ``d``: dicts of outputs."""
     parts = {}
     if "colbert" in SCORE_OUTPUTS[mode]:
-        parts["colbert"] = np.asarray([maxsim(q["colbert"][i], d["colbert"][j]) for i, j in zip(qi, di)],
-                                      dtype=np.float32)
+        parts["colbert"] = np.asarray(
+            [maxsim(q["colbert"][i], d["colbert"][j]) for i, j in zip(qi, di)], dtype=np.float32
+        )
     if "sparse" in SCORE_OUTPUTS[mode]:
         parts["sparse"] = sparse_dot(q["sparse"][qi], d["sparse"][di]) if qi else np.zeros(0, np.float32)
     if mode != "m3":

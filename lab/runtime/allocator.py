@@ -47,8 +47,9 @@ def malloc_tuning_requested(tune_allocator: bool | None = None) -> bool:
     off). Raises ``TypeError`` for a non-bool argument and ``ValueError`` for another value of the variable."""
     if tune_allocator is not None:
         if not isinstance(tune_allocator, bool):
-            raise TypeError(f"tune_allocator must be True, False or None (None: ${ENV} decides), "
-                            f"got {tune_allocator!r}")
+            raise TypeError(
+                f"tune_allocator must be True, False or None (None: ${ENV} decides), got {tune_allocator!r}"
+            )
         return tune_allocator
     return env.flag(ENV, False)
 

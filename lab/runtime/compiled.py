@@ -71,8 +71,15 @@ def supports(model: PackedModel, batch: PackedBatch, depth: int) -> bool:
     """Whether a step can run compiled: a staged, packed model, at least one layer, the torch backend, a plain
     prefill step (no cached keys/values: chunked prefill and the prefix cache run eagerly) with every key visible."""
     meta = batch.meta
-    return (model.packed and model.staged and depth > 0 and meta.backend == "torch" and meta.kv is None
-            and meta.key_lens is None and meta.num_seqs > 0)
+    return (
+        model.packed
+        and model.staged
+        and depth > 0
+        and meta.backend == "torch"
+        and meta.kv is None
+        and meta.key_lens is None
+        and meta.num_seqs > 0
+    )
 
 
 class CompileNotice(UserWarning):
@@ -119,19 +126,24 @@ class CompiledForward:
         if key not in self.compile_seconds:
             with self._lock:
                 if key not in self.compile_seconds:
-                    warnings.warn(CompileNotice(
-                        f"compiling the forward ({type(self.model).__name__}, {key[0].removeprefix('torch.')}, "
-                        f"{key[3]} layers, {'causal' if key[2] else 'bidirectional'}) with torch.compile: seconds to "
-                        f"minutes, once per engine and weights; inductor caches its code in {cache_dir()}"),
-                        stacklevel=2)
+                    warnings.warn(
+                        CompileNotice(
+                            f"compiling the forward ({type(self.model).__name__}, {key[0].removeprefix('torch.')}, "
+                            f"{key[3]} layers, {'causal' if key[2] else 'bidirectional'}) with torch.compile: seconds "
+                            f"to minutes, once per engine and weights; inductor caches its code in {cache_dir()}"
+                        ),
+                        stacklevel=2,
+                    )
                 start = time.perf_counter()
                 try:
                     out = graph(ids, positions, types_, cu)
                 except Exception as e:  # the build failed (no C++ compiler, an op inductor cannot lower, ...)
                     self._graphs.pop(key, None)
                     self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                    raise RuntimeError(f"torch.compile could not build the forward of this model ({self.failed}); "
-                                       "Engine(..., compile=False) runs it eagerly") from e
+                    raise RuntimeError(
+                        f"torch.compile could not build the forward of this model ({self.failed}); "
+                        "Engine(..., compile=False) runs it eagerly"
+                    ) from e
                 self.compile_seconds.setdefault(key, time.perf_counter() - start)
         else:
             out = graph(ids, positions, types_, cu)
@@ -160,6 +172,7 @@ def _build(model: PackedModel, *, causal: bool, depth: int):
         x, residual = model.run_layers(x, positions, meta, range(depth))
         return model.finish(x, residual, meta, last=last)
 
-    own = types.FunctionType(forward.__code__.replace(), forward.__globals__, "lab_compiled_forward", None,
-                             forward.__closure__)
+    own = types.FunctionType(
+        forward.__code__.replace(), forward.__globals__, "lab_compiled_forward", None, forward.__closure__
+    )
     return torch.compile(own, dynamic=True, fullgraph=True, options=OPTIONS)

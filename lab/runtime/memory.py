@@ -96,8 +96,9 @@ def _address_space(root: Path) -> Ceiling | None:
     used = _status_kb(root / "proc/self/status", "VmSize")
     if used is None:
         return None
-    return Ceiling(max(0, soft - used), f"RLIMIT_AS (address space: {_gb(soft)} limit, {_gb(used)} mapped)",
-                   ADDRESS_SPACE_MARGIN)
+    return Ceiling(
+        max(0, soft - used), f"RLIMIT_AS (address space: {_gb(soft)} limit, {_gb(used)} mapped)", ADDRESS_SPACE_MARGIN
+    )
 
 
 def _read_int(path: Path) -> int | None:
@@ -133,8 +134,11 @@ def _cgroups(root: Path) -> list[Ceiling]:
             if not (base / "cgroup.controllers").exists():
                 base = base / "unified"
         elif "memory" in controllers.split(","):  # v1: the memory controller's hierarchy
-            base, limit_name, usage_name = root / "sys/fs/cgroup/memory", "memory.limit_in_bytes", \
-                "memory.usage_in_bytes"
+            base, limit_name, usage_name = (
+                root / "sys/fs/cgroup/memory",
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
         else:
             continue
         group = base / rel.strip("/")
@@ -144,8 +148,11 @@ def _cgroups(root: Path) -> list[Ceiling]:
             limit, usage = _read_int(group / limit_name), _read_int(group / usage_name)
             if limit is not None and usage is not None and limit < _UNLIMITED_V1:
                 used = usage - _inactive_file(group / "memory.stat")
-                out.append(Ceiling(max(0, limit - used), f"cgroup {group / limit_name} ({_gb(limit)} limit, "
-                                                         f"{_gb(used)} in use)"))
+                out.append(
+                    Ceiling(
+                        max(0, limit - used), f"cgroup {group / limit_name} ({_gb(limit)} limit, {_gb(used)} in use)"
+                    )
+                )
             if group == base:
                 break
             group = group.parent
@@ -199,11 +206,16 @@ def shapes(model, device, dtype, *, eager: bool = True) -> Shapes:
     heads = size("num_attention_heads", "n_head", "num_heads", default=max(1, hidden // 64))
     head_dim = size("head_dim", default=max(1, hidden // heads))
     kv_heads = size("num_key_value_heads", default=heads)
-    return Shapes(hidden=hidden, intermediate=size("intermediate_size", "ffn_dim", "n_inner", default=4 * hidden),
-                  q_dim=heads * head_dim, kv_dim=kv_heads * head_dim,
-                  layers=model.num_layers or size("num_hidden_layers", default=1), heads=heads,
-                  padded=not model.packed,
-                  ffn_rows=model.ffn_rows(device, dtype) if eager else None)
+    return Shapes(
+        hidden=hidden,
+        intermediate=size("intermediate_size", "ffn_dim", "n_inner", default=4 * hidden),
+        q_dim=heads * head_dim,
+        kv_dim=kv_heads * head_dim,
+        layers=model.num_layers or size("num_hidden_layers", default=1),
+        heads=heads,
+        padded=not model.packed,
+        ffn_rows=model.ffn_rows(device, dtype) if eager else None,
+    )
 
 
 def step_bytes(sh: Shapes, tokens: int, *, dtype_bytes: int, sequences: int = 1, longest: int = 0) -> int:
@@ -276,13 +288,15 @@ def fit_budget(need: Need, *, budget: int, tokens: int, longest: int, limit: Cei
         raise MemoryLimitError(
             f"the outputs of this call need about {_gb(limit.margin * need.kept)} but {_gb(max(room, 0))} {where}: "
             "embed fewer inputs per call (or write them to disk with lab.distributed.embed_dataset), or ask for "
-            "a smaller output (output='dense' instead of 'tokens' / 'colbert')")
+            "a smaller output (output='dense' instead of 'tokens' / 'colbert')"
+        )
     if needs(longest) > room:
         raise MemoryLimitError(
             f"one step of the longest input ({longest} tokens) needs about {_gb(needs(longest))} but "
             f"{_gb(max(room, 0))} {where}: lower max_length, split long inputs into windows (long_inputs='chunk'), "
             "use chunked_prefill on a causal model, or a smaller dtype ('bfloat16'); LAB_MEMORY_CHECK=0 turns this "
-            "check off")
+            "check off"
+        )
     lo, hi = longest, largest  # needs(lo) fits, needs(hi) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2

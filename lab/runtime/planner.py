@@ -24,8 +24,9 @@ from lab.ops.probes import Decision, Probe, decide, forced_choice
 from lab.runtime.pool import worker_threads
 
 
-def plan_cpu_paths(model: PackedModel, dtype: torch.dtype, device: torch.device, workers: int,
-                   forced: dict[str, str] | None = None) -> list[Decision]:
+def plan_cpu_paths(
+    model: PackedModel, dtype: torch.dtype, device: torch.device, workers: int, forced: dict[str, str] | None = None
+) -> list[Decision]:
     """Decide ``model``'s CPU fast paths for ``dtype``, each timed with one worker's share of the intra-op threads,
     and install them as ``model.plan``; returns the decisions in order. Off the CPU (or for the padded fallback)
     there is nothing to decide and the plan is emptied (each family's defaults)."""
@@ -69,9 +70,15 @@ def forward_choice(runner, tokens: int, *, causal: bool, depth: int, threads: in
     if runner.device.type != "cpu" or not (model.packed and model.staged) or depth == 0 or runner.compiled.failed:
         return None
     batch = functools.cache(lambda: _probe_batch(model, causal, runner.device))  # made only if a candidate runs
-    probe = Probe("forward", key, {
-        "eager": lambda: runner.model(batch().input_ids, batch().positions, batch().meta, num_layers=depth),
-        "compiled": lambda: runner.compiled(batch(), depth)}, threads)
+    probe = Probe(
+        "forward",
+        key,
+        {
+            "eager": lambda: runner.model(batch().input_ids, batch().positions, batch().meta, num_layers=depth),
+            "compiled": lambda: runner.compiled(batch(), depth),
+        },
+        threads,
+    )
     if not forced_choice(probe, runner.forced) and not runner.compiled.built(causal, depth):
         if tokens < COMPILE_MIN_TOKENS:
             return None

@@ -93,8 +93,9 @@ class WorkerPool:
         results = [f.result() for f in futures]
         return _merge(parts, [rows for rows, _ in results], len(items)), [extra for _, extra in results]
 
-    def run_stream(self, fn: Callable[[list], tuple[object, T]], steps: Iterable[list], workers: int, *,
-                   ahead: int = STREAM_AHEAD) -> Iterator[tuple[list, object, T, bool]]:
+    def run_stream(
+        self, fn: Callable[[list], tuple[object, T]], steps: Iterable[list], workers: int, *, ahead: int = STREAM_AHEAD
+    ) -> Iterator[tuple[list, object, T, bool]]:
         """Run ``fn`` on the CPU workers' shares of every step of ``steps`` (as ``run_shared`` shares one step) and
         yield ``(share items, fn's outputs aligned with them, its extra, first share of its step)`` per share, step by
         step, in order. Up to ``ahead`` steps beyond the one being collected have their shares queued, so the
@@ -129,8 +130,12 @@ class WorkerPool:
                 f.cancel()
             wait(futures)
 
-    def _submit_shares(self, fn: Callable[[list], T], items: list, workers: int,
-                       ) -> tuple[list[list[int]], list[Future]] | None:
+    def _submit_shares(
+        self,
+        fn: Callable[[list], T],
+        items: list,
+        workers: int,
+    ) -> tuple[list[list[int]], list[Future]] | None:
         """``items`` split among ``workers`` by their ``length`` (``split_for_workers``) and each share submitted
         to the worker pool (``fn`` under inference mode): ``(parts, futures)``, or ``None`` (nothing submitted)
         when the items cannot be shared evenly and must run undivided."""
@@ -147,8 +152,9 @@ class WorkerPool:
         if self._pool is None or self._pool_shape != shape:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(n, thread_name_prefix="lab-cpu-worker",
-                                            initializer=torch.set_num_threads, initargs=(shape[1],))
+            self._pool = ThreadPoolExecutor(
+                n, thread_name_prefix="lab-cpu-worker", initializer=torch.set_num_threads, initargs=(shape[1],)
+            )
             self._pool_shape = shape
         return self._pool
 

@@ -32,16 +32,26 @@ from lab.runtime.weights import Weights
 
 
 class Runner:
-    def __init__(self, model: PackedModel, *, device: torch.device, dtype: torch.dtype,
-                 cpu_paths: dict[str, str] | None = None, compile: bool | None = None):
+    def __init__(
+        self,
+        model: PackedModel,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        cpu_paths: dict[str, str] | None = None,
+        compile: bool | None = None,
+    ):
         self.model = model.eval().to(device)
         self.device = device
         self.plan = self.model.plan
         self.forced = check_forced(cpu_paths)  # this engine's forced CPU choices
         self.compile = compiled.check_compile(compile, self.forced)
         if self.compile and not (self.model.packed and self.model.staged):
-            warnings.warn(f"compile=True: {type(self.model).__name__} runs transformers' padded forward, which the "
-                          "compiled forward does not take; it runs eagerly", stacklevel=3)
+            warnings.warn(
+                f"compile=True: {type(self.model).__name__} runs transformers' padded forward, which the "
+                "compiled forward does not take; it runs eagerly",
+                stacklevel=3,
+            )
         self.weights = Weights(self.model, device=device, dtype=dtype)
         self.pool = WorkerPool()
         self.compiled = compiled.CompiledForward(self.model, self.weights)
@@ -79,8 +89,14 @@ class Runner:
         return workers_for(knob, device=self.device, packed=self.model.packed, backend=backend)
 
     @torch.inference_mode()
-    def forward(self, batch: PackedBatch, num_layers: int | None = None,
-                output_rows: OutputRows | None = None, *, path: str = "eager") -> torch.Tensor:
+    def forward(
+        self,
+        batch: PackedBatch,
+        num_layers: int | None = None,
+        output_rows: OutputRows | None = None,
+        *,
+        path: str = "eager",
+    ) -> torch.Tensor:
         """Hidden states ``(T, hidden)`` of one packed step after its first ``num_layers`` layers (``None`` = all;
         the Engine's ``layer`` knob, resolved), or with ``output_rows`` only those rows ``(B, hidden)``. ``path``
         ``"compiled"`` (``forward_path``) runs the compiled graph where it takes the step
@@ -90,5 +106,11 @@ class Runner:
             if compiled.supports(self.model, batch, depth):
                 hidden = self.compiled(batch, depth)
                 return hidden if output_rows is None else hidden[output_rows.rows]
-        return self.model(batch.input_ids, batch.positions, batch.meta, batch.token_type_ids,
-                          output_rows=output_rows, num_layers=num_layers)
+        return self.model(
+            batch.input_ids,
+            batch.positions,
+            batch.meta,
+            batch.token_type_ids,
+            output_rows=output_rows,
+            num_layers=num_layers,
+        )

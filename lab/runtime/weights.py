@@ -67,8 +67,10 @@ class Weights:
         for name, t in merged.items():
             if t.shape != self._master[name].shape:
                 raise ValueError(f"merged {name}: shape {tuple(t.shape)} != {tuple(self._master[name].shape)}")
-        live = {name: merged.get(name, self._master[name]).detach().to(self.device, self.dtype)
-                for name in set(self._merged) | set(merged)}
+        live = {
+            name: merged.get(name, self._master[name]).detach().to(self.device, self.dtype)
+            for name in set(self._merged) | set(merged)
+        }
         digest = _digest(merged)
         self._swap(params, live)
         self._merged, self._digest = dict(merged), digest
