@@ -110,3 +110,17 @@ def test_unsupported_position_embedding(tmp_path, minilm_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="relative_key.*not implemented"):
         Engine(str(tmp_path))
+
+
+def test_warnings_name_the_line_that_called_the_engine(minilm_path, tmp_path):
+    """A warning raised deep inside the package (a stray weight file while loading, a truncation after a call)
+    points at the caller's line, here: Python's "once per location" filters then count it where the user sees it."""
+    folder = tmp_path / "with-stray-weights"
+    shutil.copytree(minilm_path, folder)
+    (folder / "stale.safetensors").write_bytes(b"")
+    with pytest.warns(UserWarning, match="stale.safetensors are not read") as loading:
+        eng = Engine(str(folder), max_length=4)
+    with pytest.warns(UserWarning, match="were truncated") as calling:
+        eng.embed(["one two three four five six seven"])
+    for record in [*loading, *calling]:
+        assert record.filename == __file__, (str(record.message)[:60], record.filename)

@@ -94,3 +94,29 @@ def test_evaluate_scores_retrieval_modes_apart(minilm_engine):
     mteb_ndcg = main[main.variant == "default"].score.item()
     ours = main[main.variant == "default,mode=dense"]
     assert ours.metric.item() == "ndcg_at_10" and ours.score.item() == pytest.approx(mteb_ndcg, abs=1e-4)
+
+
+def test_a_registered_retrieval_mode_is_scored_and_checked(minilm_engine, monkeypatch):
+    """``register_mode`` a toy mode (in a scratch copy of ``RETRIEVAL_MODES``): ``evaluate_retrieval`` scores it,
+    the errors list it, and a mode needing a head the model lacks is refused before any work."""
+    from lab.eval import retrieval
+
+    monkeypatch.setattr(retrieval, "RETRIEVAL_MODES", dict(retrieval.RETRIEVAL_MODES))
+
+    def first_token(engine, queries, docs, query_kw, chunk_tokens):  # cosine of the first token's hidden states
+        q = [t[0] for t in engine.embed(queries, output="tokens", **query_kw)]
+        return engine.similarity(np.stack(q), np.stack([t[0] for t in engine.embed(docs, output="tokens")]))
+
+    retrieval.register_mode(retrieval.RetrievalMode("first-token", first_token, ("tokens",)))
+    retrieval.register_mode(retrieval.RetrievalMode("needs-sparse", first_token, ("sparse",)))
+    docs = {k: v for k, v in DOCS.items() if v}  # a text with no tokens has no first token
+    df = evaluate_retrieval(minilm_engine, docs, QUERIES, QRELS, modes=("dense", "first-token"), task="toy")
+    assert list(df["mode"]) == ["dense", "first-token"] and df.score.between(0, 1).all()
+    with pytest.raises(ValueError, match="valid: .*first-token"):
+        evaluate_retrieval(minilm_engine, docs, QUERIES, QRELS, modes=("bm25",))
+    before = minilm_engine.stats
+    with pytest.raises(ValueError, match="needs-sparse"):
+        evaluate_retrieval(minilm_engine, docs, QUERIES, QRELS, modes=("dense", "needs-sparse"))
+    assert minilm_engine.stats is before  # refused before the dense mode ran
+    with pytest.raises(TypeError, match="RetrievalMode"):
+        retrieval.register_mode("first-token")

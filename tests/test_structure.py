@@ -38,7 +38,7 @@ LAYERS = {
     "lab.eval": {"lab.ops", "lab.models", "lab.runtime", "lab.outputs", "lab.adapt", "lab.engine"},
     "lab.distributed": {"lab.ops", "lab.models", "lab.runtime", "lab.outputs", "lab.adapt", "lab.engine", "lab.eval"},
 }
-HELPERS = {"lab._lazy", "lab._repo", "lab._extras", "lab.env", "lab._files"}
+HELPERS = {"lab._lazy", "lab._repo", "lab._extras", "lab.env", "lab._files", "lab._warn"}
 # the one upward edge: the Engine facade opens its front-ends (``Engine.panel()``, ``Engine.as_mteb_model()``),
 # imported inside those methods; nothing they import reaches back into the facade
 FRONT_ENDS = {"lab.engine.engine": {"lab.eval.panel", "lab.eval.mteb_adapter"}}

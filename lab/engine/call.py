@@ -13,13 +13,13 @@ when the call succeeds: a failed or interrupted call leaves the previous call's 
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Self
 
 import numpy as np
 
+from lab._warn import warn
 from lab.engine.inputs import Request
 from lab.engine.scheduler import WAVE_SIZE
 from lab.outputs.heads import Pooler, SparseShape
@@ -203,16 +203,14 @@ class Call:
         s.tokens_per_s = s.tokens / s.seconds if s.seconds > 0 else 0.0
         if s.split and ("split", self.max_length) not in self.warned:
             self.warned.add(("split", self.max_length))
-            warnings.warn(
+            warn(
                 f"{s.split} input(s) were longer than max_length={self.max_length} tokens and were split into windows "
                 "whose pooled vectors were averaged (long_inputs='chunk'; counted in stats.split; this warning is "
                 "shown once per max_length)",
-                stacklevel=4,
             )
         if s.truncated and self.max_length not in self.warned:
             self.warned.add(self.max_length)
-            warnings.warn(
+            warn(
                 f"{s.truncated} input(s) were longer than max_length={self.max_length} tokens and were truncated "
                 "(counted in stats.truncated; this warning is shown once per max_length)",
-                stacklevel=4,
             )

@@ -5,11 +5,11 @@ pooler) -> ``InputProcessor`` (tokenize, instruction, truncation records; the ne
 runs) -> ``Executor`` (packed path or KV path, CPU workers on both; ``lab.engine.executor``) -> ``Pooler`` (method x
 head: ``lab.outputs.pooling``, ``lab.outputs.heads``) -> ``OutputBuffer`` (input order), all inside one ``Call`` (one
 ``Stats``, timer, progress bar, truncation warning; ``lab.engine.call``). ``embed`` is one pass; ``score`` builds its
-passes in ``lab.engine.rerank``, ``encode`` in ``lab.engine.st_encode``, both on the engine's public
-seam: ``embed_pass`` (the pass ``embed`` runs, with another pooling or head if asked; ``lab.engine.passes``) and
-``run_passes`` (passes run as one call). What the knobs come to on this model is one frozen record,
-``eng.resolved`` (``lab.engine.knobs.resolve``: each value and where it came from), which every part reads; the
-adapters in force and llm2vec's reading of the folders are ``lab.engine.adapter_state``'s.
+passes in ``lab.engine.rerank``, ``encode`` in ``lab.engine.st_encode``, both on the engine's public seam, built
+in ``lab.engine.passes``: ``embed_pass`` (the pass ``embed`` runs, with another pooling or head if asked) and
+``run_passes`` (passes run as one call). What the knobs come to on this model is one frozen record, ``eng.resolved``
+(``lab.engine.knobs.resolve``: each value and where it came from), which every part reads; the adapters in force and
+llm2vec's reading of the folders are ``lab.engine.adapter_state``'s; what a new engine loads is ``lab.engine.load``'s.
 
     >>> eng = Engine("sentence-transformers/all-MiniLM-L6-v2")   # a hub id, or a local folder
     >>> E = eng.embed(["A man plays a guitar.", "Someone plays guitar."])    # (2, 384) float32
@@ -20,35 +20,24 @@ adapters in force and llm2vec's reading of the folders are ``lab.engine.adapter_
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
-import torch
 
-from lab.adapt.adapters import split_adapter_model
 from lab.engine import llm2vec, rerank, windows
 from lab.engine import passes as build
 from lab.engine import st_encode as st_compat
-from lab.engine.adapter_state import AdapterState
-from lab.engine.call import Call, ExecSettings, OutputBuffer, Pass, Stats
+from lab.engine.call import Pass, Stats
 from lab.engine.executor import Executor
 from lab.engine.gate import Gate
 from lab.engine.inputs import Request, check_inputs, check_texts
 from lab.engine.knob_registry import knob_docs, knob_signature
-from lab.engine.knobs import Knobs, ModelFacts, Resolved, resolve, resolve_device, resolve_dtype
+from lab.engine.knobs import Knobs, Resolved, resolve
 from lab.engine.live import LiveState, gated_call, gated_change
-from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
+from lab.engine.load import load
 from lab.models import hub
-from lab.models.build import build_model
-from lab.models.folder import load_tokenizer, read_folder
-from lab.models.spec import ModelSpec
-from lab.ops.probes import check_forced
 from lab.outputs import multivector
 from lab.outputs.quantize import quantize_output
 from lab.outputs.scoring import cosine_matrix
-from lab.runtime import allocator
-from lab.runtime.compiled import check_compile
-from lab.runtime.runner import Runner
 
 __all__ = ["Engine", "Stats"]
 
@@ -97,40 +86,15 @@ class Engine:
         compile: bool | None = None,
         **knobs,
     ):
-        tune = allocator.malloc_tuning_requested(tune_allocator)  # a bad LAB_MALLOC_TUNING fails before anything loads
         k = Knobs().replace(**knobs)  # an unknown knob or a bad value is named before anything loads
-        if not isinstance(model, (str, os.PathLike)):
-            raise TypeError(f"model must be a local model folder or a hub id ('org/name'), got {type(model).__name__}")
-        self._source = hub.resolve(model, k.revision)  # a hub id: its snapshot folder, fetched if need be
-        by_id = not os.path.exists(os.path.expanduser(os.fspath(model)))  # named by hub id, not by path
-        folder = str(self._source.folder)  # as given: llm2vec's base argument (lab.engine.llm2vec)
-        model, adapters = split_adapter_model(folder, k.adapters)  # an adapter-only folder: its base
-        auto = adapters[: len(adapters) - len(k.adapters)]  # the adapters that came with the folder
-        k = k.replace(adapters=adapters)
-        self.model_path = str(model)
-        self.spec: ModelSpec = read_folder(model)
-        self.device = resolve_device(k.device)
-        forced = check_forced(cpu_paths)  # before anything loads: a bad name or choice changes nothing
-        check_compile(compile, forced)
-        if tune and self.device.type == "cpu":
-            allocator.tune_cpu_allocator()
-        self.tokenizer = load_tokenizer(self.spec)
-        dtype = resolve_dtype(k.dtype, self.device)
-        self.model = build_model(self.spec, self.device, dtype, forced)
-        self._facts = ModelFacts.of(self.model, self.tokenizer, self.spec)  # what the knobs resolve against
-        self.runner = Runner(self.model, device=self.device, dtype=dtype, cpu_paths=forced, compile=compile)
+        parts = load(model, k, cpu_paths=cpu_paths, tune_allocator=tune_allocator, compile=compile)
+        self._source, self._facts, self._adapters = parts.source, parts.facts, parts.adapters
+        self.model_path, self.spec, self.device = parts.model_path, parts.spec, parts.device
+        self.tokenizer, self.model, self.runner = parts.tokenizer, parts.model, parts.runner
         self.executor = Executor(self.runner)
         self._gate = Gate()  # one call at a time, configure between calls (lab.engine.gate)
         self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
-        self._adapters = AdapterState(
-            folder,
-            auto=auto,
-            repo_id=self._source.repo_id if by_id else None,
-            decoder=self.is_decoder,
-            base=self.model_path,
-            architecture=self.spec.architecture,
-        )
-        self._live = LiveState(k, self.runner, self._adapters, self._facts, self.device)  # knobs, weights, plan
+        self._live = LiveState(parts.knobs, self.runner, self._adapters, self._facts, self.device)  # knobs, weights
         self.stats = Stats()
         llm2vec.notice(self.model_name, self.llm2vec, self.resolved)
 
@@ -145,21 +109,7 @@ class Engine:
         """What the knobs come to on this model (``lab.engine.knobs.resolve``: a frozen ``Resolved``; ``sources``
         says where each value the model decides came from, ``defaults`` the model's own), with the runtime's dtype,
         device, backend, workers, adapters, CPU paths and ``malloc_tuning``."""
-        return resolve(
-            self._knobs,
-            self._facts,
-            self.llm2vec,
-            {
-                "dtype": str(self.runner.dtype).removeprefix("torch."),
-                "device": str(self.device),
-                "attention_backend": self._live.backend,
-                "cpu_workers": self._live.workers,
-                "adapters": self.adapter_names,
-                "cpu_paths": self.cpu_paths,
-                "malloc_tuning": allocator.in_effect(),
-                "instruction": self._instruction(),
-            },
-        )
+        return resolve(self._knobs, self._facts, self.llm2vec, self._live.runtime(self._instruction()))
 
     @property
     def _knobs(self) -> Knobs:
@@ -170,7 +120,7 @@ class Engine:
         """This engine's CPU fast paths, name -> choice (``{"rope_layout": "pairs", ...}``; ``{}`` off the CPU), probed
         on this machine or forced (``cpu_paths=``, ``LAB_CPU_<NAME>``); ``runner.decisions`` says how each was made.
         ``forward`` (``eager`` / ``compiled``) appears once a call has decided it."""
-        return {**self.model.layout, **{d.name: d.choice for d in self.runner.decisions}}
+        return self._live.cpu_paths
 
     @property
     def adapter_names(self) -> list[str]:
@@ -280,35 +230,7 @@ class Engine:
             texts, 0
         )
 
-    def embed_pass(
-        self,
-        texts: list[str],
-        instruction: str | None,
-        pooling: str | None = None,
-        *,
-        head=None,
-        include: bool | None = None,
-        output="dense",
-        task: str | None = None,
-        instructions: list[str] | None = None,
-    ) -> Pass:
-        """The pass ``embed`` runs over ``texts`` with ``instruction`` (a resolved instruction text or ``None``),
-        for ``run_passes``. ``pooling``: a method name, default the engine's; ``head``: a
-        ``lab.outputs.heads.Head``, default the engine's ``EmbeddingHead``; ``include``: pool the instruction,
-        default ``include_instruction``; ``output``: as ``embed``'s, checked here; ``task``: a ColBERT folder's,
-        ``lab.outputs.multivector``, which then sets the lengths, the query expansion and pools the prompt;
-        ``instructions``: one per text (``[instruction, text]`` inputs), replacing ``instruction``."""
-        return build.embed_pass(
-            self,
-            texts,
-            instruction,
-            pooling,
-            head=head,
-            include=include,
-            output=output,
-            task=task,
-            instructions=instructions,
-        )
+    embed_pass = build.embed_pass  # (texts, instruction, pooling=None, *, head, include, output, task, instructions)
 
     @gated_call
     def embed(
@@ -412,10 +334,6 @@ class Engine:
         a list of per-token tensors. ``inputs=`` (sentence-transformers >= 5's name) is accepted for ``sentences``.
         See ``lab.engine.st_encode``."""
         args = {k: v for k, v in locals().items() if k not in ("self", "kwargs")}
-        if "inputs" in kwargs:
-            if sentences is not None:
-                raise TypeError("encode() got both sentences and inputs; pass one")
-            args["sentences"] = kwargs.pop("inputs")
         return st_compat.encode(self, kwargs=kwargs, **args)
 
     @gated_call
@@ -436,57 +354,14 @@ class Engine:
         )
 
     # ------------------------------------------------------------------------------------------- the pipeline
-    def _settings(self, items: int = 0) -> ExecSettings:
-        k = self._knobs
-        r = self.resolved
-        return ExecSettings(
-            causal=r.causal,
-            backend=r.attention_backend,
-            workers=r.cpu_workers,
-            num_layers=r.layer,
-            max_batch_tokens=k.max_batch_tokens,
-            max_num_seqs=k.max_num_seqs,
-            chunked_prefill=k.chunked_prefill,
-            prefix_cache=k.prefix_cache,
-            items=items,
-        )
-
     @gated_call
     def run_passes(self, passes: list[Pass], desc: str, show_progress: bool | None = None, *, split: int = 0) -> list:
         """Run ``passes`` in one call: each pass's outputs in its input order (``desc``: the progress bar's label;
         ``split``: the inputs cut into windows, for ``stats.split``). ``stats`` are published only when every pass
         finished (a failed or interrupted call leaves the engine, its stats included, as it was)."""
-        settings = self._settings(sum(len(p.items) for p in passes))
-        stats = Stats(
-            path="packed" if self.model.packed else "transformers-fallback (padded)",
-            backend=self._live.backend,
-            adapters=tuple(self.adapter_names),
-            split=split,
-            model=self.model_name,
-            revision=self.revision,
+        results, self.stats = build.run_passes(
+            self, passes, desc, show_progress, split=split, warned=self._warned_lengths
         )
-        results = []
-        with (
-            Call(
-                stats,
-                total=sum(len(p.items) for p in passes),
-                desc=desc,
-                show_progress=show_progress,
-                warned=self._warned_lengths,
-                max_length=self.resolved.max_length,
-            ) as call,
-            torch.inference_mode(),
-        ):
-            for p in passes:
-                out = OutputBuffer(len(p.items), p.pooler.shape)
-                for requests in prefetch_waves(p.items, p.tokenize, WAVE_SIZE):
-                    for reqs, rows in self.executor.run(
-                        requests, p.pooler, settings, stats, shared_prefix=p.shared_prefix
-                    ):
-                        out.place(reqs, rows)
-                        call.served(reqs)
-                results.append(out.result())
-        self.stats = stats
         return results
 
     # ------------------------------------------------------------------------------------------------ studies

@@ -26,9 +26,9 @@ Adding an execution path: a class like ``KVPath`` that yields ``(requests, poole
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Iterator
 
+from lab._warn import warn
 from lab.engine.call import ExecSettings, Stats
 from lab.engine.inputs import Request, pack
 from lab.engine.kv_path import KVPath
@@ -145,13 +145,12 @@ class Executor:
         if budget == s.max_batch_tokens:
             return s
         if not stats.memory_budget:
-            warnings.warn(
+            warn(
                 f"max_batch_tokens={s.max_batch_tokens}: a step that large needs more memory than the "
                 f"process may allocate (lab.runtime.memory.ceiling()); this call runs steps of at most "
                 f"{budget} tokens (stats.memory_budget). Set max_batch_tokens={budget} or lower to run so "
                 "without this warning",
                 memory.MemoryNotice,
-                stacklevel=4,
             )
         stats.memory_budget = min(budget, stats.memory_budget or budget)
         return dataclasses.replace(s, max_batch_tokens=budget)

@@ -13,13 +13,13 @@ through ``Engine.configure`` without reloading weights (``dtype`` re-casts them)
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
 
+from lab._warn import warn
 from lab.engine import knob_registry
 from lab.engine.knob_registry import DTYPES
 from lab.engine.llm2vec import DEFAULT_SOURCE as LLM2VEC_DEFAULT_SOURCE
@@ -313,10 +313,9 @@ def check_for_model(k: Knobs, m: ModelFacts, causal: bool) -> None:
                     f"max_length={k.max_length} but this model has {m.positions} positions; valid: "
                     f"1..{m.positions} (or None for the model's own limit)"
                 )
-            warnings.warn(
+            warn(
                 f"max_length={k.max_length} is past this decoder's max_position_embeddings={m.positions}: "
                 "RoPE beyond the trained length usually degrades embeddings",
-                stacklevel=5,
             )
         if k.max_length <= m.specials:
             raise ValueError(

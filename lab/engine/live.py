@@ -23,6 +23,7 @@ from lab.engine import knob_registry
 from lab.engine.adapter_state import AdapterState
 from lab.engine.knobs import Knobs, ModelFacts, check_for_model, resolve, resolve_dtype
 from lab.ops.attention import resolve_backend
+from lab.runtime import allocator
 
 _FIXED_WHY = {"device": " (it moves every weight)", "revision": " (it is another snapshot of the weights)"}
 
@@ -43,6 +44,24 @@ class LiveState:
     def workers(self) -> int:
         """The CPU workers a packed step is shared among under the knobs in force (``Runner.cpu_workers``)."""
         return self.runner.cpu_workers(self.knobs.cpu_workers, self.backend)
+
+    @property
+    def cpu_paths(self) -> dict[str, str]:
+        """The CPU fast paths in force, name -> choice (``Engine.cpu_paths``)."""
+        return {**self.runner.model.layout, **{d.name: d.choice for d in self.runner.decisions}}
+
+    def runtime(self, instruction: str | None) -> dict:
+        """What ``lab.engine.knobs.resolve`` reads of the runtime besides the knobs (``Engine.resolved``)."""
+        return {
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "attention_backend": self.backend,
+            "cpu_workers": self.workers,
+            "adapters": self.adapters.names,
+            "cpu_paths": self.cpu_paths,
+            "malloc_tuning": allocator.in_effect(),
+            "instruction": instruction,
+        }
 
     def merge(self, paths: tuple[str, ...]):
         """``(adapters, merged weights)`` of ``paths`` over the base weights, swapping nothing in

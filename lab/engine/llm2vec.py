@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lab._warn import warn
 from lab.adapt.adapters import ADAPTER_CONFIG
 from lab.engine import framing
 from lab.models.folder import LLM2VEC_CONFIG, read_llm2vec_config
@@ -182,10 +182,9 @@ def notice(model_name: str, lay: Layout, resolved) -> None:
     if r.sources.get("causal", "").startswith("llm2vec"):
         brought.insert(0, "bidirectional=True")
     chat = f", the chat template of {lay.name}" if framing.chat_template([lay.name] if lay.name else []) else ""
-    warnings.warn(
+    warn(
         Llm2VecNotice(
             f"{model_name}: an LLM2Vec layout ({lay.why}); llm2vec's settings for the knobs left unset: "
             f"{', '.join(brought) or 'none'}{chat} (eng.resolved.sources says where each value came from)"
         ),
-        stacklevel=4,
     )

@@ -1,5 +1,6 @@
 """How an engine's texts become a ``Pass`` (``lab.engine.call``): the input processor, the framing, the embedding
-head and the pooler, all read from the engine's resolved knobs (``Engine.resolved``).
+head and the pooler, all read from the engine's resolved knobs (``Engine.resolved``); and how passes run as one call
+(``run_passes``: waves tokenized ahead, the executor's steps, the outputs placed in input order, one ``Stats``).
 
 ``Engine.embed_pass`` is ``embed_pass`` here; ``lab.engine.windows`` and ``lab.engine.rerank`` build their passes from
 the same parts, so every call kind tokenizes, frames and pools as ``embed`` does.
@@ -10,10 +11,15 @@ the same parts, so every call kind tokenizes, frames and pools as ``embed`` does
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import torch
+
 from lab.engine import framing
-from lab.engine.call import Pass
+from lab.engine.call import Call, ExecSettings, OutputBuffer, Pass, Stats
 from lab.engine.inputs import InputProcessor, Request
 from lab.engine.knobs import Resolved
+from lab.engine.scheduler import WAVE_SIZE, prefetch_waves
 from lab.outputs import kinds as outputs
 from lab.outputs import multivector
 from lab.outputs.heads import EmbeddingHead, Pooler
@@ -58,7 +64,12 @@ def embed_pass(
     task: str | None = None,
     instructions: list[str] | None = None,
 ) -> Pass:
-    """``Engine.embed_pass``: the pass ``embed`` runs over ``texts`` (its docstring has the arguments)."""
+    """The pass ``embed`` runs over ``texts`` with ``instruction`` (a resolved instruction text or ``None``), for
+    ``run_passes`` (``Engine.embed_pass``). ``pooling``: a method name, default the engine's; ``head``: a
+    ``lab.outputs.heads.Head``, default the engine's ``EmbeddingHead``; ``include``: pool the instruction, default
+    ``include_instruction``; ``output``: as ``embed``'s, checked here; ``task``: a ColBERT folder's,
+    ``lab.outputs.multivector``, which then sets the lengths, the query expansion and pools the prompt;
+    ``instructions``: one per text (``[instruction, text]`` inputs), replacing ``instruction``."""
     r = engine.resolved
     names = outputs.parse_output(output)[0]
     mv = engine.spec.multi_vector if "colbert" in names else None
@@ -120,3 +131,49 @@ def check_embed(rows: int, output, precision: str, long_inputs: str, *, per_item
             "[instruction, text] inputs need long_inputs='truncate' (windows of a split input share "
             "one instruction); pass instruction=... with plain texts instead"
         )
+
+
+def exec_settings(knobs: Mapping, r: Resolved, items: int) -> ExecSettings:
+    """How the executor runs a call of ``items`` inputs under the knobs in force and what they resolve to (``r``)."""
+    return ExecSettings(
+        causal=r.causal,
+        backend=r.attention_backend,
+        workers=r.cpu_workers,
+        num_layers=r.layer,
+        max_batch_tokens=knobs["max_batch_tokens"],
+        max_num_seqs=knobs["max_num_seqs"],
+        chunked_prefill=knobs["chunked_prefill"],
+        prefix_cache=knobs["prefix_cache"],
+        items=items,
+    )
+
+
+def run_passes(
+    engine, passes: list[Pass], desc: str, show_progress: bool | None, *, split: int, warned: set[int]
+) -> tuple[list, Stats]:
+    """``Engine.run_passes``: each pass's outputs in its input order, and the call's ``Stats`` (``warned``: the
+    ``max_length`` values whose truncation the engine has warned about, added to)."""
+    r = engine.resolved
+    items = sum(len(p.items) for p in passes)
+    settings = exec_settings(engine.knobs, r, items)
+    stats = Stats(
+        path="packed" if engine.model.packed else "transformers-fallback (padded)",
+        backend=r.attention_backend,
+        adapters=tuple(r.adapters),
+        split=split,
+        model=engine.model_name,
+        revision=engine.revision,
+    )
+    results = []
+    call = Call(stats, total=items, desc=desc, show_progress=show_progress, warned=warned, max_length=r.max_length)
+    with call, torch.inference_mode():
+        for p in passes:
+            out = OutputBuffer(len(p.items), p.pooler.shape)
+            for requests in prefetch_waves(p.items, p.tokenize, WAVE_SIZE):
+                for reqs, rows in engine.executor.run(
+                    requests, p.pooler, settings, stats, shared_prefix=p.shared_prefix
+                ):
+                    out.place(reqs, rows)
+                    call.served(reqs)
+            results.append(out.result())
+    return results, stats

@@ -52,13 +52,13 @@ The engine's knobs, per mode:
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from lab._warn import warn
 from lab.engine.call import Pass
 from lab.engine.inputs import InputProcessor, Request, check_encodable, check_texts
 from lab.engine.windows import dense_pass
@@ -177,10 +177,9 @@ def cross_encoder_activation(config: dict, num_labels: int) -> str | None:
         name = str(saved).rsplit(".", 1)[-1]
         if name in _ST_ACTIVATIONS:
             return _ST_ACTIVATIONS[name]
-        warnings.warn(
+        warn(
             f"the checkpoint's activation_fn {saved!r} is not one of {sorted(_ST_ACTIVATIONS)}; using "
             "sentence-transformers' default instead (pass activation= to choose)",
-            stacklevel=4,
         )
     return "sigmoid" if num_labels == 1 else None
 

@@ -234,6 +234,10 @@ def encode(
     engine_device, dim, default_truncate_dim = engine.device, engine.model.hidden_size, engine.knobs["truncate_dim"]
     multi_vector = engine.spec.multi_vector is not None
     kwargs = dict(kwargs or {})
+    if "inputs" in kwargs:  # sentence-transformers >= 5's name for sentences
+        if sentences is not None:
+            raise TypeError("encode() got both sentences and inputs; pass one")
+        sentences = kwargs.pop("inputs")
     if output_value is MODEL_DEFAULT:
         output_value = "token_embeddings" if multi_vector else "sentence_embedding"
     if multi_vector:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from lab import env
 from lab._files import NO_ROOM, make_folder, write_failed
+from lab._warn import warn
 from lab.eval.mteb_adapter import as_mteb_model, model_name, resolve_tasks
 
 if TYPE_CHECKING:
@@ -142,10 +143,9 @@ def result_cache_class() -> type:
                     task_name, model_name, model_revision, experiment_name=experiment_name
                 )
                 reason = " ".join(str(e).split())[:200]
-                warnings.warn(
+                warn(
                     f"the cached mteb result {path} is damaged and cannot be read ({type(e).__name__}: "
                     f"{reason}); {task_name} is computed again and the file replaced",
-                    stacklevel=2,
                 )
                 return None
 
@@ -224,6 +224,8 @@ def evaluate(
     import pandas as pd
     from tqdm.auto import tqdm
 
+    from lab.eval.retrieval import check_modes
+
     task_list = resolve_tasks(tasks)
     combos = variants(sweep)
     original = dict(engine.knobs)
@@ -237,7 +239,7 @@ def evaluate(
                 validate(**combo)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"sweep variant {variant_name(combo)}: {e}") from None
-    modes = _check_modes(engine, retrieval_modes)
+    modes = check_modes(engine, retrieval_modes)  # known and servable, before any work
     result_cache = resolve_cache(cache)
     rows: list[dict[str, Any]] = []
     done: list[dict[str, Any]] = []
@@ -368,19 +370,6 @@ def task_table(df) -> pd.DataFrame:
     import pandas as pd
 
     return pd.DataFrame(list(df.attrs.get("tasks", [])), columns=list(TASK_COLUMNS))
-
-
-def _check_modes(engine, modes: Iterable[str]) -> tuple[str, ...]:
-    """``retrieval_modes`` known and servable by the engine's model (its outputs), before any work."""
-    from lab.eval.retrieval import MODE_OUTPUTS, MODES
-    from lab.outputs.kinds import check_outputs
-
-    modes = tuple(modes)
-    for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"unknown retrieval mode {mode!r}; valid: {', '.join(MODES)}")
-        check_outputs(MODE_OUTPUTS.get(mode, ()), engine.model, engine.spec, purpose=f"retrieval mode {mode!r}")
-    return modes
 
 
 def _mode_rows(engine, task, modes: tuple[str, ...], variant: str) -> list[dict[str, Any]]:

@@ -6,8 +6,7 @@ transformers' ``AutoModel`` with padded batches; never code from the folder.
 
 from __future__ import annotations
 
-import warnings
-
+from lab._warn import warn
 from lab.models import model_class
 from lab.models.folder import read_state_dict
 from lab.models.hf_fallback import HFFallbackModel
@@ -27,10 +26,9 @@ def build_model(spec, device, dtype, forced: dict[str, str]):
             "RoBERTa / XLM-R, Llama / Mistral / Qwen2 / Qwen3) or one transformers implements itself"
         )
     if cls is None:
-        warnings.warn(
+        warn(
             f"{spec.architecture or 'this architecture'} has no packed implementation here; using "
             "transformers AutoModel with padded batches (see stats.path / stats.padded_tokens)",
-            stacklevel=3,
         )
         return HFFallbackModel(str(spec.path), spec.config)
     try:

@@ -23,11 +23,11 @@ import io
 import json
 import os
 import pickle
-import warnings
 from pathlib import Path
 
 import torch
 
+from lab._warn import warn
 from lab.models.checks import check_against_checkpoint, check_config, check_finite, is_int
 from lab.models.spec import ModelSpec
 from lab.models.st_config import read_json, read_sentence_transformers, register_prefix_tokens
@@ -112,10 +112,9 @@ def read_llm2vec_config(folder: str | os.PathLike) -> dict:
         out["include_instruction"] = not skip
     unknown = sorted(set(cfg) - {"pooling_mode", "max_length", "doc_max_length", "skip_instruction"})
     if unknown:
-        warnings.warn(
+        warn(
             f"{f}: key(s) {', '.join(unknown)} are not llm2vec settings this engine reads (pooling_mode, "
             "max_length, doc_max_length, skip_instruction); they are ignored",
-            stacklevel=3,
         )
     return out
 
@@ -168,11 +167,10 @@ def _find_weights(p: Path) -> tuple[list[Path], str]:
         f.name for f in p.glob("*.safetensors") if f.resolve() not in read and f.name not in _OTHER_WEIGHT_FILES
     )
     if unread:
-        warnings.warn(
+        warn(
             f"{p}: weight file(s) {', '.join(unread)} are not read: the model's weights are "
             f"{', '.join(f.name for f in files)}, as transformers reads them (model.safetensors, or the "
             "shards model.safetensors.index.json names); remove or move stale weight files",
-            stacklevel=3,
         )
     return files, fmt
 
@@ -287,9 +285,8 @@ def read_state_dict(spec: ModelSpec) -> Checkpoint:
         for f in spec.weights:
             sd.add(_load_safetensors(f), f)
     else:
-        warnings.warn(
+        warn(
             f"{spec.path}: loading pytorch_model.bin (pickle); convert the folder to safetensors for safe, fast loads",
-            stacklevel=3,
         )
         for f in spec.weights:
             sd.add(load_pickle_weights(f), f)
@@ -445,9 +442,8 @@ def warn_unexpected(sd: KeyTracker, family: str, ignore: tuple[str, ...] = ()) -
     extra = sorted(k for k in sd if k not in sd.used and not k.startswith(ignore))
     if extra:
         shown = ", ".join(extra[:6]) + (f" ... ({len(extra)} in all)" if len(extra) > 6 else "")
-        warnings.warn(
+        warn(
             f"{family} checkpoint has {len(extra)} weight(s) this config.json does not use: {shown}. "
             "transformers reports these as UNEXPECTED; check that the config matches the weights "
             "(num_hidden_layers, architecture)",
-            stacklevel=4,
         )

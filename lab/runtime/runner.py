@@ -18,10 +18,9 @@ Which steps run, on which path, and how outputs are pooled is the executor's bus
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
+from lab._warn import warn
 from lab.models.base import PackedModel
 from lab.ops.batch import OutputRows, PackedBatch
 from lab.ops.probes import Decision, check_forced
@@ -47,10 +46,9 @@ class Runner:
         self.forced = check_forced(cpu_paths)  # this engine's forced CPU choices
         self.compile = compiled.check_compile(compile, self.forced)
         if self.compile and not (self.model.packed and self.model.staged):
-            warnings.warn(
+            warn(
                 f"compile=True: {type(self.model).__name__} runs transformers' padded forward, which the "
                 "compiled forward does not take; it runs eagerly",
-                stacklevel=3,
             )
         self.weights = Weights(self.model, device=device, dtype=dtype)
         self.pool = WorkerPool()
