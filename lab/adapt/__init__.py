@@ -1,5 +1,6 @@
-"""Adapters: PEFT LoRA folders merged live into an engine's weights (``adapters``) and LLM2Vec-style training that
-writes them (``train``: MNTP, unsupervised SimCSE through transformers + peft).
+"""Adapters: PEFT LoRA folders read and checked (``adapters``), their key scope (``key_scope``), merged live into an
+engine's weights (``merge``), and LLM2Vec-style training that writes them (``train``: MNTP, unsupervised SimCSE
+through transformers + peft).
 
 The folders ``mntp`` / ``simcse`` write load in llm2vec and in peft over the bare model
 (``PeftModel.from_pretrained(AutoModel.from_pretrained(base), folder)``); ``rescope`` rewrites an adapter saved
@@ -19,6 +20,6 @@ __getattr__ = exports(
     globals(),
     {
         **{name: "lab.adapt.train" for name in ("AdaptRun", "LoraSpec", "mntp", "simcse")},
-        "rescope": "lab.adapt.adapters",
+        "rescope": "lab.adapt.key_scope",
     },
 )

@@ -48,7 +48,7 @@ import torch
 
 from lab._extras import require
 from lab._files import NO_ROOM, atomic_write, make_folder, staged, write_failed
-from lab.adapt.adapters import bare_config, bare_key, is_bare_scope
+from lab.adapt.key_scope import bare_config, bare_key, is_bare_scope
 from lab.models import hub
 
 # LoRA targets: Llama-family names for the attention and MLP projections (what llm2vec adapts)
