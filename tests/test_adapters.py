@@ -547,7 +547,7 @@ def test_rescope_writes_the_bare_model_scope_peft_over_automodel_loads(llama, tm
 def test_training_on_top_of_either_scope_is_the_same(llama, tmp_path):
     """``simcse(adapters=[...])`` merges an earlier adapter in either scope alike (bit-identical runs)."""
     from lab.adapt import rescope, simcse
-    from lab.adapt.train import LoraSpec
+    from lab.adapt.peft_lora import LoraSpec
 
     causal = make_adapter(llama, tmp_path / "causal", seed=13)
     bare = rescope(causal, tmp_path / "bare")
