@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     import torch
 
     from lab import Engine
-    from lab.adapt.train import machine_info
+    from lab.adapt.run_files import machine_info
 
     t0 = time.perf_counter()
     if args.model is None:

@@ -12,8 +12,10 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import tiny_llama
 
+from lab.adapt import objectives
 from lab.adapt import train as adapt
-from lab.adapt.train import LoraSpec, mntp, set_bidirectional, simcse
+from lab.adapt.peft_lora import LoraSpec
+from lab.adapt.train import mntp, set_bidirectional, simcse
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -132,14 +134,14 @@ def test_set_bidirectional_changes_attention_and_respects_padding(base):
 def test_batches_cover_the_texts_and_pad_little():
     rng = np.random.default_rng(0)
     ids = [np.zeros(n, dtype=np.int64) for n in rng.integers(1, 60, size=500)]
-    order = adapt._batch_order(ids, 16, 60, seed=3)
+    order = objectives.batch_order(ids, 16, 60, seed=3)
     assert len(order) == 60 and all(len(b) == 16 for b in order)
     first_pass = np.concatenate(order[:31])
     assert len(set(first_pass.tolist())) == len(first_pass)  # no text twice within a pass
     lengths = np.array([len(x) for x in ids])
     waste = np.mean([1 - lengths[b].mean() / lengths[b].max() for b in order])
     assert waste < 0.1, f"bucketing left {waste:.0%} padding"
-    assert all(np.array_equal(p, q) for p, q in zip(order, adapt._batch_order(ids, 16, 60, seed=3)))
+    assert all(np.array_equal(p, q) for p, q in zip(order, objectives.batch_order(ids, 16, 60, seed=3)))
 
 
 def test_mask_token_falls_back_to_blank(base):
@@ -147,7 +149,7 @@ def test_mask_token_falls_back_to_blank(base):
 
     tok = AutoTokenizer.from_pretrained(base)
     assert tok.mask_token_id is None
-    assert tok.decode([adapt.mask_token_id(tok)]) == "_"
+    assert tok.decode([objectives.mask_token_id(tok)]) == "_"
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""PEFT LoRA adapters (``lab.adapt.adapters``, ``Engine(..., adapters=[...])``): parity with peft's own merge, live
-switching, and the errors for what is not supported.
+"""PEFT LoRA adapters (``lab.adapt.adapters``, ``lab.adapt.merge``, ``Engine(..., adapters=[...])``): parity with
+peft's own merge, live switching, and the errors for what is not supported.
 
 The reference is peft itself: ``PeftModel.from_pretrained(fresh transformers model, folder).merge_and_unload()``
 (stacked adapters: merge the first, then load the next onto the merged model and merge again), run one sequence at
@@ -495,7 +495,7 @@ def test_rescope_writes_the_bare_model_scope_peft_over_automodel_loads(llama, tm
     from transformers import AutoModel
 
     from lab.adapt import rescope
-    from lab.adapt.adapters import is_bare_scope
+    from lab.adapt.key_scope import is_bare_scope
 
     causal = make_adapter(
         llama,
@@ -547,7 +547,7 @@ def test_rescope_writes_the_bare_model_scope_peft_over_automodel_loads(llama, tm
 def test_training_on_top_of_either_scope_is_the_same(llama, tmp_path):
     """``simcse(adapters=[...])`` merges an earlier adapter in either scope alike (bit-identical runs)."""
     from lab.adapt import rescope, simcse
-    from lab.adapt.train import LoraSpec
+    from lab.adapt.peft_lora import LoraSpec
 
     causal = make_adapter(llama, tmp_path / "causal", seed=13)
     bare = rescope(causal, tmp_path / "bare")

@@ -57,7 +57,7 @@ def test_reading_a_gguf_file_without_gguf_names_the_extra(monkeypatch, tmp_path)
 
 
 def test_training_without_peft_names_the_extra_before_any_work(monkeypatch, tmp_path):
-    from lab.adapt import train
+    from lab.adapt import peft_lora, train
 
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(
@@ -65,7 +65,7 @@ def test_training_without_peft_names_the_extra_before_any_work(monkeypatch, tmp_
         match=r"training LoRA adapters .* needs the peft package: "
         r"pip install 'prefill-lab\[adapt\]'",
     ):
-        train.peft()
+        peft_lora.peft()
     out = tmp_path / "out"
     with pytest.raises(ImportError, match=r"prefill-lab\[adapt\]"):
         train.mntp(tmp_path / "no-base", ["a text to learn from"] * 4, out, steps=1, batch_size=2)

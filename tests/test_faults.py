@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 from test_gguf_cache import fake_gguf
 
-from lab.adapt.train import LoraSpec, mntp
+from lab.adapt.peft_lora import LoraSpec
+from lab.adapt.train import mntp
 from lab.models import gguf
 from lab.models.folder import read_folder, read_state_dict
 
@@ -158,7 +159,8 @@ ADAPT_CHILD = """
 import os, resource, signal, sys
 sys.path.insert(0, {tests!r})
 from tiny_models import tiny_llama
-from lab.adapt.train import LoraSpec, mntp
+from lab.adapt.peft_lora import LoraSpec
+from lab.adapt.train import mntp
 
 base, out = sys.argv[1:3]
 fault = sys.argv[3] if len(sys.argv) > 3 else "none"

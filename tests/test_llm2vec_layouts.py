@@ -27,7 +27,9 @@ from tiny_models import KINDS, tiny_llama
 
 from lab import Engine as _Engine
 from lab.adapt import mntp, simcse
-from lab.adapt.train import LLM2VEC_CONFIG, LoraSpec, set_bidirectional
+from lab.adapt.peft_lora import LoraSpec
+from lab.adapt.run_files import LLM2VEC_CONFIG
+from lab.adapt.train import set_bidirectional
 
 COS_MIN = 0.99999
 TEXTS = [

@@ -1,32 +1,24 @@
-"""PEFT LoRA adapters merged into our packed models, live: ``Engine(path, adapters=[...])``,
-``configure(adapters=...)``.
+"""PEFT LoRA adapter folders, read and checked for ``Engine(path, adapters=[...])`` and ``configure(adapters=...)``.
 
 An adapter folder is what peft's ``save_pretrained`` writes: ``adapter_config.json`` and ``adapter_model.safetensors``
-(or ``adapter_model.bin``). Each LoRA module adds ``scale * B @ A`` to one transformers ``nn.Linear`` weight, with
-``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` under ``use_rslora``; ``r`` and ``lora_alpha`` per module from
-``rank_pattern`` / ``alpha_pattern``, matched as peft matches them). Our models fuse some of those Linears (q/k/v,
-gate/up), so each model class says where every transformers Linear lives in its parameters
-(``hf_linear_map()``: module name -> our parameter and its rows, a slice or an index tensor) and how to strip
-checkpoint prefixes from a name (``hf_module_name``). Several adapters merge in order, each on top of the last (as
-llm2vec stacks its MNTP and SimCSE adapters): ``W = ((W0 + d1) + d2) ...``, all in float32 from the runner's float32
-master copy.
+(or ``adapter_model.bin``). ``read_adapter`` reads one into a ``LoraAdapter``: one ``LoraModule`` per LoRA pair, the
+``scale * B @ A`` a transformers ``nn.Linear`` weight gets, in float32, with ``scale = lora_alpha / r``
+(``lora_alpha / sqrt(r)`` under ``use_rslora``; ``r`` and ``lora_alpha`` per module from ``rank_pattern`` /
+``alpha_pattern``, matched as peft matches them). ``lab.adapt.merge`` adds them to a model's weights;
+``lab.adapt.key_scope`` tells and rewrites the scope of their keys (both scopes peft saves are read here).
 
-Keys are read in either scope peft saves: the bare model's (``base_model.model.layers.N...``: saved from
-``AutoModel``, what llm2vec and ``lab.adapt`` write) and a head class's (``base_model.model.model.layers.N...``: saved
-from a ``*ForCausalLM``); ``rescope`` rewrites the second to the first. A folder with ``llm2vec_config.json`` beside
-the adapter gives knob defaults as llm2vec reads them (``lab.engine.llm2vec``). ``Engine(folder)`` on an adapter
-folder (alone, or LLM2Vec's ``-mntp`` layout: ``config.json`` + tokenizer + adapter, no weights) loads the base its
-``adapter_config.json`` names (``resolve_base``) with the adapter first.
+A folder with ``llm2vec_config.json`` beside the adapter gives knob defaults as llm2vec reads them
+(``lab.engine.llm2vec``). ``Engine(folder)`` on an adapter folder (alone, or LLM2Vec's ``-mntp`` layout:
+``config.json`` + tokenizer + adapter, no weights) loads the base its ``adapter_config.json`` names
+(``resolve_base``) with the adapter first.
 
 Everything is read and checked before any weight changes, so a bad adapter raises and leaves the model as it was:
-``adapter_config.json``'s values (types, ``r`` > 0, finite ``lora_alpha``), the weights file (readable, every tensor
-finite) and, after the merge in float32, every merged weight (finite).
-Supported: plain LoRA on the Linear layers of the packed models (``bias="none"``). Refused with a clear error: other
-peft types (IA3, prompt tuning, ...), DoRA, trained biases, ``lora_bias``, LoRA on embeddings or ``lm_head``, full
-weights (``modules_to_save``), and modules or shapes that do not fit the base.
+``adapter_config.json``'s values (types, ``r`` > 0, finite ``lora_alpha``) and the weights file (readable, every
+tensor finite). Supported: plain LoRA (``bias="none"``). Refused with a clear error: other peft types (IA3, prompt
+tuning, ...), DoRA, trained biases, ``lora_bias``, LoRA on embeddings or ``lm_head``, full weights
+(``modules_to_save``).
 
     >>> ads = [read_adapter("runs/mntp"), read_adapter("runs/simcse")]
-    >>> merged = merged_weights(model, base_weights, ads)   # {our parameter name: float32 merged weight}
 """
 
 from __future__ import annotations
@@ -37,7 +29,6 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,7 +141,7 @@ def resolve_base(adapter: str | os.PathLike) -> Path:
     through the Hugging Face cache (``lab.models.hub.resolve``: fetched when the hub can be reached, the cached
     snapshot offline). A base found nowhere raises ``ValueError`` naming it, where it was looked for and the fix."""
     p = Path(adapter).expanduser()
-    config = _read_config(p)
+    config = read_config(p)
     base = config.get("base_model_name_or_path")
     fix = f"Engine(base_folder, adapters=[{str(adapter)!r}])"
     if not base or not isinstance(base, str):
@@ -195,40 +186,6 @@ def _check_same_family(adapter: Path, base: Path) -> None:
         )
 
 
-# ------------------------------------------------------------------------------------------ key scope, rescope
-# The prefix a *ForCausalLM / *ForMaskedLM puts before its bare model's modules (the class's ``base_model_prefix``).
-# An adapter saved from the head class has keys ``base_model.model.model.layers.N...``; one saved from the bare model
-# (``AutoModel``: what llm2vec wraps and writes) ``base_model.model.layers.N...``. The bare models of the families we
-# run have no top-level module of these names.
-HEAD_PREFIXES = ("model.", "transformer.", "bert.", "roberta.", "xlm-roberta.")
-
-
-def bare_module_name(module: str) -> str:
-    """A module name in the bare model's scope: ``model.layers.0.self_attn.q_proj`` -> ``layers.0.self_attn.q_proj``
-    (names already in that scope come back unchanged)."""
-    for prefix in HEAD_PREFIXES:
-        if module.startswith(prefix) and len(module) > len(prefix):
-            return module[len(prefix) :]
-    return module
-
-
-def bare_key(key: str) -> str:
-    """A PEFT state-dict key in the bare model's scope (``base_model.model.`` kept, the head class's prefix gone)."""
-    if not key.startswith(PEFT_PREFIX):
-        return key
-    return PEFT_PREFIX + bare_module_name(key[len(PEFT_PREFIX) :])
-
-
-def bare_config(config: dict) -> dict:
-    """``adapter_config.json`` with ``rank_pattern`` / ``alpha_pattern`` keys in the bare model's scope (peft matches
-    them against module names, so a full name saved from the head class would match nothing there)."""
-    out = dict(config)
-    for key in ("rank_pattern", "alpha_pattern"):
-        if isinstance(config.get(key), dict):
-            out[key] = {bare_module_name(k): v for k, v in config[key].items()}
-    return out
-
-
 def adapter_keys(path: str | os.PathLike) -> list[str]:
     """The tensor names of an adapter folder's weights file (safetensors: from its header); a truncated or corrupt
     file raises ``ValueError`` naming it."""
@@ -242,58 +199,7 @@ def adapter_keys(path: str | os.PathLike) -> list[str]:
                 return list(f.keys())
         except SafetensorError as e:
             raise _bad_weights(st, st.stat().st_size, e) from None
-    return list(_read_weights(p)[0])
-
-
-def is_bare_scope(path: str | os.PathLike) -> bool:
-    """Whether an adapter folder's keys are in the bare model's scope (as llm2vec and ``PeftModel.from_pretrained(
-    AutoModel.from_pretrained(base), folder)`` expect) rather than a head class's."""
-    return all(bare_key(k) == k for k in adapter_keys(path))
-
-
-def rescope(src: str | os.PathLike, dst: str | os.PathLike | None = None) -> Path:
-    """Rewrite an adapter folder's keys to the bare model's scope: ``base_model.model.model.layers.N...`` (saved
-    from a ``*ForCausalLM``) -> ``base_model.model.layers.N...``, the scope llm2vec and peft over ``AutoModel``
-    load (with the other scope peft only warns "Found missing adapter keys" and leaves every ``lora_B`` at zero).
-    The tensors are written unchanged (same values and dtypes, same file format); ``rank_pattern`` /
-    ``alpha_pattern`` keys follow. ``dst=None`` rewrites ``src`` in place; otherwise ``dst`` (which must not hold an
-    adapter already) gets the rewritten adapter and copies of the folder's other files. Returns the folder written.
-    Both scopes merge alike in the Engine.
-
-        >>> rescope("runs/mntp", "runs/mntp-bare")       # a copy llm2vec / PeftModel over AutoModel load fully
-    """
-    import shutil
-
-    s = Path(src).expanduser()
-    config = _read_config(s)
-    sd, _ = _read_weights(s)
-    renamed = {bare_key(k): v for k, v in sd.items()}
-    if len(renamed) != len(sd):
-        raise ValueError(
-            f"{str(s)!r} holds keys in both scopes for one module (e.g. both "
-            "base_model.model.model.layers... and base_model.model.layers...); it cannot be rescoped"
-        )
-    out = s if dst is None else Path(dst).expanduser()
-    if out != s:
-        if (out / ADAPTER_CONFIG).exists():
-            raise FileExistsError(f"{str(out)!r} already holds an adapter; pass an empty or new folder as dst")
-        out.mkdir(parents=True, exist_ok=True)
-        for f in s.iterdir():
-            if f.is_file() and f.name not in (ADAPTER_CONFIG, *WEIGHT_FILES):
-                shutil.copy2(f, out / f.name)
-    weights = next(s / n for n in WEIGHT_FILES if (s / n).is_file())
-    tmp = out / (weights.name + ".tmp")
-    if weights.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in renamed.items()}, str(tmp), metadata={"format": "pt"})
-    else:
-        torch.save(renamed, tmp)
-    cfg_tmp = out / (ADAPTER_CONFIG + ".tmp")
-    cfg_tmp.write_text(json.dumps(bare_config(config), indent=2, sort_keys=True))
-    os.replace(tmp, out / weights.name)
-    os.replace(cfg_tmp, out / ADAPTER_CONFIG)
-    return out
+    return list(read_weights(p)[0])
 
 
 def read_adapter(path: str | os.PathLike) -> LoraAdapter:
@@ -305,7 +211,7 @@ def read_adapter(path: str | os.PathLike) -> LoraAdapter:
             f"adapter folder {str(p)!r} does not exist; adapters are PEFT LoRA folders "
             "(peft's save_pretrained writes adapter_config.json + adapter_model.safetensors)"
         )
-    config = _read_config(p)
+    config = read_config(p)
     where = f"adapter {str(p)!r}"
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
@@ -329,11 +235,11 @@ def read_adapter(path: str | os.PathLike) -> LoraAdapter:
             "setting fan_in_fan_out to False (as peft does)",
             stacklevel=3,
         )
-    sd, digest = _read_weights(p)
+    sd, digest = read_weights(p)
     return LoraAdapter(path=p, config=config, digest=digest, modules=_lora_modules(sd, config, where))
 
 
-def _read_config(p: Path) -> dict:
+def read_config(p: Path) -> dict:
     cfg = p / ADAPTER_CONFIG
     if not cfg.is_file():
         if (p / "config.json").exists():
@@ -410,7 +316,7 @@ def _bad_weights(f: Path, size: int, e: Exception) -> ValueError:
     )
 
 
-def _read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
+def read_weights(p: Path) -> tuple[dict[str, torch.Tensor], str]:
     """The adapter's tensors and the content hash of its config and weights. A truncated or corrupt weights file,
     a pickle that holds more than tensors, or a non-finite tensor raises ``ValueError`` naming the file (and the
     tensor)."""
@@ -531,71 +437,3 @@ def _describe_extra(key: str) -> tuple[int, str]:
 def _natural(name: str) -> list:
     """Sort key: ``layers.2`` before ``layers.10``."""
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
-def merged_weights(model, base: Mapping[str, torch.Tensor], adapters: list[LoraAdapter]) -> dict[str, torch.Tensor]:
-    """``{parameter name: float32 merged weight}`` for the parameters the adapters touch, merged in order on top
-    of ``base`` (the runner's master copy; untouched parameters are left out). Checks every module's name and
-    shapes against ``model.hf_linear_map()`` before computing anything."""
-    if not adapters:
-        return {}
-    table = model.hf_linear_map()  # a model that cannot map transformers' Linear layers raises a clear error
-    plan = []
-    for ad in adapters:
-        where = f"adapter {str(ad.path)!r}"
-        for m in ad.modules:
-            name = model.hf_module_name(m.module)
-            if name not in table:
-                valid = [k for k, v in table.items() if v is not None][:4]
-                raise ValueError(
-                    f"{where}: module {m.module!r} does not fit this {_arch(model)} base: it has no Linear layer "
-                    f"{name!r}{_why_missing(name)}. Was the adapter trained on another model? This base's LoRA "
-                    f"targets are named like {', '.join(valid)}"
-                )
-            target = table[name]
-            if target is None:  # a module our forward never runs (BERT's pooler without a classification head)
-                warnings.warn(
-                    f"{where}: LoRA on {m.module!r} is ignored: this model never runs that module "
-                    "(embeddings do not use it)",
-                    stacklevel=3,
-                )
-                continue
-            param, rows = target
-            w = base[param][rows]
-            if m.A.shape[1] != w.shape[1] or m.B.shape[0] != w.shape[0]:
-                raise ValueError(
-                    f"{where}: module {m.module!r} does not fit this base's shapes: the adapter has lora_A "
-                    f"{tuple(m.A.shape)} and lora_B {tuple(m.B.shape)}, this base's weight is {tuple(w.shape)} "
-                    f"(out, in), so lora_A must be (r, {w.shape[1]}) and lora_B ({w.shape[0]}, r). Was the "
-                    "adapter trained on another model size?"
-                )
-            plan.append((param, rows, m))
-    merged: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for param, rows, m in plan:  # adapter order: each adapter on top of the ones before it
-            if param not in merged:
-                merged[param] = base[param].to(torch.float32, copy=True)
-            dev = merged[param].device
-            delta = (m.B.to(dev) @ m.A.to(dev)) * m.scale  # peft's get_delta_weight
-            merged[param][rows] += delta
-        for param, weight in merged.items():  # finite inputs can still overflow float32
-            modules = ", ".join(sorted({f"{m.module!r}" for p, _, m in plan if p == param}))
-            check_finite(
-                weight,
-                f"the merged weight {param!r} (LoRA modules {modules} of "
-                f"{', '.join(repr(str(ad.path)) for ad in adapters)})",
-                "The adapters' lora_alpha / r or weights are too large for float32; nothing was changed",
-            )
-    return merged
-
-
-def _arch(model) -> str:
-    config = model.config or {}
-    archs = config.get("architectures") or [config.get("model_type") or type(model).__name__]
-    return str(archs[0])
-
-
-def _why_missing(name: str) -> str:
-    if "embed" in name or "lm_head" in name or name.endswith(("wte", "word_embeddings")):
-        return " (LoRA on embeddings / lm_head is not supported: only the transformer blocks' Linear layers)"
-    return ""

@@ -15,12 +15,16 @@ is computed; LoRA sits on the attention and MLP projections. The result is alway
 (``base_model.model.layers.N...``): the scope llm2vec (``LLM2Vec.from_pretrained(base, folder)``) and peft over
 ``AutoModel.from_pretrained(base)`` load, and ``lab.Engine(adapters=[...])`` reads (it also reads the
 ``*ForCausalLM`` scope; ``lab.adapt.rescope`` converts such folders). ``llm2vec_config.json`` beside it holds
-llm2vec's encoder settings (``LLM2VEC_CONFIG``: mean pooling, max_length 512, instructions not pooled), which
+llm2vec's encoder settings (``run_files.LLM2VEC_CONFIG``: mean pooling, max_length 512, instructions not pooled), which
 llm2vec and the Engine read as defaults.
 Each run writes ``train_log.csv`` (one row per step), ``loss.png`` and ``train_config.json`` beside the adapter,
 keeps a checkpoint every ``save_every`` steps (``resume=True`` continues from it, bit for bit the same run), and
 is deterministic for a seed. Training needs peft, the ``adapt`` extra (``pip install 'prefill-lab[adapt]'``); an
 ``ImportError`` naming it comes before any work where it is missing.
+
+This module holds the two entry points and the training loop (loading the model, the optimizer and schedule, the
+autocast dtype); ``lab.adapt.objectives`` the batches and the losses, ``lab.adapt.run_files`` the adapter, checkpoint
+and log files, ``lab.adapt.peft_lora`` the LoRA's settings (``LoraSpec``).
 
     >>> from lab.adapt import mntp, simcse
     >>> mntp(base, texts, "runs/mntp", steps=300)
@@ -32,48 +36,34 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import io
 import json
 import os
-import platform
 import shutil
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from lab._extras import require
-from lab._files import NO_ROOM, atomic_write, make_folder, staged, write_failed
-from lab.adapt.adapters import bare_config, bare_key, is_bare_scope
-from lab.models import hub
-
-# LoRA targets: Llama-family names for the attention and MLP projections (what llm2vec adapts)
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CHECKPOINT = "checkpoint"
-LOG_FILE = "train_log.csv"
-RUN_FILES = {"train_config.json", LOG_FILE, ".adapter.tmp", CHECKPOINT + ".tmp", CHECKPOINT + ".old"}  # not results
-# what to do when the adapter folder cannot be written (a full disk, a size limit)
-RESUME_FIX = (
-    f"{NO_ROOM}, then run again with resume=True (it continues from the last checkpoint); or pass another out_dir"
+from lab._files import atomic_write, make_folder
+from lab.adapt.key_scope import is_bare_scope
+from lab.adapt.objectives import batch_order, mntp_loss, simcse_loss, tokenize
+from lab.adapt.peft_lora import LoraSpec, peft
+from lab.adapt.run_files import (
+    CHECKPOINT,
+    LOG_FILE,
+    RESUME_FIX,
+    RUN_FILES,
+    load_checkpoint,
+    machine_info,
+    plot_loss,
+    save_adapter,
+    save_checkpoint,
+    texts_hash,
+    write_log,
 )
-
-
-@dataclass
-class LoraSpec:
-    """The LoRA that is trained: rank, alpha, dropout, target modules, and the dtype the adapter is stored in.
-
-    >>> run = mntp(base, texts, "runs/mntp", steps=200, lora=LoraSpec(r=16, alpha=32.0, save_dtype="bfloat16"))
-    """
-
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.05
-    target_modules: tuple[str, ...] = DEFAULT_TARGETS
-    save_dtype: str = "float32"  # "bfloat16" halves the folder; the Engine and peft read either
+from lab.models import hub
 
 
 @dataclass
@@ -276,7 +266,7 @@ def _train(
         seed=seed,
         lora=asdict(lora),
         texts=len(texts),
-        texts_sha1=_texts_hash(texts),
+        texts_sha1=texts_hash(texts),
         **extra,
     )
     config = json.loads(json.dumps(config))  # as train_config.json holds it (tuples become lists)
@@ -288,12 +278,12 @@ def _train(
 
     torch.manual_seed(seed)
     model, tok = _load(base, adapters, bidirectional, lora, dev, extra.get("attention_dropout", 0.0))
-    ids = _tokenize(tok, texts, max_length)
-    order = _batch_order(ids, batch_size, steps, seed)
+    ids = tokenize(tok, texts, max_length)
+    order = batch_order(ids, batch_size, steps, seed)
     loss_fn = (
-        _mntp_loss(model, tok, ids, extra["mask_rate"], seed)
+        mntp_loss(model, tok, ids, extra["mask_rate"], seed)
         if objective == "mntp"
-        else _simcse_loss(model, tok, ids, extra["temperature"])
+        else simcse_loss(model, tok, ids, extra["temperature"])
     )
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -305,7 +295,7 @@ def _train(
 
     start, rows = 0, []
     if resume and ckpt.exists():
-        start, rows = _load_checkpoint(ckpt, model, opt, sched)
+        start, rows = load_checkpoint(ckpt, model, opt, sched)
     else:
         make_folder(out, f"the {objective} adapter", "pass an out_dir that can be written")
         atomic_write(
@@ -341,23 +331,23 @@ def _train(
                 bar.update(1)
                 bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}")
             if (step + 1) % save_every == 0 and step + 1 < steps:
-                _save_checkpoint(ckpt, model, opt, sched, step + 1, rows, lora)
+                save_checkpoint(ckpt, model, opt, sched, step + 1, rows, lora)
     except BaseException:
         if rows:  # what ran is kept, even on an interrupt; the error in flight is the one to see
             with contextlib.suppress(OSError):
-                _write_log(rows, out / LOG_FILE)
+                write_log(rows, out / LOG_FILE)
         raise
     finally:
         if bar is not None:
             bar.close()
     if rows:
-        _write_log(rows, out / LOG_FILE)
-    _save_adapter(model, out, lora, base=source)
+        write_log(rows, out / LOG_FILE)
+    save_adapter(model, out, lora, base=source)
     shutil.rmtree(ckpt, ignore_errors=True)
     model = opt = sched = loss_fn = params = None
     gc.collect()  # peft's wrappers hold reference cycles: free this run's model before the next one loads
     log = pd.DataFrame(rows)
-    _plot_loss(log, out / "loss.png", objective)
+    plot_loss(log, out / "loss.png", objective)
     return AdaptRun(
         path=out,
         objective=objective,
@@ -395,11 +385,6 @@ def _check_args(texts, steps, batch_size, lr, max_length, save_every, lora: Lora
         raise ValueError(f"mask_rate must be in (0, 1), got {extra['mask_rate']!r}")
     if lora.save_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"LoraSpec.save_dtype must be float32, bfloat16 or float16, got {lora.save_dtype!r}")
-
-
-def peft():
-    """The ``peft`` module; an ``ImportError`` naming the ``adapt`` extra where it is not installed."""
-    return require("peft", extra="adapt", purpose="training LoRA adapters (lab.adapt.train: mntp, simcse)")
 
 
 def _load(base: Path, adapters, bidirectional: bool, lora: LoraSpec, dev: torch.device, attention_dropout: float):
@@ -448,107 +433,6 @@ def set_bidirectional(model, bidirectional: bool) -> None:
             cfg.is_causal = not bidirectional
 
 
-def _tokenize(tok, texts: Sequence[str], max_length: int) -> list[np.ndarray]:
-    enc = tok(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
-    cut = sum(len(e) > max_length for e in enc)
-    if cut:
-        warnings.warn(
-            f"{cut} of {len(enc)} training texts were longer than max_length={max_length} tokens and were cut",
-            stacklevel=4,
-        )
-    return [np.asarray(e[:max_length], dtype=np.int64) for e in enc if len(e)]
-
-
-def _batch_order(ids: list[np.ndarray], batch_size: int, steps: int, seed: int) -> list[np.ndarray]:
-    """Indices of each step's batch: the texts shuffled (reshuffled per pass), then sorted by length within windows
-    of 50 batches so a batch pads little, and those batches shuffled. Fixed by the seed."""
-    rng = np.random.default_rng(seed)
-    lengths = np.array([len(x) for x in ids])
-    batch_size = min(batch_size, len(ids))
-    out: list[np.ndarray] = []
-    while len(out) < steps:
-        perm = rng.permutation(len(ids))
-        batches = []
-        for w in range(0, len(perm), 50 * batch_size):
-            win = perm[w : w + 50 * batch_size]
-            win = win[np.argsort(lengths[win], kind="stable")]
-            batches += [win[i : i + batch_size] for i in range(0, len(win) - batch_size + 1, batch_size)]
-        out += [batches[i] for i in rng.permutation(len(batches))]
-    return out[:steps]
-
-
-def _pad(tok, ids: list[np.ndarray], dev) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(x) for x in ids)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    out = np.full((len(ids), longest), pad, dtype=np.int64)
-    mask = np.zeros((len(ids), longest), dtype=np.int64)
-    for i, x in enumerate(ids):
-        out[i, : len(x)], mask[i, : len(x)] = x, 1
-    return torch.from_numpy(out).to(dev), torch.from_numpy(mask).to(dev)
-
-
-def _inner(model):
-    """(decoder stack, LM head) of a peft-wrapped ``*ForCausalLM``; LoRA layers live inside them."""
-    causal_lm = model.get_base_model()
-    return causal_lm.model, causal_lm.get_output_embeddings()
-
-
-def mask_token_id(tok) -> int:
-    """The tokenizer's mask token, else ``_`` (llm2vec's ``blank`` choice for tokenizers without one)."""
-    if tok.mask_token_id is not None:
-        return tok.mask_token_id
-    tid = tok.convert_tokens_to_ids("_")
-    if tid is None or tid == tok.unk_token_id:
-        tid = tok("_", add_special_tokens=False)["input_ids"][-1]
-    return int(tid)
-
-
-def _mntp_loss(model, tok, ids, mask_rate: float, seed: int) -> Callable:
-    stack, head = _inner(model)
-    dev = next(model.parameters()).device
-    mask_id = mask_token_id(tok)
-    special = torch.tensor(sorted(set(tok.all_special_ids)), dtype=torch.long)
-    vocab = head.weight.shape[0]
-
-    def loss(batch: np.ndarray, step: int):
-        x, attn = _pad(tok, [ids[i] for i in batch], "cpu")
-        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + step)  # per step: a resumed run masks alike
-        can = attn.bool() & ~torch.isin(x, special)
-        can[:, 0] = False  # token 0 has no position before it to be predicted from
-        chosen = (torch.rand(x.shape, generator=g) < mask_rate) & can
-        if not chosen.any():  # at least one target per batch
-            flat = can.flatten().nonzero()[:, 0]
-            chosen.view(-1)[flat[torch.randint(len(flat), (1,), generator=g)]] = True
-        roll = torch.rand(x.shape, generator=g)
-        inputs = x.clone()
-        inputs[chosen & (roll < 0.8)] = mask_id
-        rand = chosen & (roll >= 0.8) & (roll < 0.9)
-        inputs[rand] = torch.randint(vocab, (int(rand.sum()),), generator=g)
-        b, i = chosen.nonzero(as_tuple=True)
-        h = stack(input_ids=inputs.to(dev), attention_mask=attn.to(dev)).last_hidden_state  # (B, L, H)
-        logits = head(h[b.to(dev), (i - 1).to(dev)])  # (targets, V): token i from position i - 1
-        return torch.nn.functional.cross_entropy(logits.float(), x[b, i].to(dev)), int(attn.sum())
-
-    return loss
-
-
-def _simcse_loss(model, tok, ids, temperature: float) -> Callable:
-    stack, _ = _inner(model)
-    dev = next(model.parameters()).device
-
-    def loss(batch: np.ndarray, step: int):
-        x, attn = _pad(tok, [ids[i] for i in batch], dev)
-        h = stack(input_ids=torch.cat([x, x]), attention_mask=torch.cat([attn, attn])).last_hidden_state
-        m = torch.cat([attn, attn]).unsqueeze(-1).to(h.dtype)
-        z = ((h * m).sum(1) / m.sum(1)).float()  # (2B, H) mean pooling
-        z = torch.nn.functional.normalize(z, dim=-1)
-        n = len(batch)
-        sim = z[:n] @ z[n:].T / temperature  # (B, B): view 1 against view 2
-        return torch.nn.functional.cross_entropy(sim, torch.arange(n, device=dev)), int(attn.sum()) * 2
-
-    return loss
-
-
 def cpu_bf16_native(flags: str | None = None) -> bool:
     """Whether this CPU (or one with ``flags``, ``lab.ops.probes.cpu_info``'s ``cpu_flags``) computes in bfloat16
     natively: ``avx512_bf16`` or ``amx_bf16``."""
@@ -588,153 +472,3 @@ def _choose_dtype(dtype: str, dev: torch.device, one_loss: Callable, params) -> 
         p.grad = None
     torch.set_rng_state(state)
     return min(times, key=times.get)
-
-
-# ------------------------------------------------------------------------------------------ files: adapter, log
-# llm2vec_config.json beside a finished adapter: the keys llm2vec's LLM2Vec.save writes and from_pretrained reads.
-# Mean pooling (what SimCSE trains, llm2vec's default), llm2vec's default inference lengths, instructions not pooled.
-LLM2VEC_CONFIG = {"pooling_mode": "mean", "max_length": 512, "doc_max_length": 400, "skip_instruction": True}
-
-
-def _save_adapter(model, out: Path, lora: LoraSpec, *, bare: bool = True, base: hub.Source | None = None) -> None:
-    """The standard PEFT layout: ``adapter_config.json`` + ``adapter_model.safetensors`` (in ``save_dtype``).
-    ``bare``: keys in the bare model's scope (``base_model.model.layers.N...``, what llm2vec and peft over
-    ``AutoModel`` load) and ``llm2vec_config.json`` beside them; ``False`` keeps the training model's
-    ``*ForCausalLM`` scope (checkpoints, which ``set_peft_model_state_dict`` reads back into that model).
-    ``base``: a base named by hub id is written as that id (``base_model_name_or_path``) and its commit
-    (``revision``), so the adapter loads on any machine, as peft and llm2vec read those keys."""
-    tmp = out / ".adapter.tmp"
-    with staged(tmp, lambda e: write_failed(e, out / "adapter_model.safetensors", None, RESUME_FIX)):
-        _write_adapter(model, tmp, out, lora, bare=bare, base=base)
-
-
-def _write_adapter(model, tmp: Path, out: Path, lora: LoraSpec, *, bare: bool, base: hub.Source | None) -> None:
-    """``_save_adapter``'s files, written into ``tmp`` and then moved into ``out``."""
-    from safetensors.torch import save_file
-
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.peft_config["default"].save_pretrained(str(tmp))
-    sd = peft().get_peft_model_state_dict(model)
-    dt = getattr(torch, lora.save_dtype)
-    rename = bare_key if bare else str
-    save_file(
-        {rename(k): v.detach().to("cpu", dt).contiguous() for k, v in sd.items()},
-        str(tmp / "adapter_model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    if bare:
-        cfg = tmp / "adapter_config.json"
-        written = bare_config(json.loads(cfg.read_text()))
-        if base is not None and base.repo_id:
-            written.update(base_model_name_or_path=base.repo_id, revision=base.revision)
-        cfg.write_text(json.dumps(written, indent=2, sort_keys=True))
-        (tmp / "llm2vec_config.json").write_text(json.dumps(LLM2VEC_CONFIG, indent=4))
-    # adapter_config.json last: it marks a folder as a finished adapter (resume refuses one), so a run killed while
-    # the files move leaves no config beside missing weights, and resume=True finishes the move from the checkpoint
-    for f in sorted(tmp.iterdir(), key=lambda f: f.name == "adapter_config.json"):
-        os.replace(f, out / f.name)
-    tmp.rmdir()
-
-
-def _save_checkpoint(ckpt: Path, model, opt, sched, step: int, rows: list[dict], lora: LoraSpec) -> None:
-    """Adapter + optimizer + scheduler + RNG state, written to a temp folder and swapped in whole."""
-    import pandas as pd
-
-    tmp = ckpt.with_name(CHECKPOINT + ".tmp")
-    with staged(tmp, lambda e: write_failed(e, ckpt, None, RESUME_FIX)):
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        _write_adapter(
-            model,
-            tmp / ".adapter.tmp",
-            tmp,
-            LoraSpec(**{**asdict(lora), "save_dtype": "float32"}),
-            bare=False,
-            base=None,
-        )
-        state = io.BytesIO()  # torch.save reports a failed file write as a RuntimeError: the file is written here
-        torch.save(
-            {
-                "step": step,
-                "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-            },
-            state,
-        )
-        (tmp / "trainer_state.pt").write_bytes(state.getvalue())
-        pd.DataFrame(rows).to_csv(tmp / LOG_FILE, index=False)
-    old = ckpt.with_name(CHECKPOINT + ".old")
-    if ckpt.exists():
-        os.replace(ckpt, old)
-    os.replace(tmp, ckpt)
-    shutil.rmtree(old, ignore_errors=True)
-    _write_log(rows, ckpt.parent / LOG_FILE)
-
-
-def _write_log(rows: list[dict], path: Path) -> None:
-    """The training log (one row per step) written whole."""
-    import pandas as pd
-
-    atomic_write(path, pd.DataFrame(rows).to_csv(index=False).encode("utf-8"), RESUME_FIX)
-
-
-def _load_checkpoint(ckpt: Path, model, opt, sched) -> tuple[int, list[dict]]:
-    import pandas as pd
-    from safetensors.torch import load_file
-
-    peft().set_peft_model_state_dict(model, load_file(str(ckpt / "adapter_model.safetensors")))
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
-    rows = pd.read_csv(ckpt / LOG_FILE).to_dict("records")
-    return int(state["step"]), rows
-
-
-def _plot_loss(log, path: Path, objective: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(log["step"], log["loss"], lw=0.8, alpha=0.4, label="per step")
-    if len(log) >= 5:
-        k = max(5, len(log) // 20)
-        ax.plot(log["step"], log["loss"].rolling(k, min_periods=1).mean(), lw=2, label=f"mean of {k}")
-    ax.set(xlabel="step", ylabel="loss", title=f"{objective}: training loss")
-    ax.legend(frameon=False)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _texts_hash(texts: Sequence[str]) -> str:
-    import hashlib
-
-    h = hashlib.sha1()
-    for t in texts:
-        h.update(t.encode("utf-8", "surrogatepass"))
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }

@@ -11,7 +11,8 @@ nothing) and swaps the result in with ``use`` only once every check passed.
 
 from __future__ import annotations
 
-from lab.adapt.adapters import LoraAdapter, merged_weights, read_adapter
+from lab.adapt.adapters import LoraAdapter, read_adapter
+from lab.adapt.merge import merged_weights
 from lab.engine import llm2vec
 from lab.models import hub
 

@@ -481,7 +481,7 @@ for _knob in (
         calls=EVERY,
         doc=(
             "PEFT LoRA folders (``adapter_config.json`` + ``adapter_model.safetensors``) merged into the weights in "
-            "this order, each on top of the last (``lab.adapt.adapters``); live: ``configure(adapters=[...])`` "
+            "this order, each on top of the last (``lab.adapt.merge``); live: ``configure(adapters=[...])`` "
             "re-merges from the float32 master copy and ``[]`` restores the base weights exactly. Packed models only; "
             "DoRA, trained biases and LoRA on embeddings / ``lm_head`` are refused."
         ),

@@ -182,7 +182,7 @@ class PackedModel(nn.Module):
     # -------------------------------------------------------------------------------------------- adapters
     def hf_linear_map(self) -> dict[str, tuple[str, slice | torch.Tensor] | None]:
         """Each transformers Linear -> our parameter and its rows, a slice or an index tensor (LoRA merges through
-        it; ``lab.adapt.adapters``)."""
+        it; ``lab.adapt.merge``)."""
         raise ValueError(f"{type(self).__name__} cannot merge adapters (no map from transformers' Linear names)")
 
     @staticmethod

@@ -345,7 +345,7 @@ class BertModel(PackedModel):
     def hf_linear_map(self) -> dict[str, tuple[str, slice] | None]:
         """Each transformers Linear (named as ``load_hf_state_dict`` reads it, prefixes stripped) -> our parameter
         and its rows: query/key/value are row blocks of the fused ``qkv``. LoRA adapters merge through this map
-        (``lab.adapt.adapters``). ``None``: a module our forward never runs (the pooler, unless a BERT classification
+        (``lab.adapt.merge``). ``None``: a module our forward never runs (the pooler, unless a BERT classification
         head uses it)."""
         h = self.hidden_size
         out: dict[str, tuple[str, slice] | None] = {}

@@ -542,7 +542,7 @@ class DecoderModel(PackedModel):
     def hf_linear_map(self) -> dict[str, tuple[str, slice | torch.Tensor]]:
         """Each transformers Linear (named as ``load_hf_state_dict`` reads it, prefixes stripped) -> our parameter
         and its rows: q/k/v are row blocks of the fused ``qkv`` (Hq*D, Hkv*D, Hkv*D), gate/up of ``gate_up``. LoRA
-        adapters merge through this map (``lab.adapt.adapters``); the embedding and ``lm_head`` are not in it. In the
+        adapters merge through this map (``lab.adapt.merge``); the embedding and ``lm_head`` are not in it. In the
         ``pairs`` rotary layout the q / k rows are index tensors: row ``j`` of transformers' weight is our row
         ``rows[j]``."""
         a = self.args

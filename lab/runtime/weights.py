@@ -1,7 +1,7 @@
 """A model's weights: the master copy as loaded, float32 merged copies of what adapters change, and the live casts.
 
 ``configure(dtype=...)`` re-casts the live weights from the master copy (no reload, reversible); LoRA adapters are
-merged into float32 copies of the parameters they change (``lab.adapt.adapters.merged_weights``), which then become
+merged into float32 copies of the parameters they change (``lab.adapt.merge.merged_weights``), which then become
 those parameters' source. Every swap drops the copies the model's CPU plan derived from the old data
 (``CpuPlan.drop``: packed or widened weights), so none is kept stale.
 
