@@ -11,6 +11,7 @@
 - ``kernels/`` imports nothing from ``lab`` but itself (installed as ``lab.kernels``);
 - no module of ``lab/`` or ``kernels/`` and no evals/ script past 600 lines (split it by concern), the Engine facade
   under 450; lab/ imports nothing from evals/;
+- warnings are raised through ``lab._warn.warn`` (attributed to the caller's line outside the package);
 - ``kernels/`` defines none of the product's vocabulary (the names users choose from: pooling knob values past the
   kernels' own reductions, output kinds, score modes, instruction rules, long-input modes); lab's registries do
   (this one check imports them).
@@ -272,6 +273,20 @@ def test_lab_imports_nothing_from_evals():
         for name, _, line in imports(path, package):
             if name == "evals" or name.startswith("evals."):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert bad == []
+
+
+def test_warnings_go_through_lab_warn():
+    """Every warning of the package is raised by ``lab._warn.warn``, which names the caller's line outside the
+    package (a ``stacklevel`` counted by hand points inside it once a call path gains or loses a frame)."""
+    bad = []
+    for mod, path in LAB_MODULES.items():
+        if mod == "lab._warn":
+            continue
+        for node in ast.walk(parse(path)):
+            f = node.func if isinstance(node, ast.Call) else None
+            if isinstance(f, ast.Attribute) and f.attr == "warn" and getattr(f.value, "id", None) == "warnings":
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} calls warnings.warn; use lab._warn.warn")
     assert bad == []
 
 

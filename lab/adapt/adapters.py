@@ -28,12 +28,12 @@ import json
 import math
 import os
 import re
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from lab._warn import warn
 from lab.models.checks import check_finite
 from lab.models.folder import has_model_weights, load_pickle_weights
 from lab.models.hub import looks_like_hub_id, snapshot_of
@@ -230,10 +230,9 @@ def read_adapter(path: str | os.PathLike) -> LoraAdapter:
         )
     if config.get("fan_in_fan_out"):
         # peft resets it to False for torch.nn.Linear targets (all of ours) and warns; do the same
-        warnings.warn(
+        warn(
             f"{where}: fan_in_fan_out is set to True but the target modules are torch.nn.Linear; "
             "setting fan_in_fan_out to False (as peft does)",
-            stacklevel=3,
         )
     sd, digest = read_weights(p)
     return LoraAdapter(path=p, config=config, digest=digest, modules=_lora_modules(sd, config, where))

@@ -18,11 +18,11 @@ error: modules or shapes that do not fit the base, LoRA on embeddings or ``lm_he
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 
 import torch
 
+from lab._warn import warn
 from lab.adapt.adapters import LoraAdapter
 from lab.models.checks import check_finite
 
@@ -48,10 +48,9 @@ def merged_weights(model, base: Mapping[str, torch.Tensor], adapters: list[LoraA
                 )
             target = table[name]
             if target is None:  # a module our forward never runs (BERT's pooler without a classification head)
-                warnings.warn(
+                warn(
                     f"{where}: LoRA on {m.module!r} is ignored: this model never runs that module "
                     "(embeddings do not use it)",
-                    stacklevel=3,
                 )
                 continue
             param, rows = target

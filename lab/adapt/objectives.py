@@ -8,20 +8,20 @@ unsupervised SimCSE, two dropout views of each text mean-pooled, the batch's oth
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+
+from lab._warn import warn
 
 
 def tokenize(tok, texts: Sequence[str], max_length: int) -> list[np.ndarray]:
     enc = tok(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
     cut = sum(len(e) > max_length for e in enc)
     if cut:
-        warnings.warn(
+        warn(
             f"{cut} of {len(enc)} training texts were longer than max_length={max_length} tokens and were cut",
-            stacklevel=4,
         )
     return [np.asarray(e[:max_length], dtype=np.int64) for e in enc if len(e)]
 
