@@ -44,9 +44,9 @@ poolings x (1 warm-up + 3 repeats) in the throughput section: about 1.9M tokens,
 The padding the baseline pays depends on how many texts are sorted together (7.5% of real tokens at 128 abstracts
 and batch 16, 1.9% at 512): it is in each baseline row's note.
 
-This file is the command line and the run; its parts, in ``evals/``: ``decoder_sections`` (the three sections,
-``--profile``, the rows), ``padded_transformers`` (the baseline) and ``decoder_report`` (the plots and the
-printed summary).
+This file is the command line and the run; its parts, in ``evals/``: ``decoder_throughput`` (the throughput section
+and ``--profile``), ``decoder_sections`` (the memory and prefix sections, the texts, the rows), ``padded_transformers``
+(the baseline) and ``decoder_report`` (the plots and the printed summary).
 
     python evals/bench_decoder.py                                          # all sections, default sizes
     python evals/bench_decoder.py --sections throughput --docs 128 --repeats 5 --dtypes float32 bfloat16 --profile
@@ -71,7 +71,8 @@ if str(ROOT) not in sys.path:
 
 # after the path set-up: this runs as a script
 from evals.decoder_report import plot, summary
-from evals.decoder_sections import PROFILES, Table, bench_memory, bench_prefix, bench_throughput, memory_point
+from evals.decoder_sections import Table, bench_memory, bench_prefix, memory_point
+from evals.decoder_throughput import PROFILES, bench_throughput
 from evals.results_index import companion, device_slug, save_file, save_table, stamp
 from lab.models.hub import local_folder
 

@@ -51,13 +51,15 @@ cut shortened, llm2vec's missing adapter keys, timings, versions) and a short ``
 
     python evals/llm2vec_parity.py                       # 300 sentences, 100 abstracts, the venv made if missing
     python evals/llm2vec_parity.py --venv /path/to/venv --sentences 100 --documents 40
+
+This file is the command line and the run; its parts, in ``evals/``: ``llm2vec_parity_variants`` (the rows) and
+``llm2vec_parity_folders`` (the folders both sides read).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -66,7 +68,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,13 +77,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from evals.criteria import row_cosines  # after the path set-up: this runs as a script
+# after the path set-up: this runs as a script
+from evals.criteria import row_cosines
 from evals.data_io import DATA, read_jsonl, scifact_text, spread
+from evals.llm2vec_parity_folders import build_folders, published_folders
+from evals.llm2vec_parity_variants import VARIANTS, Variant
 from lab import env
 
 REF = ROOT / "evals" / "llm2vec_ref"
 OUT = ROOT / "evals" / "results" / "llm2vec_parity"
-STUDY = ROOT / "evals" / "results" / "llm2vec"
 DEFAULT_VENV = env.path("LAB_LLM2VEC_VENV", Path.home() / ".cache" / "prefill-lab" / "venvs" / "llm2vec")
 STS_FILES = ("sts12/test.jsonl.gz", "sts14/test.jsonl.gz", "sts16/test.jsonl.gz")  # held out of the study's training
 # llm2vec's encoder settings and the Engine knobs that mean the same
@@ -96,134 +99,6 @@ ENGINE_KNOBS = {
     "device": "cpu",
 }
 PLAIN_KNOBS = {"dtype": "float32", "device": "cpu"}  # what the plain rows pass the Engine
-BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# the base names llm2vec 0.2.3's prepare_for_tokenization wraps in a chat template
-TEMPLATED = (
-    "meta-llama/Meta-Llama-3-8B-Instruct",
-    "mistralai/Mistral-7B-Instruct-v0.2",
-    "meta-llama/Llama-2-7b-chat-hf",
-    "google/gemma-2-9b-it",
-    "Qwen/Qwen2-1.5B-Instruct",
-    "Qwen/Qwen2-7B-Instruct",
-)
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One comparison. ``model``: ``base`` or ``mntp`` (the -mntp folder); ``peft``: ``None`` or ``simcse`` (the
-    adapter stacked on it); ``scope``: ``bare`` (rescoped adapters) or ``causal`` (``causal_scoped`` copies);
-    ``instruction``: the instruction of every input (llm2vec's ``[instruction, text]``; the Engine's
-    ``instruction=``); ``knobs``: more Engine knobs for this row.
-
-    ``plain`` rows are called as llm2vec's users call it: ``LLM2Vec.from_pretrained(mntp, peft_model_name_or_path=
-    supervised)`` with no encoder settings and no ``enable_bidirectional`` / ``merge_peft``, and ``Engine(mntp,
-    adapters=[supervised])`` with no knob but ``dtype`` and ``device``; their folders are the published layout
-    (``published_folders``): ``name_or_path`` is the -mntp ``config.json``'s ``_name_or_path``, ``mntp_config`` /
-    ``peft_config`` the ``llm2vec_config.json`` written in the -mntp / supervised folder (``None``: none, as
-    published), ``hub`` the hub ids both sides name them by (``(mntp id, base id)``, from a hub cache) instead of
-    local paths, ``texts`` the inputs (``sts`` sentences or ``scifact`` abstracts)."""
-
-    name: str
-    model: str = "base"
-    peft: str | None = None
-    bidirectional: bool = True
-    scope: str = "bare"
-    instruction: str = ""
-    knobs: dict = field(default_factory=dict)
-    plain: bool = False
-    name_or_path: str = BASE_ID
-    mntp_config: dict | None = None
-    peft_config: dict | None = None
-    hub: tuple[str, str] | None = None
-    texts: str = "sts"
-
-
-def published(name: str, **kw) -> Variant:
-    """A ``plain`` row over the published layout: the -mntp folder with the supervised (SimCSE) adapter on it."""
-    return Variant(name, model="mntp", peft=kw.pop("peft", "simcse"), plain=True, **kw)
-
-
-INSTRUCTION = "Retrieve semantically similar text: "
-# a non-default llm2vec_config.json: every setting changed
-ODD_CONFIG = {"pooling_mode": "eos_token", "max_length": 128, "doc_max_length": 64, "skip_instruction": False}
-
-VARIANTS = [
-    Variant("causal base", bidirectional=False),
-    Variant("bidirectional base"),
-    Variant("bidirectional + MNTP", model="mntp"),
-    Variant("bidirectional + MNTP + SimCSE", model="mntp", peft="simcse"),
-    Variant("control: MNTP + SimCSE in the ForCausalLM scope", model="mntp", peft="simcse", scope="causal"),
-    # llm2vec's instruction handling: its embed mask is the Engine's instruction_pooling="llm2vec"
-    Variant(
-        "bidirectional + MNTP + SimCSE, instruction",
-        model="mntp",
-        peft="simcse",
-        instruction=INSTRUCTION,
-        knobs={"instruction_pooling": "llm2vec"},
-    ),
-    # as llm2vec's users call it, no settings on either side: the published layout by local path
-    published("published: -mntp + supervised, no llm2vec_config.json"),
-    published("published: -mntp + supervised, no llm2vec_config.json, instruction", instruction=INSTRUCTION),
-    # llm2vec_config.json in one folder: read from the supervised folder when one is given, else the -mntp folder
-    published("config in -mntp only, supervised given (ignored)", mntp_config=ODD_CONFIG, instruction=INSTRUCTION),
-    published(
-        "config in -mntp only, no supervised (applies)", peft=None, mntp_config=ODD_CONFIG, instruction=INSTRUCTION
-    ),
-    published(
-        "config in supervised only: weighted_mean, max_length 128, skip_instruction false",
-        peft_config={"pooling_mode": "weighted_mean", "max_length": 128, "skip_instruction": False},
-        instruction=INSTRUCTION,
-    ),
-    published(
-        "config in supervised only: eos_token", peft_config={"pooling_mode": "eos_token"}, instruction=INSTRUCTION
-    ),
-    # documents over doc_max_length: llm2vec's word cut
-    published("SciFact, doc_max_length 400 (default)", texts="scifact"),
-    published(
-        "SciFact, doc_max_length 64 (supervised config)",
-        texts="scifact",
-        peft_config={"doc_max_length": 64},
-        instruction=INSTRUCTION,
-    ),
-    published(
-        "SciFact, doc_max_length 200, max_length 128 (supervised config)",
-        texts="scifact",
-        peft_config={"doc_max_length": 200, "max_length": 128},
-    ),
-    # the chat templates llm2vec chooses by the -mntp config.json's _name_or_path (SmolLM2's weights under each name)
-    *(published(f"template: {t}", name_or_path=t, instruction=INSTRUCTION) for t in TEMPLATED),
-    published(
-        "template: mistralai/Mistral-7B-Instruct-v0.2, eos_token",
-        name_or_path="mistralai/Mistral-7B-Instruct-v0.2",
-        peft_config={"pooling_mode": "eos_token"},
-        instruction=INSTRUCTION,
-    ),
-    published(
-        "template: meta-llama/Meta-Llama-3-8B-Instruct, eos_token",
-        name_or_path="meta-llama/Meta-Llama-3-8B-Instruct",
-        peft_config={"pooling_mode": "eos_token"},
-        instruction=INSTRUCTION,
-    ),
-    # the published layout by hub id, from a hub cache (HF_HUB_CACHE, offline)
-    published(
-        "hub ids: -mntp + supervised",
-        hub=("McGill-NLP/LLM2Vec-SmolLM2-135M-Instruct-mntp", BASE_ID),
-        instruction=INSTRUCTION,
-    ),
-    published(
-        "hub ids: Meta-Llama-3-8B-Instruct",
-        name_or_path="meta-llama/Meta-Llama-3-8B-Instruct",
-        hub=("McGill-NLP/LLM2Vec-Meta-Llama-3-8B-Instruct-mntp", "meta-llama/Meta-Llama-3-8B-Instruct"),
-        instruction=INSTRUCTION,
-    ),
-    # the -mntp config.json and the adapter's base disagree on the name: which one llm2vec's template follows
-    published(
-        "hub ids: -mntp _name_or_path Meta-Llama-3-8B-Instruct, base SmolLM2",
-        name_or_path="meta-llama/Meta-Llama-3-8B-Instruct",
-        hub=("McGill-NLP/LLM2Vec-SmolLM2-named-Llama-3-mntp", BASE_ID),
-        instruction=INSTRUCTION,
-    ),
-]
 
 
 # ----------------------------------------------------------------------------------------- reference venv
@@ -241,135 +116,6 @@ def ensure_venv(venv: Path) -> Path:
     subprocess.run([str(py), "-m", "pip", "install", "-q", torch_pin], check=True)
     subprocess.run([str(py), "-m", "pip", "install", "-q", "-r", str(REF / "requirements.txt")], check=True)
     return py
-
-
-# ------------------------------------------------------------------------------------------------- folders
-def transformers4_copy(src: Path, out: Path) -> Path:
-    """``src`` (a transformers-5 Llama folder) as transformers 4.44 reads it: ``rope_theta`` (and
-    ``torch_dtype``) in ``config.json``; ``tokenizer.json`` with its BPE merges as ``"a b"`` strings (tokenizers
-    0.19 cannot parse pairs); a ``PreTrainedTokenizerFast`` ``tokenizer_config.json`` whose inputs are ids and
-    attention mask only. The weights are linked."""
-    out.mkdir(parents=True)
-    cfg = json.loads((src / "config.json").read_text())
-    rope = cfg.pop("rope_parameters", None) or {}
-    cfg.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"{src}: rope_parameters {rope} has no transformers-4 equivalent this script writes")
-    cfg["torch_dtype"] = cfg.get("dtype", "float32")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok = json.loads((src / "tokenizer.json").read_text())
-    merges = tok.get("model", {}).get("merges") or []
-    if merges and isinstance(merges[0], list):
-        if any(" " in a or " " in b for a, b in merges):
-            raise ValueError(f"{src / 'tokenizer.json'}: a merge holds a space; it cannot be written as 'a b'")
-        tok["model"]["merges"] = [f"{a} {b}" for a, b in merges]
-    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
-    tcfg = json.loads((src / "tokenizer_config.json").read_text())
-    keep = {k: tcfg[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length") if k in tcfg}
-    keep.update(
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "clean_up_tokenization_spaces": False,
-            "model_input_names": ["input_ids", "attention_mask"],
-        }
-    )  # no token_type_ids: LlamaModel refuses them
-    (out / "tokenizer_config.json").write_text(json.dumps(keep, indent=2))
-    (out / "model.safetensors").symlink_to((src / "model.safetensors").resolve())
-    return out
-
-
-def mntp_folder(base: Path, adapter: Path, out: Path) -> Path:
-    """LLM2Vec's published ``-mntp`` layout: the base's ``config.json`` and tokenizer files beside the adapter,
-    ``base_model_name_or_path`` naming the base folder (absolute: transformers 4.44 resolves it from the current
-    directory)."""
-    shutil.copytree(adapter, out)
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(base / f, out / f)
-    cfg = json.loads((out / "adapter_config.json").read_text())
-    cfg["base_model_name_or_path"] = str(base.resolve())
-    (out / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
-    return out
-
-
-def causal_scoped(src: Path, dst: Path) -> Path:
-    """A copy of the adapter folder ``src`` at ``dst`` whose keys are in the ``*ForCausalLM`` scope
-    (``base_model.model.layers...`` -> ``base_model.model.model.layers...``; keys already in it kept), the tensors
-    and the other files unchanged: how an adapter trained on a causal-LM class is saved."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    weights = dst / "adapter_model.safetensors"
-    bare = "base_model.model."
-    sd = load_file(weights)
-    moved = {(k if k.startswith(bare + "model.") else bare + "model." + k[len(bare) :]): v for k, v in sd.items()}
-    save_file(moved, weights, metadata={"format": "pt"})
-    return dst
-
-
-def build_folders(work: Path) -> dict[str, Path]:
-    """The base, and per scope the -mntp folder and the SimCSE adapter: ``{"base", "mntp:bare", "simcse:bare",
-    "mntp:causal", "simcse:causal"}``."""
-    from lab.adapt import rescope
-    from lab.models.gguf import smollm2_path
-
-    base = transformers4_copy(Path(smollm2_path()), work / "SmolLM2-135M-Instruct")
-    folders = {"base": base}
-    for scope, scoped in (("bare", rescope), ("causal", causal_scoped)):
-        m, s = (scoped(STUDY / name, work / f"{scope}-scope" / name) for name in ("mntp", "mntp_simcse"))
-        folders[f"mntp:{scope}"] = mntp_folder(base, m, work / scope / "SmolLM2-llm2vec-mntp")
-        dst = work / scope / "SmolLM2-llm2vec-mntp-simcse"
-        shutil.copytree(s, dst)
-        folders[f"simcse:{scope}"] = dst
-    return folders
-
-
-def published_folders(v: Variant, folders: dict[str, Path], work: Path, hub_cache: Path) -> tuple[str, str | None]:
-    """The folders of a ``plain`` row as LLM2Vec publishes them, and the names both sides are given: ``(mntp,
-    supervised or None)``, local paths, or hub ids written into ``hub_cache`` (``tests/hub_cache.py``).
-
-    The -mntp folder: the base's ``config.json`` with ``_name_or_path`` = ``v.name_or_path`` and an ``auto_map`` to
-    llm2vec's ``modeling_llama_encoder.LlamaEncoderModel`` (the code file itself left out: neither side runs it), the
-    tokenizer files and the MNTP adapter, whose ``base_model_name_or_path`` is the base folder (or the base's hub id);
-    the supervised folder: the SimCSE adapter, its ``base_model_name_or_path`` the -mntp folder (or id). Neither has
-    ``llm2vec_config.json`` unless ``v.mntp_config`` / ``v.peft_config`` writes one."""
-    from tests.hub_cache import write_hub_cache
-
-    tag = "".join(c if c.isalnum() else "_" for c in v.name)
-    base = folders["base"]
-    mntp, sup = work / "plain" / tag / "mntp", work / "plain" / tag / "supervised"
-    mntp_name, base_name = v.hub if v.hub else (str(mntp), str(base.resolve()))
-    sup_name = f"{mntp_name}-supervised" if v.hub else str(sup)
-    for src, dst, cfg, parent in (
-        (folders["mntp:bare"], mntp, v.mntp_config, base_name),
-        (folders["simcse:bare"], sup, v.peft_config, mntp_name),
-    ):
-        shutil.copytree(
-            src,
-            dst,
-            ignore=shutil.ignore_patterns(
-                "llm2vec_config.json", "config.json", "tokenizer*", "*.png", "*.csv", "train_config.json"
-            ),
-        )
-        adapter = json.loads((dst / "adapter_config.json").read_text())
-        adapter["base_model_name_or_path"] = parent
-        (dst / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
-        if cfg is not None:
-            (dst / "llm2vec_config.json").write_text(json.dumps(cfg, indent=4))
-    config = json.loads((base / "config.json").read_text())
-    config.update(
-        {"_name_or_path": v.name_or_path, "auto_map": {"AutoModel": "modeling_llama_encoder.LlamaEncoderModel"}}
-    )
-    (mntp / "config.json").write_text(json.dumps(config, indent=2))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(base / f, mntp / f)
-    if not v.hub:
-        return str(mntp), str(sup) if v.peft else None
-    repos = [(mntp_name, mntp), (sup_name, sup)]
-    if not (hub_cache / f"models--{base_name.replace('/', '--')}").is_dir():  # one base id, rows to share it
-        repos.append((base_name, base))
-    for repo, folder in repos:  # a fixed commit per repo
-        write_hub_cache(hub_cache, repo, folder, commit=hashlib.sha1(repo.encode()).hexdigest())
-    return mntp_name, sup_name if v.peft else None
 
 
 def texts_for(v: Variant, sts: list[str], documents: int) -> list[str]:

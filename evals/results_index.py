@@ -12,6 +12,7 @@ checkout: a CSV's ``run_date`` column (ISO date; ``stamp``), or a sidecar ``<fil
 ``command`` (``meta_text``; the scripts write both). The scripts write their files through ``save_run`` /
 ``save_table`` / ``save_file``, each file whole (a temporary file, then renamed), so a run that fails leaves the
 files written before whole. A folder with its own ``README.md`` documents itself and is listed as one entry.
+Each run's one-line headline comes from ``evals.results_headlines``.
 
     python -m evals.results_index            # rewrite evals/results/README.md and README.md's speed block
     python -m evals.results_index --check    # exit 1 when either is stale
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
+from evals.results_headlines import as_number, fastest_peer, headline
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "evals" / "results"
 README = ROOT / "README.md"
@@ -43,8 +46,6 @@ META_SUFFIX = ".meta.json"
 SPEED_BEGIN, SPEED_END = "<!-- speed:begin -->", "<!-- speed:end -->"
 # folders under evals/results that hold no results: mteb's result cache (git-ignored)
 SKIP_DIRS = {"cache"}
-# the rows of a bench_peers CSV that are prefill-lab itself, not a peer
-ENGINE_SYSTEMS = {"engine", "lab", "prefill-lab"}
 
 
 # ------------------------------------------------------------------------------------------------ writing side
@@ -222,148 +223,6 @@ def read_meta(path: Path) -> dict:
         raise ValueError(f'{meta}: not JSON ({e}); it should hold {{"date": ..., "command": ...}}') from e
 
 
-def _num(text) -> float | None:
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        return None
-
-
-def _headline_bench_embed(rows):
-    corpora = sorted({r["corpus"] for r in rows})
-    corpus = "mixed" if "mixed" in corpora else corpora[0]
-    parts = []
-    for r in rows:
-        if r["system"] == "engine" and r["corpus"] == corpus:
-            parts.append(
-                f"{r['dtype']} {_num(r['tokens_per_s']):,.0f} tok/s "
-                f"({_num(r['ratio_vs_sentence_transformers']):.2f}x sentence-transformers)"
-            )
-    return f"{corpus}: " + "; ".join(parts)
-
-
-def _headline_bench_decoder(rows):
-    parts = []
-    for r in rows:
-        if r.get("metric") == "speedup_vs_best_baseline":
-            parts.append(f"{r['dtype']} {r['pooling']} {_num(r['value']):.2f}x")
-    if parts:
-        return "Engine vs padded transformers: " + ", ".join(parts)
-    peaks = [(r["setting"], _num(r["value"])) for r in rows if r.get("metric") == "peak_tensor_mb"]
-    if peaks:
-        return "peak tensor MB: " + "; ".join(f"{s} {v:.1f}" for s, v in peaks[:3])
-    return None
-
-
-def _headline_bench_attention(rows):
-    lab = [r for r in rows if r["kernel"] == "lab"]
-    best = {}
-    for r in lab:
-        key = (r["model"], r["dtype"])
-        best.setdefault(key, []).append(_num(r["time_vs_sdpa"]))
-    return "lab kernel time vs sdpa: " + ", ".join(f"{m} {d} {min(v):.2f}-{max(v):.2f}" for (m, d), v in best.items())
-
-
-def _headline_bench_outputs(rows):
-    ratios = {}
-    for r in rows:
-        ratios.setdefault(r["output"], []).append(_num(r["ratio_vs_dense"]))
-    return "tokens / dense: " + ", ".join(f"{o} {min(v):.2f}" for o, v in ratios.items() if o != "dense")
-
-
-def _headline_bench_ray(rows):
-    if rows and "ratio_vs_engine" in rows[0]:
-        return ", ".join(f"{r['system']} {_num(r['ratio_vs_engine']):.2f}x one Engine" for r in rows)
-    if rows and "seconds_per_shard" in rows[0] and "measure" in rows[0]:
-        return ", ".join(
-            f"{r['measure']} {_num(r['seconds_per_shard']):.3f} s per shard"
-            for r in rows
-            if _num(r["seconds_per_shard"]) is not None
-        )
-    if rows and "hours_per_100M_tokens" in rows[0]:
-        return ", ".join(
-            f"{r['actors']} actors {_num(r['hours_per_100M_tokens']):.1f} h / 100M tokens" for r in rows[:4]
-        )
-    return None
-
-
-def _headline_causal(rows):
-    return "Spearman x100: " + ", ".join(
-        f"{r['pooling']} {r['attention']} {_num(r['spearman_x100']):.1f}" for r in rows
-    )
-
-
-def _headline_rerank(rows):
-    return "MAP: " + ", ".join(
-        f"{r['model']} ({r['mode']}) {_num(r['value']):.3f}" for r in rows if r["metric"] == "map"
-    )
-
-
-def _headline_gpu_check(rows):
-    checks = [r["ok"] for r in rows if r.get("ok") in ("True", "False")]
-    speed = [
-        f"{r['provider']} {_num(r['speedup']):.2f}x"
-        for r in rows
-        if r.get("section") == "engine" and r.get("metric") == "s" and r.get("provider", "").startswith("engine")
-    ]
-    return f"{checks.count('True')}/{len(checks)} checks pass" + (
-        "; vs sentence-transformers " + ", ".join(speed) if speed else ""
-    )
-
-
-def _headline_mteb(rows):
-    return "main score x100: " + ", ".join(
-        f"{r['variant']} {r['task']} {100 * _num(r['score']):.2f}" for r in rows if r.get("main") == "True"
-    )
-
-
-def _headline_throughput(rows):
-    ratios = [_num(r.get("vs_sentence_transformers")) for r in rows if r["system"] == "engine"]
-    ratios = [r for r in ratios if r is not None]
-    return f"Engine {min(ratios):.2f}-{max(ratios):.2f}x sentence-transformers over token budgets" if ratios else None
-
-
-def _headline_bench_peers(rows):
-    parts = []
-    for corpus, dtype in sorted({(r.get("corpus", ""), r.get("dtype", "")) for r in rows}):
-        best = _peer_best(rows, corpus, dtype)
-        if best:
-            name, tps, own = best
-            parts.append(
-                f"{corpus} {dtype}: fastest peer {name} {tps:,.0f} tok/s"
-                + (f", Engine {own / tps:.2f}x" if own else "")
-            )
-    return "; ".join(parts) or None
-
-
-HEADLINES = {
-    "bench_embed": _headline_bench_embed,
-    "bench_decoder": _headline_bench_decoder,
-    "bench_attention": _headline_bench_attention,
-    "bench_outputs": _headline_bench_outputs,
-    "bench_ray": _headline_bench_ray,
-    "bench_peers": _headline_bench_peers,
-    "causal_vs_bidirectional": _headline_causal,
-    "rerank_twitter": _headline_rerank,
-    "gpu_check": _headline_gpu_check,
-    "mteb": _headline_mteb,
-    "throughput": _headline_throughput,
-}
-
-
-def headline(benchmark: str, rows: list[dict[str, str]]) -> str:
-    """The run's one-line summary (``HEADLINES[benchmark]``), or its row count where there is no rule for the
-    benchmark or its rows lack the rule's columns."""
-    rule = HEADLINES.get(benchmark)
-    text = None
-    if rule and rows:
-        try:
-            text = rule(rows)
-        except (KeyError, TypeError, ValueError, IndexError):
-            text = None
-    return text or f"{len(rows)} rows"
-
-
 def result_files(folder: Path) -> list[Path]:
     """Every file of a benchmark folder (its sub-folders included), sidecars left out, sorted."""
     return sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.endswith(META_SUFFIX))
@@ -455,34 +314,6 @@ def render_index(root: Path = RESULTS) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _is_engine(system: str) -> bool:
-    """An Engine row of a peers CSV: ``engine`` or ``engine-<precision>`` (``evals/bench_peers.py``)."""
-    return system in ENGINE_SYSTEMS or system.startswith("engine-")
-
-
-def _peer_best(rows, corpus: str, dtype: str):
-    """(fastest peer's name, its tokens/s, the Engine's tokens/s in the same file or None) for one corpus and
-    precision of a bench_peers CSV (its ``precision_class`` column, else ``dtype``; columns it lacks match
-    everything). Rows flagged ``matches=False`` (vectors unlike sentence-transformers') and GPU rows are left out."""
-
-    def same(r):
-        cls = r.get("precision_class", r.get("dtype", dtype))
-        return (
-            r.get("corpus", corpus) == corpus
-            and cls == dtype
-            and r.get("device", "cpu") == "cpu"
-            and str(r.get("matches", "True")) != "False"
-        )
-
-    peers = [(r["system"], _num(r.get("tokens_per_s"))) for r in rows if same(r) and not _is_engine(r["system"])]
-    peers = [(s, t) for s, t in peers if t]
-    engine = [_num(r.get("tokens_per_s")) for r in rows if same(r) and _is_engine(r["system"])]
-    if not peers:
-        return None
-    name, tps = max(peers, key=lambda p: p[1])
-    return name, tps, next((e for e in engine if e), None)
-
-
 def render_speed(root: Path = RESULTS, base: Path | None = None) -> str:
     """The README speed block's body: one table per machine with a ``bench_embed`` run (its CPU and flags in the
     heading, a row per corpus, float32 and bfloat16 side by side); the ratio to the fastest peer of the same
@@ -521,10 +352,10 @@ def render_speed(root: Path = RESULTS, base: Path | None = None) -> str:
                 if r is None:
                     line += " - | - |" + (" - |" if peers is not None else "")
                     continue
-                ratio = _num(r.get("ratio_vs_sentence_transformers"))
-                line += f" {_num(r['tokens_per_s']):,.0f} | {f'{ratio:.2f}x' if ratio is not None else '-'} |"
+                ratio = as_number(r.get("ratio_vs_sentence_transformers"))
+                line += f" {as_number(r['tokens_per_s']):,.0f} | {f'{ratio:.2f}x' if ratio is not None else '-'} |"
                 if peers is not None:
-                    best = _peer_best(peers, corpus, d)
+                    best = fastest_peer(peers, corpus, d)
                     if best and best[2]:
                         name, tps, own = best
                         line += f" {own / tps:.2f}x ({_cell(name)}) |"

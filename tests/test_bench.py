@@ -196,9 +196,9 @@ def test_decoder_benchmark_baseline_keeps_float32_weights_and_matches_engine(tmp
     """evals/bench_decoder.py's padded transformers baseline: float32 after a bfloat16 run gives the first float32
     rows bit for bit (bfloat16 runs a cast copy, the loaded weights are never rounded), and it agrees with the
     Engine under mean and lasttoken pooling on uneven lengths (its batches of 3 pad)."""
-    sections = _bench_decoder("decoder_sections")
+    throughput = _bench_decoder("decoder_throughput")
     path = tiny_llama(tmp_path, "llama")
-    base = sections.PaddedTransformersEmbedder(str(path), batch_size=3, max_length=64)
+    base = throughput.PaddedTransformersEmbedder(str(path), batch_size=3, max_length=64)
     before = base(TEXTS)
     low = base.configure(dtype="bfloat16")(TEXTS)
     after = base.configure(dtype="float32")(TEXTS)
@@ -209,7 +209,7 @@ def test_decoder_benchmark_baseline_keeps_float32_weights_and_matches_engine(tmp
         eng.configure(pooling=pooling)
         base.configure(pooling=pooling, append_eos=eng.resolved.append_eos)
         assert [list(r.ids) for r in eng.tokenize(TEXTS)] == base.tokenize(TEXTS)
-        assert sections.min_cosine(eng.embed(TEXTS), base(TEXTS)) >= 0.9999
+        assert throughput.min_cosine(eng.embed(TEXTS), base(TEXTS)) >= 0.9999
 
 
 @pytest.mark.filterwarnings("ignore:.*were truncated")
@@ -218,6 +218,7 @@ def test_decoder_benchmark_self_check_rows(tmp_path):
     pooling, against the cosine target; float32 agrees with itself (other padding, same function), and without the
     flag there is no such row."""
     bench_decoder, sections = _bench_decoder(), _bench_decoder("decoder_sections")
+    throughput = _bench_decoder("decoder_throughput")
     path = str(tiny_llama(tmp_path, "llama"))
     argv = [
         "--model",
@@ -243,19 +244,19 @@ def test_decoder_benchmark_self_check_rows(tmp_path):
     for flag in (True, False):
         table = sections.Table("test", "cpu")
         args = bench_decoder.parse_args(argv + ["--out", str(tmp_path / "b.csv")] + (["--self-check"] if flag else []))
-        sections.bench_throughput(args, path, table)
+        throughput.bench_throughput(args, path, table)
         df = table.frame()
         rows = df[df.metric == "min_cosine_vs_itself_other_batch"].set_index("dtype")
         if not flag:
             assert rows.empty
             continue
         assert sorted(rows.index) == ["bfloat16", "float32"]
-        assert set(rows.setting) == {f"batch_size=3 vs {sections.SELF_CHECK_BATCH}"}
+        assert set(rows.setting) == {f"batch_size=3 vs {throughput.SELF_CHECK_BATCH}"}
         assert rows.loc["float32", "value"] >= 0.99999 and rows.loc["float32", "meets_target"]
         assert 0.9 < rows.loc["bfloat16", "value"] <= 1.0 + 1e-6
         # the same figure computed here, from the bench's texts and the baseline's two batchings
         texts = sections.throughput_texts("mixed", 7)
-        base = sections.PaddedTransformersEmbedder(
+        base = throughput.PaddedTransformersEmbedder(
             path,
             batch_size=3,
             max_length=64,
@@ -263,7 +264,7 @@ def test_decoder_benchmark_self_check_rows(tmp_path):
             pooling="lasttoken",
             append_eos=Engine(path, max_length=64).resolved.append_eos,
         )
-        want = sections.min_cosine(base(texts), base.configure(batch_size=sections.SELF_CHECK_BATCH)(texts))
+        want = throughput.min_cosine(base(texts), base.configure(batch_size=throughput.SELF_CHECK_BATCH)(texts))
         assert rows.loc["bfloat16", "value"] == pytest.approx(want, abs=1e-7)
         assert (rows.target == 0.9999).all() and (rows.system == "padded-transformers").all()
 
@@ -349,12 +350,12 @@ def test_embed_benchmark_kernel_seconds_real_kernel(minilm):
 def test_decoder_benchmark_profile_sees_the_cpu_workers(tmp_path):
     """bench_decoder's ``--profile`` rows: the engine's GEMMs and attention run in its CPU worker threads, and the
     profile must count them (a profiler started in the main thread alone saw ~0 s of GEMMs there)."""
-    sections = _bench_decoder("decoder_sections")
+    throughput = _bench_decoder("decoder_throughput")
     path = str(tiny_llama(tmp_path, "llama"))
     eng = Engine(path, cpu_workers=2)
     texts = [" ".join(["word"] * n) for n in (9, 30, 17, 4, 25, 12)]
     eng.embed(texts)
-    groups, table = sections.profile_call(lambda: eng.embed(texts), "cpu")
+    groups, table = throughput.profile_call(lambda: eng.embed(texts), "cpu")
     assert groups["gemm"] > 0 and groups["attention"] > 0, groups
     assert "scaled_dot_product" in table
 

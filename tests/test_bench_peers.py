@@ -16,6 +16,8 @@ import pytest
 from lab._repo import ROOT, import_evals
 
 bench = import_evals("bench_peers")
+workers = import_evals("bench_peers_workers")
+report = import_evals("bench_peers_report")
 worker = import_evals("peers.worker")
 venv = import_evals("peers.venv")
 
@@ -55,7 +57,7 @@ def fake_peer(tmp_path, name: str):
         "from evals.peers import worker\nfrom fake_peer import Fake\n"
         "worker.KINDS['fake'] = Fake\nworker.serve()\n"
     )
-    return bench.Peer(name, [sys.executable, "-c", code], log_path=tmp_path / f"{name}.log")
+    return workers.Peer(name, [sys.executable, "-c", code], log_path=tmp_path / f"{name}.log")
 
 
 def start_fakes(tmp_path, options: dict[str, dict]):
@@ -78,12 +80,12 @@ def test_fake_peers_end_to_end_rows_and_csv(tmp_path):
     }
     peers, loads = start_fakes(tmp_path, options)
     try:
-        records = bench.measure(peers, TEXTS, 3, settle=0.0, log=sys.stderr)
+        records = workers.measure(peers, TEXTS, 3, settle=0.0, log=sys.stderr)
     finally:
-        bench.close_all(peers)
+        workers.close_all(peers)
     assert all(p.proc.returncode == 0 for p in peers.values())
     assert loads["engine-float32"]["rss_load_delta_mb"] is not None
-    df = bench.assemble(records, loads, {"cpu_model": "Fake CPU", "cpu_flags": "avx2"}, run_date="2030-01-02")
+    df = report.assemble(records, loads, {"cpu_model": "Fake CPU", "cpu_flags": "avx2"}, run_date="2030-01-02")
     assert len(df) == 8 and set(df.corpus) == set(TEXTS)
     short = df[df.corpus == "short"].set_index("system")
     assert (short.tokens == 10).all() and (short.repeats == 3).all() and (short.texts == 4).all()
@@ -134,7 +136,7 @@ def test_fake_peers_end_to_end_rows_and_csv(tmp_path):
         "machine",
         "commit",
     } <= cols
-    bench.plot(df).savefig(tmp_path / "plot.png")  # the flagged row is drawn as "n/m", not as a bar
+    report.plot(df).savefig(tmp_path / "plot.png")  # the flagged row is drawn as "n/m", not as a bar
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
@@ -143,22 +145,22 @@ def test_worker_errors_reach_the_driver(tmp_path):
     worker that dies is reported with the end of its log."""
     peer = fake_peer(tmp_path, "w")
     try:
-        with pytest.raises(bench.PeerError, match="w: 'embed' failed: RuntimeError: no system loaded"):
+        with pytest.raises(workers.PeerError, match="w: 'embed' failed: RuntimeError: no system loaded"):
             peer.call("embed", key="x")
-        with pytest.raises(bench.PeerError, match="unknown kind 'nope'"):
+        with pytest.raises(workers.PeerError, match="unknown kind 'nope'"):
             peer.call("load", kind="nope", model="m")
         peer.call("load", kind="fake", model="m")
-        with pytest.raises(bench.PeerError, match="no texts under key 'x'"):
+        with pytest.raises(workers.PeerError, match="no texts under key 'x'"):
             peer.call("time", key="x")
         assert peer.call("memory")["rss_mb"] > 0
     finally:
         peer.close()
-    dead = bench.Peer(
+    dead = workers.Peer(
         "dead",
         [sys.executable, "-c", "import sys; sys.stderr.write('boom at start'); sys.exit(3)"],
         log_path=tmp_path / "dead.log",
     )
-    with pytest.raises(bench.PeerError, match=r"(?s)dead: the worker exited \(code 3\).*boom at start"):
+    with pytest.raises(workers.PeerError, match=r"(?s)dead: the worker exited \(code 3\).*boom at start"):
         dead.call("load", kind="fake", model="m")
     dead.close()
 
@@ -200,12 +202,12 @@ def test_matching_rule_and_precision_classes():
     records = [
         rec("c", "st-torch-float32", 1.0, [1.0, 9.0, 2.0]),
         rec("c", "st-torch-bfloat16", 0.9995, [0.5, 0.5, 0.5]),
-        rec("c", "st-openvino-default", bench.MATCH_COSINE, [0.25, 0.25, 0.25]),
+        rec("c", "st-openvino-default", report.MATCH_COSINE, [0.25, 0.25, 0.25]),
         rec("c", "fastembed-float32", 0.9989999, [0.1, 0.1, 0.1]),
         rec("c", "st-onnx-float32", 0.9999, [4.0, 4.0, 4.0]),
         rec("c", "engine-bfloat16", 0.9991, [0.2, 0.2, 0.2]),
     ]
-    df = bench.assemble(records, loads, {}).set_index("system")
+    df = report.assemble(records, loads, {}).set_index("system")
     assert df.loc["st-torch-float32", "tokens_per_s"] == 500.0  # median 2 s
     assert df.loc["st-openvino-default", "matches"] and df.loc["st-openvino-default", "precision_class"] == "bfloat16"
     assert not df.loc["fastembed-float32", "matches"]
@@ -219,22 +221,22 @@ def test_matching_rule_and_precision_classes():
 
 def test_round_order_rotates_every_system_to_the_front():
     names = ["a", "b", "c", "d"]
-    orders = [bench.round_order(names, r) for r in range(len(names))]
+    orders = [workers.round_order(names, r) for r in range(len(names))]
     assert all(sorted(o) == names for o in orders)
     assert [o[0] for o in orders] == names
-    assert bench.round_order(names, 5) == orders[1]
+    assert workers.round_order(names, 5) == orders[1]
 
 
 def test_select_systems_reference_first_and_cuda_skipped():
-    systems, skipped = bench.select_systems(["engine-float32", "engine-cuda-triton"], cuda=False)
+    systems, skipped = workers.select_systems(["engine-float32", "engine-cuda-triton"], cuda=False)
     assert [s.name for s in systems] == ["st-torch-float32", "engine-float32"]
     assert skipped == ["engine-cuda-triton"]
-    all_cpu, none = bench.select_systems(None, cuda=False)
+    all_cpu, none = workers.select_systems(None, cuda=False)
     assert not none and all(s.device == "cpu" for s in all_cpu) and len(all_cpu) == 10  # 2 of them compiled
-    with_gpu, _ = bench.select_systems(None, cuda=True)
+    with_gpu, _ = workers.select_systems(None, cuda=True)
     assert {"st-torch-cuda-float16", "engine-cuda-torch"} <= {s.name for s in with_gpu}
     with pytest.raises(ValueError, match="unknown system.*'st-tensorflow'.*valid: st-torch-float32"):
-        bench.select_systems(["st-tensorflow"], cuda=False)
+        workers.select_systems(["st-tensorflow"], cuda=False)
 
 
 def test_outputs_and_smoke_texts(tmp_path):

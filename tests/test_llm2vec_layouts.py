@@ -404,7 +404,7 @@ def test_mntp_config_of_another_family_is_refused(base, tmp_path):
 def test_parity_script_writes_a_transformers4_copy_the_engine_reads_alike(base, tmp_path):
     """``evals/llm2vec_parity.py``'s base folder for the llm2vec venv (``rope_theta`` in config.json, BPE merges as
     strings, weights linked) is the same model and tokenizer to the Engine."""
-    from evals.llm2vec_parity import transformers4_copy
+    from evals.llm2vec_parity_folders import transformers4_copy
 
     copy = transformers4_copy(base, tmp_path / "t4")
     cfg = json.loads((copy / "config.json").read_text())

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from evals import llm2vec_parity as parity
+from evals import llm2vec_parity_folders as parity_folders
+from evals import llm2vec_parity_variants as variants
 from lab.engine.framing import CHAT_TEMPLATES
 
 
@@ -39,12 +41,12 @@ def folders(tmp_path):
 
 
 def test_plain_rows_pass_no_settings():
-    plain = [v for v in parity.VARIANTS if v.plain]
+    plain = [v for v in variants.VARIANTS if v.plain]
     assert plain and all(not v.knobs and v.bidirectional for v in plain)
-    assert len({v.name for v in parity.VARIANTS}) == len(parity.VARIANTS)
+    assert len({v.name for v in variants.VARIANTS}) == len(variants.VARIANTS)
     assert set(parity.PLAIN_KNOBS) == {"dtype", "device"}
     # every chat template llm2vec 0.2.3 chooses by name has a row
-    assert set(parity.TEMPLATED) == set(CHAT_TEMPLATES)
+    assert set(variants.TEMPLATED) == set(CHAT_TEMPLATES)
     assert {v.name_or_path for v in plain} >= set(CHAT_TEMPLATES)
 
 
@@ -56,7 +58,7 @@ def test_llm2vec_job_of_a_plain_row_has_no_settings(tmp_path, monkeypatch, folde
         raise SystemExit  # the job is all this test reads
 
     monkeypatch.setattr(parity.subprocess, "run", fake_run)
-    v = parity.published("row")
+    v = variants.published("row")
     with pytest.raises(SystemExit):
         parity.run_llm2vec(Path("python"), v, ("mntp", "sup"), ["a"], tmp_path)
     assert {"bidirectional", "encoder", "merge_peft"}.isdisjoint(jobs[0])
@@ -64,8 +66,8 @@ def test_llm2vec_job_of_a_plain_row_has_no_settings(tmp_path, monkeypatch, folde
 
 
 def test_published_layout_by_path(tmp_path, folders):
-    v = parity.published("row", name_or_path="meta-llama/Meta-Llama-3-8B-Instruct", peft_config={"max_length": 128})
-    mntp, sup = map(Path, parity.published_folders(v, folders, tmp_path, tmp_path / "hub"))
+    v = variants.published("row", name_or_path="meta-llama/Meta-Llama-3-8B-Instruct", peft_config={"max_length": 128})
+    mntp, sup = map(Path, parity_folders.published_folders(v, folders, tmp_path, tmp_path / "hub"))
     config = json.loads((mntp / "config.json").read_text())
     assert config["_name_or_path"] == "meta-llama/Meta-Llama-3-8B-Instruct"
     assert config["auto_map"]["AutoModel"] == "modeling_llama_encoder.LlamaEncoderModel"
@@ -78,10 +80,10 @@ def test_published_layout_by_path(tmp_path, folders):
 
 
 def test_published_layout_by_hub_id(tmp_path, folders):
-    v = parity.published(
+    v = variants.published(
         "row", peft=None, mntp_config={"pooling_mode": "eos_token"}, hub=("McGill-NLP/LLM2Vec-X-mntp", "org/base")
     )
-    names = parity.published_folders(v, folders, tmp_path, tmp_path / "hub")
+    names = parity_folders.published_folders(v, folders, tmp_path, tmp_path / "hub")
     assert names == ("McGill-NLP/LLM2Vec-X-mntp", None)
     for repo in ("McGill-NLP/LLM2Vec-X-mntp", "McGill-NLP/LLM2Vec-X-mntp-supervised", "org/base"):
         top = tmp_path / "hub" / ("models--" + repo.replace("/", "--"))
@@ -95,6 +97,6 @@ def test_published_layout_by_hub_id(tmp_path, folders):
 
 
 def test_scifact_rows_read_long_abstracts():
-    docs = parity.texts_for(parity.published("row", texts="scifact"), [], 5)
+    docs = parity.texts_for(variants.published("row", texts="scifact"), [], 5)
     assert len(docs) == 5 and min(len(d.split()) for d in docs) > 200
-    assert parity.texts_for(parity.published("row"), ["s"], 5) == ["s"]
+    assert parity.texts_for(variants.published("row"), ["s"], 5) == ["s"]
