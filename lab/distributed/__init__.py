@@ -1,5 +1,6 @@
-"""Many engines on a Ray cluster (``ray_engine``: ``RayEngine``), the resumable job that embeds a corpus on them
-(``dataset``: ``embed_dataset``) and the Parquet shards it writes (``shards``). Never reaches inside an engine.
+"""Many engines on a Ray cluster (``ray_engine``: ``RayEngine``; ``cluster``: the Ray plumbing it runs on), the
+resumable job that embeds a corpus on them (``dataset``: ``embed_dataset``) and the Parquet shards it writes
+(``shards``). Never reaches inside an engine.
 
     >>> from lab.distributed import RayEngine, embed_dataset, read_embeddings
 """

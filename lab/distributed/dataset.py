@@ -22,7 +22,8 @@ from pathlib import Path
 import pandas as pd
 
 from lab._files import make_folder
-from lab.distributed.ray_engine import RayEngine, actor_model
+from lab.distributed.cluster import actor_model
+from lab.distributed.ray_engine import RayEngine
 from lab.distributed.shards import (
     Manifest,
     job_record,
