@@ -8,7 +8,7 @@ import sys
 import warnings
 from pathlib import Path
 
-_PACKAGE = str(Path(__file__).resolve().parent) + "/"
+_PACKAGE = str(Path(__file__).parent) + "/"  # as the package's code objects name their files (not resolved)
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:

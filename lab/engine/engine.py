@@ -93,7 +93,7 @@ class Engine:
         self.tokenizer, self.model, self.runner = parts.tokenizer, parts.model, parts.runner
         self.executor = Executor(self.runner)
         self._gate = Gate()  # one call at a time, configure between calls (lab.engine.gate)
-        self._warned_lengths: set[int] = set()  # max_length values whose truncation this engine has warned about
+        self._warned_lengths: set = set()  # the max_length values whose truncations / splits it has warned about
         self._live = LiveState(parts.knobs, self.runner, self._adapters, self._facts, self.device)  # knobs, weights
         self.stats = Stats()
         llm2vec.notice(self.model_name, self.llm2vec, self.resolved)

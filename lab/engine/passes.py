@@ -149,10 +149,10 @@ def exec_settings(knobs: Mapping, r: Resolved, items: int) -> ExecSettings:
 
 
 def run_passes(
-    engine, passes: list[Pass], desc: str, show_progress: bool | None, *, split: int, warned: set[int]
+    engine, passes: list[Pass], desc: str, show_progress: bool | None, *, split: int, warned: set
 ) -> tuple[list, Stats]:
     """``Engine.run_passes``: each pass's outputs in its input order, and the call's ``Stats`` (``warned``: the
-    ``max_length`` values whose truncation the engine has warned about, added to)."""
+    engine's record of the truncations and splits it has warned about, per ``max_length``; ``lab.engine.call``)."""
     r = engine.resolved
     items = sum(len(p.items) for p in passes)
     settings = exec_settings(engine.knobs, r, items)
