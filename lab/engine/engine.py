@@ -230,7 +230,7 @@ class Engine:
             texts, 0
         )
 
-    embed_pass = build.embed_pass  # (texts, instruction, pooling=None, *, head, include, output, task, instructions)
+    embed_pass = build.embed_pass  # the pass embed runs, for run_passes (lab.engine.passes.embed_pass)
 
     @gated_call
     def embed(
